@@ -1,0 +1,20 @@
+//! kvrun: a standalone LLM inference engine for long reasoning traces.
+//!
+//! It memory-maps GGUF weights, runs its own decode loop on the CPU over a KV
+//! cache, and (in later layers of this crate) keeps that cache within a fixed
+//! budget with pluggable eviction policies.
+//!
+//! Modules, bottom-up: [`tensor`] (types), [`load`] (GGUF / safetensors),
+//! [`quant`] (scalar reference kernels), [`backend`] (CPU compute),
+//! [`model`] (config, weights, the forward pass), [`tokenizer`], [`chat`],
+//! [`sample`], [`generate`] (the decode loop), [`cli`].
+
+#![warn(missing_debug_implementations, rust_2018_idioms, unreachable_pub)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+
+pub mod error;
+pub mod load;
+pub mod tensor;
+
+pub use error::{Error, Result};
