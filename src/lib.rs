@@ -13,8 +13,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 
+pub mod chat;
 pub mod error;
 pub mod load;
+pub mod quant;
 pub mod tensor;
+pub mod tokenizer;
 
 pub use error::{Error, Result};

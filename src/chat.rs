@@ -1,0 +1,1 @@
+//! Chat templates (in progress).

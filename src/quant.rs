@@ -1,0 +1,1 @@
+//! Scalar reference kernels for every tensor type (in progress).

@@ -1,0 +1,1 @@
+//! Tokenizer built from GGUF metadata (in progress).
