@@ -1,1 +1,226 @@
-//! Chat templates (in progress).
+//! Chat templates: the model's Jinja template (`tokenizer.chat_template`)
+//! rendered with minijinja the way Hugging Face `apply_chat_template` does.
+//!
+//! The environment mirrors transformers' sandbox: `trim_blocks` and
+//! `lstrip_blocks` on, Python string/dict methods (`.strip()`, `.split()`,
+//! `.startswith()`, `.items()`, ...) through `minijinja-contrib`'s pycompat
+//! callback, `raise_exception(msg)` and `strftime_now(fmt)` as globals, and
+//! `messages`, `bos_token`, `eos_token` and `add_generation_prompt` in the
+//! context. A template that fails to parse is reported when it is loaded; one
+//! that fails while rendering (including `raise_exception`) becomes
+//! `Error::Template` with minijinja's message.
+
+use crate::error::{Error, Result};
+use crate::load::gguf::Gguf;
+use minijinja::{context, Environment, ErrorKind};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Template name inside the environment.
+const NAME: &str = "chat";
+
+/// One chat turn.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The turn's text.
+    pub content: String,
+}
+
+impl Message {
+    /// Shorthand constructor.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
+        Message { role: role.into(), content: content.into() }
+    }
+}
+
+/// A compiled chat template plus the special-token texts it may reference.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos: String,
+    eos: String,
+}
+
+impl fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source_len", &self.source.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
+fn tmpl_err(e: minijinja::Error) -> Error {
+    // Include the chain of causes (e.g. the error behind a failed call).
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    Error::Template(msg)
+}
+
+/// Text of token `key`'s id in the file's vocabulary, or "" if absent.
+fn token_text(g: &Gguf, key: &str) -> String {
+    let id = g.get(key).and_then(|v| v.as_i64());
+    let tokens = g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array());
+    match (id, tokens) {
+        (Some(id), Some(toks)) if id >= 0 => {
+            toks.get(id as usize).and_then(|v| v.as_str()).unwrap_or("").to_owned()
+        }
+        _ => String::new(),
+    }
+}
+
+impl ChatTemplate {
+    /// The template stored in a GGUF file (`tokenizer.chat_template`), with
+    /// `bos_token` / `eos_token` taken from the vocabulary. `Ok(None)` when the
+    /// file has no template.
+    pub fn from_gguf(g: &Gguf) -> Result<Option<ChatTemplate>> {
+        let src = match g.get("tokenizer.chat_template") {
+            None => return Ok(None),
+            Some(v) => v.as_str().ok_or_else(|| {
+                Error::Template(format!(
+                    "metadata key 'tokenizer.chat_template' must be a string, found {}",
+                    v.type_name()
+                ))
+            })?,
+        };
+        let bos = token_text(g, "tokenizer.ggml.bos_token_id");
+        let eos = token_text(g, "tokenizer.ggml.eos_token_id");
+        Self::from_source(src, &bos, &eos).map(Some)
+    }
+
+    /// Compile a Jinja chat template; `bos` / `eos` are the texts the template
+    /// sees as `bos_token` / `eos_token`.
+    pub fn from_source(src: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("template raised: {msg}")))
+        });
+        env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
+        env.add_template_owned(NAME, src.to_owned()).map_err(tmpl_err)?;
+        Ok(ChatTemplate { env, source: src.to_owned(), bos: bos.to_owned(), eos: eos.to_owned() })
+    }
+
+    /// Render a conversation. With `add_generation_prompt` the template
+    /// appends the opening of the assistant's turn.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self.env.get_template(NAME).map_err(tmpl_err)?;
+        tmpl.render(context! {
+            messages => messages,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+            add_generation_prompt => add_generation_prompt,
+        })
+        .map_err(tmpl_err)
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+}
+
+/// Format the current UTC time with a subset of C `strftime` (`%Y %y %m %d %e
+/// %H %M %S %B %b %A %a %j %p %%`); other directives are copied through.
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime_utc(secs, fmt)
+}
+
+/// `strftime` for a Unix time in UTC (see [`strftime_now`]).
+fn strftime_utc(secs: i64, fmt: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (h, mi, s) = (rem / 3600, rem % 3600 / 60, rem % 60);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cum[(m - 1) as usize] + d + i64::from(leap && m > 2);
+    let month = MONTHS[(m - 1) as usize];
+    let day = DAYS[weekday];
+
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('e') => out.push_str(&format!("{d:2}")),
+            Some('H') => out.push_str(&format!("{h:02}")),
+            Some('M') => out.push_str(&format!("{mi:02}")),
+            Some('S') => out.push_str(&format!("{s:02}")),
+            Some('B') => out.push_str(month),
+            Some('b') => out.push_str(&month[..3]),
+            Some('A') => out.push_str(day),
+            Some('a') => out.push_str(&day[..3]),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('p') => out.push_str(if h < 12 { "AM" } else { "PM" }),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strftime_utc;
+
+    #[test]
+    fn strftime_known_dates() {
+        // 2024-02-29 13:05:09 UTC, a Thursday.
+        assert_eq!(
+            strftime_utc(1_709_211_909, "%Y-%m-%d %H:%M:%S %a %b %j"),
+            "2024-02-29 13:05:09 Thu Feb 060"
+        );
+        assert_eq!(strftime_utc(0, "%d %B %Y, %A"), "01 January 1970, Thursday");
+        assert_eq!(strftime_utc(0, "100%% %q"), "100% %q");
+    }
+}

@@ -13,10 +13,17 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 
+pub mod backend;
+pub mod bench;
 pub mod chat;
+pub mod cli;
 pub mod error;
+pub mod generate;
+pub mod kv;
 pub mod load;
+pub mod model;
 pub mod quant;
+pub mod sample;
 pub mod tensor;
 pub mod tokenizer;
 

@@ -1,1 +1,27 @@
-fn main(){}
+//! The `kvrun` binary: parse the command line, run, and turn any error into
+//! one line on stderr and a non-zero exit code.
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    // A bug must still end in one readable line, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("error: internal error: {info}");
+    }));
+    let args = kvrun::cli::normalize_args(std::env::args());
+    let cli = match kvrun::cli::Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    match kvrun::cli::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -277,6 +277,13 @@ impl<'m> LlamaContext<'m> {
         p.n_threads = n_threads;
         p.n_threads_batch = n_threads;
         p.no_perf = true;
+        if let Ok(v) = std::env::var("KVRUN_LLAMA_FA") {
+            p.flash_attn_type = match v.as_str() {
+                "on" => raw::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                "off" => raw::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                _ => raw::LLAMA_FLASH_ATTN_TYPE_AUTO,
+            };
+        }
         // SAFETY: model is live for 'm, params valid.
         let ptr = unsafe { raw::llama_init_from_model(model.ptr, p) };
         if ptr.is_null() {

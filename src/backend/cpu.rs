@@ -1,0 +1,300 @@
+//! CPU kernels of the forward pass.
+//!
+//! Matrix-vector and matrix-matrix products run ggml's quantized dot products
+//! (SIMD, per weight type) through `ggml-sys`, parallelized over output rows by
+//! our own thread pool, with cache blocking for batched prefill. Everything
+//! elementwise (RMSNorm, RoPE, SwiGLU) is plain Rust written to
+//! auto-vectorize. Each kernel has a scalar reference in `crate::quant` or in
+//! the tests (`tests/kernels.rs`).
+
+use crate::backend::pool::{split, SharedMut, ThreadPool};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, TensorView};
+use ggml_sys::CpuTraits;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use std::borrow::Cow;
+
+/// A weight matrix (n_out rows of n_in weights) in its storage type.
+pub struct QMat<'a> {
+    pub dtype: DType,
+    /// Row length (input features).
+    pub n_in: usize,
+    /// Number of rows (output features).
+    pub n_out: usize,
+    /// (n_out, row_bytes(n_in)) raw blocks, usually borrowed from the mmap.
+    pub bytes: Cow<'a, [u8]>,
+    traits: CpuTraits,
+}
+
+impl std::fmt::Debug for QMat<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QMat({}, {}x{})", self.dtype, self.n_out, self.n_in)
+    }
+}
+
+impl<'a> QMat<'a> {
+    /// Wrap raw row-major blocks.
+    pub fn new(dtype: DType, n_in: usize, n_out: usize, bytes: Cow<'a, [u8]>) -> Result<QMat<'a>> {
+        let traits = CpuTraits::of(dtype.ggml_id())
+            .ok_or_else(|| Error::Other(format!("no CPU dot product for {dtype}")))?;
+        if n_in % dtype.block_len() != 0 || bytes.len() != dtype.row_bytes(n_in) * n_out {
+            return Err(Error::Other(format!(
+                "matrix {n_out}x{n_in} of {dtype} does not match its {} bytes",
+                bytes.len()
+            )));
+        }
+        // The activation partner's block must divide the row too.
+        let (pbl, _) = ggml_sys::block_geometry(traits.vec_dot_type);
+        if n_in % pbl != 0 {
+            return Err(Error::Other(format!("row length {n_in} not a multiple of {pbl}")));
+        }
+        Ok(QMat { dtype, n_in, n_out, bytes, traits })
+    }
+
+    /// From a 2-D tensor view (ggml order: dims[0] = n_in).
+    pub fn from_view(v: TensorView<'a>) -> Result<QMat<'a>> {
+        QMat::new(v.dtype, v.n_cols(), v.n_rows(), Cow::Borrowed(v.bytes))
+    }
+
+    /// Bytes of one row.
+    #[inline]
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.dtype.row_bytes(self.n_in);
+        &self.bytes[r * rb..(r + 1) * rb]
+    }
+
+    /// Bytes one activation row takes in the dot partner format.
+    pub fn act_bytes(&self) -> usize {
+        self.traits.act_bytes(self.n_in)
+    }
+
+    /// Dequantize row `r` into `out` (n_in floats).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        crate::quant::dequantize_row(self.dtype, self.row(r), out);
+    }
+}
+
+/// Rows of weights processed per tile in batched matmul: the tile's bytes
+/// stay in L1/L2 while every token's activation streams past it.
+const ROW_TILE: usize = 16;
+
+/// out (n_tok, n_out) = x (n_tok, n_in) @ W^T, W = `w` (n_out, n_in).
+///
+/// `act` is scratch for the quantized activations, grown as needed.
+pub fn matmul(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32], act: &mut Vec<u8>) {
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert_eq!(x.len(), n_tok * n_in, "matmul: x has {} floats, want {n_tok}x{n_in}", x.len());
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    if act.len() < n_tok * ab {
+        act.resize(n_tok * ab, 0);
+    }
+    let nt = pool.n_threads();
+    // 1. convert activations to the weight type's dot partner, split by token.
+    {
+        let acts = SharedMut::new(&mut act[..n_tok * ab]);
+        let quant = |i: usize| {
+            let (t0, t1) = split(n_tok, i, nt);
+            for t in t0..t1 {
+                // SAFETY: token rows are disjoint between threads.
+                let dst = unsafe { acts.slice(t * ab, ab) };
+                w.traits.quantize_act(&x[t * n_in..(t + 1) * n_in], dst);
+            }
+        };
+        if n_tok >= nt && n_tok > 1 {
+            pool.run(quant);
+        } else {
+            quant(0);
+            for i in 1..nt {
+                quant(i);
+            }
+        }
+    }
+    // 2. dot products, split by output rows (tiles of ROW_TILE rows).
+    let act = &act[..n_tok * ab];
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|i| {
+        let n_tiles = n_out.div_ceil(ROW_TILE);
+        let (tile0, tile1) = split(n_tiles, i, nt);
+        for tile in tile0..tile1 {
+            let r0 = tile * ROW_TILE;
+            let r1 = (r0 + ROW_TILE).min(n_out);
+            for t in 0..n_tok {
+                let a = &act[t * ab..(t + 1) * ab];
+                for r in r0..r1 {
+                    let s = w.traits.dot(n_in, w.row(r), a);
+                    // SAFETY: row r belongs to this thread's tiles only.
+                    unsafe { o.write(t * n_out + r, s) };
+                }
+            }
+        }
+    });
+}
+
+/// out = x / rms(x) * w, for each of the rows of x (row length w.len()).
+pub fn rmsnorm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for (o, xr) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        // Sum of squares in f64, as ggml does, so long rows lose nothing.
+        let ss = (xr.iter().map(|&v| (v * v) as f64).sum::<f64>() / d as f64) as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        for ((o, &xv), &wv) in o.iter_mut().zip(xr).zip(w) {
+            *o = xv * scale * wv;
+        }
+    }
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x0,x1),(x2,x3),... (GGUF llama: Q/K rows pre-permuted).
+    Normal,
+    /// Halves (x_i, x_{i+d/2}) (Qwen2 GGUF, and HF safetensors llama).
+    Neox,
+}
+
+/// Precomputed RoPE parameters.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    pub style: RopeStyle,
+    /// Rotated dimensions per head (≤ head_dim).
+    pub n_rot: usize,
+    /// theta_i = pos * inv_freq[i], i in 0..n_rot/2 (scaling already applied).
+    pub inv_freq: Vec<f32>,
+    /// Linear position scale (1 / rope scaling factor).
+    pub pos_scale: f32,
+}
+
+impl Rope {
+    /// Build from base frequency, rotated dims, optional per-dim factors
+    /// (`rope_freqs.weight`, Llama-3.1 style) and a linear scale.
+    pub fn new(style: RopeStyle, n_rot: usize, base: f32, freq_factors: Option<&[f32]>, pos_scale: f32) -> Rope {
+        let inv_freq = (0..n_rot / 2)
+            .map(|i| {
+                let f = base.powf(-2.0 * i as f32 / n_rot as f32);
+                match freq_factors {
+                    Some(ff) => f / ff[i],
+                    None => f,
+                }
+            })
+            .collect();
+        Rope { style, n_rot, inv_freq, pos_scale }
+    }
+
+    /// Rotate `n_heads` heads of `head_dim` in `x` (n_heads*head_dim) at `pos`.
+    pub fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos: usize) {
+        let p = pos as f32 * self.pos_scale;
+        let half = self.n_rot / 2;
+        for h in 0..n_heads {
+            let hx = &mut x[h * head_dim..(h + 1) * head_dim];
+            for i in 0..half {
+                let (s, c) = (p * self.inv_freq[i]).sin_cos();
+                let (a, b) = match self.style {
+                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (hx[a], hx[b]);
+                hx[a] = x0 * c - x1 * s;
+                hx[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/// gate = silu(gate) * up, elementwise.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = x / (1.0 + (-x).exp()) * u;
+    }
+}
+
+/// x += y, elementwise.
+pub fn add(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Attention of one query head over `n` cached entries: online softmax
+/// (running max M and sum S) over scores q·k_j·scale, values accumulated in
+/// f32. As in llama.cpp's CPU flash attention, the query is rounded to f16
+/// and scores use ggml's f16 SIMD dot product against the f16 keys.
+///
+/// `key(j)` / `val(j)` return entry j's head slice (head_dim f16 values);
+/// `scores`, if given, receives the scaled raw scores (n,). Writes out (head_dim,).
+/// Memory is O(head_dim) whatever n is: no score matrix is ever built.
+pub fn attend_head<'k>(
+    f16dot: &CpuTraits,
+    q: &[f32],
+    n: usize,
+    key: impl Fn(usize) -> &'k [f16],
+    val: impl Fn(usize) -> &'k [f16],
+    scale: f32,
+    out: &mut [f32],
+    mut scores: Option<&mut [f32]>,
+) {
+    let hd = q.len();
+    let mut q16 = [f16::ZERO; 256];
+    let q16 = &mut q16[..hd];
+    q16.convert_from_f32_slice(q);
+    let q16b: &[u8] = bytemuck::cast_slice(q16);
+    out.fill(0.0);
+    let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+    for j in 0..n {
+        let s = f16dot.dot(hd, bytemuck::cast_slice(key(j)), q16b) * scale;
+        if let Some(sc) = scores.as_deref_mut() {
+            sc[j] = s;
+        }
+        let mut vs = 1f32;
+        if s > m {
+            // new maximum: rescale what was accumulated so far
+            let ms = (m - s).exp();
+            m = s;
+            for o in out.iter_mut() {
+                *o *= ms;
+            }
+            sum *= ms;
+        } else {
+            vs = (s - m).exp();
+        }
+        axpy_f16(out, vs, val(j));
+        sum += vs;
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+/// Dot product of an f32 query with an f16 key (head_dim ≤ 256).
+#[inline]
+pub fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+    let mut buf = [0f32; 256];
+    let kf = &mut buf[..k.len()];
+    k.convert_to_f32_slice(kf);
+    let mut s = [0f32; 8];
+    let chunks = q.len() / 8;
+    for c in 0..chunks {
+        for j in 0..8 {
+            s[j] += q[c * 8 + j] * kf[c * 8 + j];
+        }
+    }
+    let mut tail = 0f32;
+    for j in chunks * 8..q.len() {
+        tail += q[j] * kf[j];
+    }
+    s.iter().sum::<f32>() + tail
+}
+
+/// out += a * v (v in f16).
+#[inline]
+pub fn axpy_f16(out: &mut [f32], a: f32, v: &[f16]) {
+    let mut buf = [0f32; 256];
+    let vf = &mut buf[..v.len()];
+    v.convert_to_f32_slice(vf);
+    for (o, &x) in out.iter_mut().zip(vf.iter()) {
+        *o += a * x;
+    }
+}

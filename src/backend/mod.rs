@@ -1,0 +1,4 @@
+//! Compute backends. The CPU backend is the reference for every kernel.
+
+pub mod cpu;
+pub mod pool;

@@ -1,0 +1,215 @@
+//! A tiny persistent thread pool for the forward pass.
+//!
+//! A decode step of a small model issues a few hundred short parallel ops;
+//! spawning threads (or parking them on a condvar) per op would cost more than
+//! the ops themselves. Workers therefore spin on an epoch counter for a short
+//! while after each job (like ggml's threadpool) and only then sleep on a
+//! condvar, so an idle server does not burn a core.
+//!
+//! `run(f)` calls `f(i)` once on every thread `i in 0..n_threads` (the caller
+//! is thread 0) and returns when all calls have returned.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// Spins before a worker goes to sleep (~ a millisecond on a modern core).
+const SPIN_LIMIT: u32 = 1 << 17;
+
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    epoch: AtomicUsize,
+    done: AtomicUsize,
+    job: UnsafeCell<Option<Job>>,
+    stop: AtomicBool,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the owning thread while no worker reads it
+// (before the epoch is published with Release and after all workers have
+// reported done with Release/Acquire); workers read it only between those
+// points. Everything else is atomics or std sync types.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw job pointer is only dereferenced during `run`.
+unsafe impl Send for Shared {}
+
+/// A fixed set of worker threads plus the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    n_threads: usize,
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadPool({} threads)", self.n_threads)
+    }
+}
+
+impl ThreadPool {
+    /// A pool of `n_threads` threads in all (the caller counts as one).
+    pub fn new(n_threads: usize) -> ThreadPool {
+        let n_threads = n_threads.max(1);
+        let shared = Arc::new(Shared {
+            epoch: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            stop: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let workers = (1..n_threads)
+            .map(|i| {
+                let s = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("kvrun-worker-{i}"))
+                    .spawn(move || worker(s, i))
+                    .expect("failed to spawn a worker thread")
+            })
+            .collect();
+        ThreadPool { shared, workers, n_threads }
+    }
+
+    /// Number of threads, the caller included.
+    pub fn n_threads(&self) -> usize {
+        self.n_threads
+    }
+
+    /// Run `f(i)` on every thread `i` and wait for all of them.
+    pub fn run<F: Fn(usize) + Sync>(&self, f: F) {
+        if self.n_threads == 1 {
+            f(0);
+            return;
+        }
+        let s = &*self.shared;
+        let dynf: &(dyn Fn(usize) + Sync) = &f;
+        // SAFETY: erase the lifetime of `f` to store it; we do not return
+        // until every worker has finished calling it (the `done` wait below),
+        // and we clear the slot before returning, so no dangling use exists.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(dynf) };
+        // SAFETY: no worker reads `job` now: the previous epoch's workers are
+        // all done (we waited), and the next epoch is not yet published.
+        unsafe { *s.job.get() = Some(job) };
+        s.done.store(0, Ordering::Relaxed);
+        s.epoch.fetch_add(1, Ordering::Release);
+        if s.sleepers.load(Ordering::Acquire) > 0 {
+            let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        f(0);
+        let n_workers = self.n_threads - 1;
+        while s.done.load(Ordering::Acquire) < n_workers {
+            std::hint::spin_loop();
+        }
+        // SAFETY: all workers are done with this epoch's job.
+        unsafe { *s.job.get() = None };
+    }
+}
+
+fn worker(s: Arc<Shared>, index: usize) {
+    let mut seen = 0usize;
+    loop {
+        // Wait for a new epoch: spin first, then sleep.
+        let mut spins = 0u32;
+        loop {
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let e = s.epoch.load(Ordering::Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            spins += 1;
+            if spins < SPIN_LIMIT {
+                std::hint::spin_loop();
+            } else {
+                let g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+                s.sleepers.fetch_add(1, Ordering::AcqRel);
+                if s.epoch.load(Ordering::Acquire) == seen && !s.stop.load(Ordering::Acquire) {
+                    let _ = s.wake.wait_timeout(g, std::time::Duration::from_millis(5));
+                }
+                s.sleepers.fetch_sub(1, Ordering::AcqRel);
+                spins = 0;
+            }
+        }
+        // SAFETY: the epoch was published after `job` was written (Release /
+        // Acquire pair), and the owner waits for our `done` before clearing it.
+        let job = unsafe { *s.job.get() };
+        if let Some(job) = job {
+            // SAFETY: the pointee outlives this call (see `run`).
+            let f = unsafe { &*job };
+            f(index);
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        {
+            let _g = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The `[start, end)` share of `n` items for thread `i` of `n_threads`.
+#[inline]
+pub fn split(n: usize, i: usize, n_threads: usize) -> (usize, usize) {
+    let per = n.div_ceil(n_threads);
+    let start = (i * per).min(n);
+    (start, (start + per).min(n))
+}
+
+/// A raw pointer to an output buffer that threads write disjoint parts of.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedMut<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: SharedMut is only a carrier; every write goes through `write`/`slice`
+// whose callers guarantee disjoint indices across threads.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Send for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// Wrap a mutable slice for the duration of one parallel op.
+    pub fn new(s: &mut [T]) -> Self {
+        SharedMut { ptr: s.as_mut_ptr(), len: s.len() }
+    }
+    /// Write element `i`.
+    ///
+    /// # Safety
+    /// No other thread may access index `i` during the op, and the wrapped
+    /// slice must outlive the op.
+    #[inline]
+    pub unsafe fn write(&self, i: usize, v: T) {
+        assert!(i < self.len, "SharedMut index {i} out of bounds {}", self.len);
+        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
+        unsafe { self.ptr.add(i).write(v) };
+    }
+    /// A mutable sub-slice `[start, start+n)`.
+    ///
+    /// # Safety
+    /// The range must not be accessed by any other thread during the op, and
+    /// the wrapped slice must outlive the op.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self, start: usize, n: usize) -> &mut [T] {
+        assert!(start + n <= self.len, "SharedMut range out of bounds");
+        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}

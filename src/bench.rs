@@ -1,0 +1,169 @@
+//! `kvrun bench`: a llama-bench-shaped table comparing kvrun with llama.cpp's
+//! own library on the same GGUF file, same thread count, in one process.
+//!
+//! Tests (as llama-bench): `pp N` = prefill N tokens into an empty cache,
+//! `tg N` = decode N tokens one at a time from an empty cache. Each test runs
+//! once as warm-up and then `-r` times; the table shows mean ± sd tokens/s
+//! and the kvrun / llama.cpp ratio. Tokenization and sampling are excluded.
+
+use crate::cli::{resolve_model, resolve_threads, ModelArgs};
+use crate::error::{Error, Result};
+use crate::generate::Session;
+use crate::load::gguf::Gguf;
+use crate::model::llama::Logits;
+use crate::model::Weights;
+use clap::Args;
+use std::time::Instant;
+
+/// Flags of `kvrun bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens for the pp test (0 = skip).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Generated tokens for the tg test (0 = skip).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions per test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    pub reps: usize,
+    /// Skip the llama.cpp side.
+    #[arg(long = "no-llama")]
+    pub no_llama: bool,
+}
+
+/// Deterministic, varied token ids for benchmarking.
+fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (100 + x % (vocab as u64 - 200)) as u32
+        })
+        .collect()
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let m = v.iter().sum::<f64>() / v.len() as f64;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64 } else { 0.0 };
+    (m, var.sqrt())
+}
+
+/// Peak resident set size of this process in bytes (Linux VmHWM).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Runs a test `reps` times after one warm-up; returns tokens/s per rep.
+fn measure(reps: usize, n: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    f()?;
+    let mut out = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        out.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(out)
+}
+
+/// `kvrun bench`.
+pub fn run_bench(a: &BenchArgs) -> Result<()> {
+    let path = resolve_model(&a.model.model)?;
+    let n_threads = resolve_threads(a.model.threads)?;
+    if a.reps == 0 {
+        return Err(Error::arg("-r/--repetitions", "must be at least 1"));
+    }
+    let g = Gguf::open(&path)?;
+    let w = Weights::from_gguf(&g)?;
+    let c = &w.config;
+    let name = g.get("general.name").and_then(|v| v.as_str()).unwrap_or("model").to_owned();
+    let size_mib = g.bytes().len() as f64 / (1 << 20) as f64;
+    let n_ctx = (a.n_prompt.max(a.n_gen) + 16).max(64);
+    let toks = bench_tokens(a.n_prompt.max(a.n_gen), c.vocab);
+    let mut tests: Vec<(String, usize)> = Vec::new();
+    if a.n_prompt > 0 {
+        tests.push((format!("pp{}", a.n_prompt), a.n_prompt));
+    }
+    if a.n_gen > 0 {
+        tests.push((format!("tg{}", a.n_gen), a.n_gen));
+    }
+
+    // kvrun
+    let mut ours = Vec::new();
+    {
+        let mut sess = Session::new(&w, n_ctx, n_threads, 512);
+        for (t, n) in &tests {
+            let r = if t.starts_with("pp") {
+                measure(a.reps, *n, || {
+                    sess.reset();
+                    sess.feed(&toks[..*n], Logits::Last).map(|_| ())
+                })?
+            } else {
+                measure(a.reps, *n, || {
+                    sess.reset();
+                    for &tk in &toks[..*n] {
+                        sess.feed(&[tk], Logits::Last)?;
+                    }
+                    Ok(())
+                })?
+            };
+            ours.push(r);
+        }
+    }
+    let rss_kvrun = peak_rss_bytes();
+
+    // llama.cpp
+    let mut theirs: Vec<Option<Vec<f64>>> = vec![None; tests.len()];
+    if !a.no_llama {
+        let path_s = path.to_string_lossy().into_owned();
+        let lm = ggml_sys::LlamaModel::load(&path_s, false).map_err(Error::Other)?;
+        let mut ctx = ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32).map_err(Error::Other)?;
+        let ltoks: Vec<i32> = toks.iter().map(|&t| t as i32).collect();
+        for (i, (t, n)) in tests.iter().enumerate() {
+            let r = if t.starts_with("pp") {
+                measure(a.reps, *n, || {
+                    ctx.clear();
+                    ctx.decode(&ltoks[..*n], 0, false).map(|_| ()).map_err(Error::Other)
+                })?
+            } else {
+                measure(a.reps, *n, || {
+                    ctx.clear();
+                    for (p, &tk) in ltoks[..*n].iter().enumerate() {
+                        ctx.decode(&[tk], p as i32, false).map_err(Error::Other)?;
+                    }
+                    Ok(())
+                })?
+            };
+            theirs[i] = Some(r);
+        }
+    }
+
+    println!("| model | size | threads | engine | test | t/s | vs llama.cpp |");
+    println!("| --- | ---: | ---: | --- | --- | ---: | ---: |");
+    for (i, (t, _)) in tests.iter().enumerate() {
+        let (m, sd) = mean_sd(&ours[i]);
+        let ratio = theirs[i].as_ref().map(|r| m / mean_sd(r).0);
+        println!(
+            "| {name} | {size_mib:.2} MiB | {n_threads} | kvrun | {t} | {m:.2} ± {sd:.2} | {} |",
+            ratio.map(|r| format!("{r:.2}x")).unwrap_or_else(|| "-".into())
+        );
+        if let Some(r) = &theirs[i] {
+            let (m, sd) = mean_sd(r);
+            println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x |");
+        }
+    }
+    if let Some(b) = rss_kvrun {
+        println!("peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB", b as f64 / (1 << 20) as f64);
+    }
+    if let Some(b) = peak_rss_bytes() {
+        println!("peak RSS of the whole run: {:.1} MiB", b as f64 / (1 << 20) as f64);
+    }
+    Ok(())
+}

@@ -1,0 +1,384 @@
+//! Command-line interface: llama.cpp's flag vocabulary, typed and checked.
+//!
+//! `parse` turns argv into `Command`; llama.cpp's multi-letter short flags
+//! (`-sys`, `-ngl`, …) are rewritten to their long forms first, since clap
+//! only knows one-letter short flags. `run` dispatches to the one-shot
+//! generator, `inspect` and `bench`.
+
+use crate::chat::{ChatTemplate, Message};
+use crate::error::{Error, Result};
+use crate::generate::{generate, GenOptions, Session};
+use crate::load::gguf::Gguf;
+use crate::model::Weights;
+use crate::sample::{Sampler, SamplerConfig};
+use crate::tokenizer::Tokenizer;
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// File name of the default model (fetched by models/fetch.sh).
+pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvrun",
+    version,
+    about = "kvrun: LLM inference for long reasoning traces, with a budgeted KV cache",
+    args_conflicts_with_subcommands = true,
+    after_help = "Without a subcommand kvrun generates from -p/-f (one-shot, like llama-completion).\n\
+                  Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Option<Cmd>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Print a model's architecture, shapes, tensor types, tokenizer and template.
+    Inspect {
+        /// GGUF file (a header-only file works too).
+        model: PathBuf,
+    },
+    /// llama-bench-style table: kvrun vs llama.cpp (same file, same threads).
+    Bench(crate::bench::BenchArgs),
+}
+
+/// Model selection shared by every command.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model file (GGUF). Default: models/SmolLM2-135M-Instruct.Q4_1.gguf.
+    #[arg(short = 'm', long = "model", env = "KVRUN_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Threads (default: all cores).
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<i64>,
+}
+
+/// One-shot generation flags.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text.
+    #[arg(short = 'p', long = "prompt")]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(short = 'f', long = "file")]
+    pub file: Option<PathBuf>,
+    /// Tokens to predict (-1 = until end of generation).
+    #[arg(short = 'n', long = "n-predict", alias = "predict", default_value_t = -1, allow_negative_numbers = true)]
+    pub n_predict: i64,
+    /// Context size in tokens (0 = the model's training context).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: i64,
+    /// Prompt processing chunk size.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    pub batch_size: usize,
+    /// RNG seed (-1 = random).
+    #[arg(short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
+    pub seed: i64,
+    /// Temperature (0 = greedy).
+    #[arg(long = "temp", alias = "temperature", default_value_t = 0.8)]
+    pub temp: f32,
+    /// Top-k (0 = off).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Top-p (1.0 = off).
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p (0.0 = off).
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repeat penalty (1.0 = off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Tokens the repeat penalty looks back over.
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// System prompt (through the chat template).
+    #[arg(long = "system-prompt")]
+    pub system: Option<String>,
+    /// Read the system prompt from a file.
+    #[arg(long = "system-prompt-file")]
+    pub system_file: Option<PathBuf>,
+    /// Send the prompt as is, without the chat template.
+    #[arg(long = "raw", alias = "no-conversation")]
+    pub raw: bool,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
+    /// Do not print the timing lines.
+    #[arg(long = "no-perf")]
+    pub no_perf: bool,
+    /// Echo the prompt before the generated text.
+    #[arg(long = "display-prompt")]
+    pub display_prompt: bool,
+    /// Single turn (accepted for llama-cli compatibility; one-shot is the default).
+    #[arg(long = "single-turn", hide = true)]
+    pub single_turn: bool,
+    /// GPU layers (accepted for compatibility; this build runs on the CPU).
+    #[arg(long = "gpu-layers", hide = true)]
+    pub gpu_layers: Option<String>,
+}
+
+/// Rewrite llama.cpp's multi-letter short flags to long ones clap understands.
+pub fn normalize_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
+    args.into_iter()
+        .map(|a| {
+            let m = match a.as_str() {
+                "-sys" => "--system-prompt",
+                "-sysf" => "--system-prompt-file",
+                "-ngl" => "--gpu-layers",
+                "-st" => "--single-turn",
+                "-no-cnv" => "--raw",
+                "-tb" => "--threads",
+                _ => return a,
+            };
+            m.to_owned()
+        })
+        .collect()
+}
+
+/// Resolve the model path: -m, else the default model next to the working
+/// directory, the executable, or the source tree.
+pub fn resolve_model(m: &Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(p) = m {
+        if !p.exists() {
+            return Err(Error::arg("-m/--model", format!("{}: no such file", p.display())));
+        }
+        return Ok(p.clone());
+    }
+    let mut cands = vec![Path::new("models").join(DEFAULT_MODEL)];
+    if let Ok(exe) = std::env::current_exe() {
+        for dir in exe.ancestors().skip(1).take(4) {
+            cands.push(dir.join("models").join(DEFAULT_MODEL));
+        }
+    }
+    cands.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(DEFAULT_MODEL));
+    cands.into_iter().find(|p| p.exists()).ok_or_else(|| {
+        Error::arg("-m/--model", format!("no model given and the default {DEFAULT_MODEL} is missing (run: bash models/fetch.sh)"))
+    })
+}
+
+/// Thread count from -t (default: available parallelism).
+pub fn resolve_threads(t: Option<i64>) -> Result<usize> {
+    match t {
+        None | Some(-1) => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+        Some(n) if n >= 1 && n <= 1024 => Ok(n as usize),
+        Some(n) => Err(Error::arg("-t/--threads", format!("must be at least 1 (got {n})"))),
+    }
+}
+
+fn read_text(path: &Path, flag: &str) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+    String::from_utf8(bytes).map_err(|e| {
+        Error::arg(flag, format!("{}: not valid UTF-8 (byte {})", path.display(), e.utf8_error().valid_up_to()))
+    })
+}
+
+/// Build the prompt tokens: chat template unless `raw`, BOS per the model.
+pub fn prompt_tokens(
+    tok: &Tokenizer,
+    tmpl: Option<&ChatTemplate>,
+    prompt: &str,
+    system: Option<&str>,
+    raw: bool,
+) -> Result<Vec<u32>> {
+    match (raw, tmpl) {
+        (false, Some(t)) => {
+            let mut msgs = Vec::new();
+            if let Some(s) = system {
+                msgs.push(Message { role: "system".into(), content: s.into() });
+            }
+            msgs.push(Message { role: "user".into(), content: prompt.into() });
+            let text = t.render(&msgs, true)?;
+            // The template already emits BOS where the model wants one.
+            let mut ids = tok.encode(&text, false, true)?;
+            if tok.add_bos() {
+                if let Some(b) = tok.bos() {
+                    if ids.first() != Some(&b) {
+                        ids.insert(0, b);
+                    }
+                }
+            }
+            Ok(ids)
+        }
+        _ => tok.encode(prompt, true, true),
+    }
+}
+
+/// One-shot generation (the default command).
+pub fn run_generate(a: &RunArgs) -> Result<()> {
+    let path = resolve_model(&a.model.model)?;
+    let n_threads = resolve_threads(a.model.threads)?;
+    if a.n_predict < -1 {
+        return Err(Error::arg("-n/--n-predict", format!("must be -1 (unlimited) or ≥ 0, got {}", a.n_predict)));
+    }
+    if a.ctx_size < 0 {
+        return Err(Error::arg("-c/--ctx-size", format!("must be ≥ 0, got {}", a.ctx_size)));
+    }
+    if a.batch_size == 0 {
+        return Err(Error::arg("-b/--batch-size", "must be at least 1"));
+    }
+    if !(a.temp.is_finite()) || a.top_p.is_nan() || a.min_p.is_nan() {
+        return Err(Error::arg("--temp/--top-p/--min-p", "must be numbers"));
+    }
+    let prompt = match (&a.prompt, &a.file) {
+        (Some(p), None) => p.clone(),
+        (None, Some(f)) => read_text(f, "-f/--file")?,
+        (Some(_), Some(_)) => return Err(Error::arg("-p/-f", "give either a prompt or a prompt file, not both")),
+        (None, None) => return Err(Error::arg("-p/--prompt", "no prompt given (use -p TEXT or -f FILE)")),
+    };
+    let system = match (&a.system, &a.system_file) {
+        (Some(s), _) => Some(s.clone()),
+        (None, Some(f)) => Some(read_text(f, "-sysf/--system-prompt-file")?),
+        _ => None,
+    };
+    let t_load = std::time::Instant::now();
+    let g = Gguf::open(&path)?;
+    let w = Weights::from_gguf(&g)?;
+    let tok = Tokenizer::from_gguf(&g)?;
+    let tmpl = if a.raw { None } else { ChatTemplate::from_gguf(&g)? };
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    let ids = prompt_tokens(&tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
+    let n_ctx = if a.ctx_size == 0 { w.config.n_ctx_train } else { a.ctx_size as usize };
+    if ids.len() > n_ctx {
+        return Err(Error::ContextTooSmall { n_prompt: ids.len(), n_ctx });
+    }
+    let seed = if a.seed < 0 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    } else {
+        a.seed as u64
+    };
+    let mut sampler = Sampler::new(SamplerConfig {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed,
+    });
+    let mut sess = Session::new(&w, n_ctx, n_threads, a.batch_size);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if a.display_prompt {
+        let _ = write!(out, "{}", tok.decode(&ids, true));
+    }
+    let opts = GenOptions { n_predict: a.n_predict, ignore_eos: a.ignore_eos };
+    let stats = generate(&mut sess, &tok, &mut sampler, &ids, &opts, |piece| {
+        // A closed pipe (e.g. `| head`) ends generation quietly.
+        out.write_all(piece.as_bytes()).and_then(|_| out.flush()).is_ok()
+    })?;
+    let _ = writeln!(out);
+    if !a.no_perf {
+        eprintln!("kvrun: load time = {load_ms:10.2} ms");
+        eprint!("{}", stats.timing_lines("kvrun"));
+    }
+    Ok(())
+}
+
+/// `kvrun inspect MODEL`.
+pub fn run_inspect(path: &Path) -> Result<()> {
+    let g = Gguf::open(path)?;
+    let mut o = String::new();
+    use std::fmt::Write as _;
+    let _ = writeln!(o, "file: {} (GGUF v{}, {} bytes)", path.display(), g.version, g.bytes().len());
+    let _ = writeln!(o, "metadata: {} keys, tensors: {}, data offset {}, alignment {}", g.metadata.len(), g.tensors.len(), g.data_offset, g.alignment);
+    for key in ["general.name", "general.architecture", "general.file_type", "general.size_label"] {
+        if let Some(v) = g.get(key) {
+            let _ = writeln!(o, "  {key} = {}", short_value(v));
+        }
+    }
+    match crate::model::Config::from_gguf(&g) {
+        Ok(c) => {
+            let _ = writeln!(
+                o,
+                "architecture: {} | layers {} | dim {} | ffn {} | heads {} (kv {}) | head_dim {} | vocab {} | ctx_train {} | rope base {} dims {} {:?} | eps {:e} | output {}",
+                c.arch.name(), c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab,
+                c.n_ctx_train, c.rope_base, c.n_rot, c.rope_style, c.norm_eps,
+                if c.tied_output { "tied to token_embd" } else { "separate" }
+            );
+            let kv_tok = 2 * c.n_layers * c.kv_dim() * 2;
+            let _ = writeln!(o, "kv cache (f16): {kv_tok} bytes per token ({:.1} KiB)", kv_tok as f64 / 1024.0);
+        }
+        Err(e) => {
+            let _ = writeln!(o, "architecture: not loadable ({e})");
+        }
+    }
+    // tensor type summary
+    let mut by_type: std::collections::BTreeMap<String, (usize, u64, u64)> = Default::default();
+    for t in &g.tensors {
+        let e = by_type.entry(crate::tensor::ggml_type_name(t.type_id)).or_default();
+        e.0 += 1;
+        e.1 += t.n_elements();
+        e.2 += t.n_bytes().unwrap_or(0);
+    }
+    let total_params: u64 = g.tensors.iter().map(|t| t.n_elements()).sum();
+    let total_bytes: u64 = g.tensors.iter().filter_map(|t| t.n_bytes()).sum();
+    let _ = writeln!(o, "tensors: {} params, {:.2} MiB", total_params, total_bytes as f64 / (1 << 20) as f64);
+    for (ty, (n, el, by)) in &by_type {
+        let _ = writeln!(o, "  {ty:8} {n:5} tensors {el:12} params {:10.2} MiB", *by as f64 / (1 << 20) as f64);
+    }
+    for t in g.tensors.iter().filter(|t| !t.name.starts_with("blk.") || t.name.starts_with("blk.0.")) {
+        let _ = writeln!(o, "  {:32} {:8} {:?}", t.name, crate::tensor::ggml_type_name(t.type_id), t.dims);
+    }
+    match g.check_data() {
+        Ok(()) => {
+            let _ = writeln!(o, "tensor data: complete");
+        }
+        Err(e) => {
+            let _ = writeln!(o, "tensor data: {e}");
+        }
+    }
+    match Tokenizer::from_gguf(&g) {
+        Ok(t) => {
+            let _ = writeln!(
+                o,
+                "tokenizer: {} / pre {} | {} tokens | bos {:?} eos {:?} add_bos {}",
+                t.model_type(), t.pre_type(), t.n_vocab(), t.bos(), t.eos(), t.add_bos()
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(o, "tokenizer: {e}");
+        }
+    }
+    match g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+        Some(src) => {
+            let status = match ChatTemplate::from_gguf(&g) {
+                Ok(Some(t)) => match t.render(&[Message { role: "user".into(), content: "Hi".into() }], true) {
+                    Ok(s) => format!("renders; sample: {:?}", s),
+                    Err(e) => format!("does not render: {e}"),
+                },
+                Ok(None) => "absent".into(),
+                Err(e) => format!("invalid: {e}"),
+            };
+            let _ = writeln!(o, "chat template: {} chars, {status}", src.len());
+        }
+        None => {
+            let _ = writeln!(o, "chat template: none");
+        }
+    }
+    print!("{o}");
+    Ok(())
+}
+
+fn short_value(v: &crate::load::gguf::Value) -> String {
+    match v {
+        crate::load::gguf::Value::Str(s) => format!("{s:?}"),
+        crate::load::gguf::Value::Array(a) => format!("[{} items]", a.len()),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Entry point used by main: parse already-normalized args and run.
+pub fn run(cli: Cli) -> Result<()> {
+    match &cli.cmd {
+        Some(Cmd::Inspect { model }) => run_inspect(model),
+        Some(Cmd::Bench(b)) => crate::bench::run_bench(b),
+        None => run_generate(&cli.run),
+    }
+}

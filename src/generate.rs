@@ -1,0 +1,219 @@
+//! The decode loop: a `Session` owns the run state, KV cache and thread pool
+//! for one sequence; `generate` prefills a prompt and samples tokens until an
+//! end-of-generation token or the `-n` limit, streaming text as it goes.
+
+use crate::backend::pool::ThreadPool;
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::model::llama::{forward, Logits, RunState};
+use crate::model::Weights;
+use crate::sample::Sampler;
+use crate::tokenizer::Tokenizer;
+use std::time::Instant;
+
+/// One sequence being decoded: weights (shared, immutable), run state and
+/// KV cache (owned, mutable).
+#[derive(Debug)]
+pub struct Session<'w> {
+    pub w: &'w Weights<'w>,
+    pub pool: ThreadPool,
+    pub state: RunState,
+    pub kv: KvCache,
+    /// Tokens processed so far (the next token's position).
+    pub n_past: usize,
+    /// Context size in tokens.
+    pub n_ctx: usize,
+}
+
+impl<'w> Session<'w> {
+    /// A session with a context of `n_ctx` tokens, `n_threads` threads and
+    /// prefill chunks of `n_batch` tokens.
+    pub fn new(w: &'w Weights<'w>, n_ctx: usize, n_threads: usize, n_batch: usize) -> Session<'w> {
+        let c = &w.config;
+        let pool = ThreadPool::new(n_threads);
+        Session {
+            w,
+            state: RunState::new(w, n_batch, n_threads, n_ctx),
+            kv: KvCache::new(c.n_layers, c.kv_dim(), n_ctx),
+            pool,
+            n_past: 0,
+            n_ctx,
+        }
+    }
+
+    /// Forget the sequence.
+    pub fn reset(&mut self) {
+        self.kv.clear();
+        self.n_past = 0;
+    }
+
+    /// Feed `tokens` at the current position; returns the requested logits.
+    pub fn feed(&mut self, tokens: &[u32], want: Logits) -> Result<&[f32]> {
+        if self.n_past + tokens.len() > self.n_ctx {
+            return Err(Error::ContextTooSmall { n_prompt: self.n_past + tokens.len(), n_ctx: self.n_ctx });
+        }
+        let pos0 = self.n_past;
+        self.n_past += tokens.len();
+        forward(self.w, &mut self.state, &mut self.kv, &self.pool, tokens, pos0, want)
+    }
+}
+
+/// Options of one generation.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    /// Tokens to generate; -1 = until end of generation or context full.
+    pub n_predict: i64,
+    /// Keep going past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Eog,
+    Length,
+    ContextFull,
+    Cancelled,
+}
+
+/// Timings and counts of one generation (llama.cpp's perf lines).
+#[derive(Clone, Debug)]
+pub struct GenStats {
+    pub n_prompt: usize,
+    pub prompt_ms: f64,
+    pub n_gen: usize,
+    pub gen_ms: f64,
+    pub sample_ms: f64,
+    pub total_ms: f64,
+    pub stop: StopReason,
+    pub tokens: Vec<u32>,
+}
+
+impl GenStats {
+    /// The three llama.cpp-shaped timing lines.
+    pub fn timing_lines(&self, prefix: &str) -> String {
+        let per = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
+        let tps = |ms: f64, n: usize| if ms > 0.0 { 1e3 * n as f64 / ms } else { 0.0 };
+        format!(
+            "{prefix}: prompt eval time = {:10.2} ms / {:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)\n\
+             {prefix}:        eval time = {:10.2} ms / {:5} runs   ({:8.2} ms per token, {:8.2} tokens per second)\n\
+             {prefix}:       total time = {:10.2} ms / {:5} tokens\n",
+            self.prompt_ms,
+            self.n_prompt,
+            per(self.prompt_ms, self.n_prompt),
+            tps(self.prompt_ms, self.n_prompt),
+            self.gen_ms,
+            self.n_gen,
+            per(self.gen_ms, self.n_gen),
+            tps(self.gen_ms, self.n_gen),
+            self.total_ms,
+            self.n_prompt + self.n_gen,
+        )
+    }
+}
+
+/// Turns token bytes into valid UTF-8 text pieces as soon as they complete.
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Add bytes; returns the text that is complete so far.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        match std::str::from_utf8(&self.pending) {
+            Ok(s) => {
+                let out = s.to_owned();
+                self.pending.clear();
+                out
+            }
+            Err(e) => {
+                let good = e.valid_up_to();
+                // An invalid (not merely incomplete) sequence is emitted lossily.
+                let cut = if e.error_len().is_some() { self.pending.len() } else { good };
+                let out = String::from_utf8_lossy(&self.pending[..cut]).into_owned();
+                self.pending.drain(..cut);
+                out
+            }
+        }
+    }
+    /// Whatever is left (lossy).
+    pub fn flush(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}
+
+/// Prefill `prompt` then sample until EOG / `n_predict` / context full.
+/// `on_text` receives each completed piece of text and returns false to stop.
+pub fn generate(
+    sess: &mut Session<'_>,
+    tok: &Tokenizer,
+    sampler: &mut Sampler,
+    prompt: &[u32],
+    opts: &GenOptions,
+    mut on_text: impl FnMut(&str) -> bool,
+) -> Result<GenStats> {
+    let t_start = Instant::now();
+    if prompt.is_empty() {
+        return Err(Error::arg("-p/--prompt", "the prompt is empty (no tokens)"));
+    }
+    if sess.n_past + prompt.len() > sess.n_ctx {
+        return Err(Error::ContextTooSmall { n_prompt: sess.n_past + prompt.len(), n_ctx: sess.n_ctx });
+    }
+    for &t in prompt {
+        sampler.accept(t);
+    }
+    let mut logits = sess.feed(prompt, Logits::Last)?.to_vec();
+    let prompt_ms = t_start.elapsed().as_secs_f64() * 1e3;
+
+    let mut stats = GenStats {
+        n_prompt: prompt.len(),
+        prompt_ms,
+        n_gen: 0,
+        gen_ms: 0.0,
+        sample_ms: 0.0,
+        total_ms: 0.0,
+        stop: StopReason::Length,
+        tokens: Vec::new(),
+    };
+    let mut stream = Utf8Stream::default();
+    loop {
+        if opts.n_predict >= 0 && stats.n_gen as i64 >= opts.n_predict {
+            stats.stop = StopReason::Length;
+            break;
+        }
+        let ts = Instant::now();
+        let next = sampler.sample(&mut logits);
+        stats.sample_ms += ts.elapsed().as_secs_f64() * 1e3;
+        if !opts.ignore_eos && tok.is_eog(next) {
+            stats.stop = StopReason::Eog;
+            break;
+        }
+        sampler.accept(next);
+        stats.tokens.push(next);
+        let text = stream.push(&tok.token_bytes(next, false));
+        if !text.is_empty() && !on_text(&text) {
+            stats.stop = StopReason::Cancelled;
+            break;
+        }
+        if sess.n_past >= sess.n_ctx {
+            stats.stop = StopReason::ContextFull;
+            stats.n_gen += 1;
+            break;
+        }
+        let te = Instant::now();
+        logits.clear();
+        logits.extend_from_slice(sess.feed(&[next], Logits::Last)?);
+        stats.gen_ms += te.elapsed().as_secs_f64() * 1e3;
+        stats.n_gen += 1;
+    }
+    let rest = stream.flush();
+    if !rest.is_empty() {
+        on_text(&rest);
+    }
+    stats.total_ms = t_start.elapsed().as_secs_f64() * 1e3;
+    Ok(stats)
+}

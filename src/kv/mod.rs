@@ -1,0 +1,122 @@
+//! The KV cache: slot metadata (`cells`) kept apart from K/V storage.
+//!
+//! Keys are stored after RoPE, at their absolute positions, so evicting a
+//! token (freeing its slot) never moves or re-rotates data. Storage is f16,
+//! laid out (n_layers, n_slots, kv_dim) for K and for V.
+//!
+//! Protocol for a forward step over `n` new tokens: `reserve(positions)`
+//! picks slots (it is the only place that mutates `cells`), the forward pass
+//! writes each layer's K/V rows into those slots and attends over `live()`.
+
+pub mod cells;
+
+use crate::error::{Error, Result};
+use cells::KvCells;
+use half::f16;
+
+/// K/V storage plus slot metadata.
+#[derive(Debug)]
+pub struct KvCache {
+    pub cells: KvCells,
+    pub n_layers: usize,
+    /// n_kv_heads * head_dim.
+    pub kv_dim: usize,
+    /// (n_layers, n_slots, kv_dim) keys after RoPE.
+    k: Vec<f16>,
+    /// (n_layers, n_slots, kv_dim) values.
+    v: Vec<f16>,
+    /// (n_live,) slots of the live entries, ordered by position (rebuilt by `reserve`).
+    live_slots: Vec<u32>,
+    /// (n_live,) absolute positions matching `live_slots`.
+    live_pos: Vec<i64>,
+}
+
+impl KvCache {
+    /// A cache of `n_slots` slots per layer.
+    pub fn new(n_layers: usize, kv_dim: usize, n_slots: usize) -> KvCache {
+        let n = n_layers * n_slots * kv_dim;
+        KvCache {
+            cells: KvCells::new(n_slots),
+            n_layers,
+            kv_dim,
+            k: vec![f16::ZERO; n],
+            v: vec![f16::ZERO; n],
+            live_slots: Vec::new(),
+            live_pos: Vec::new(),
+        }
+    }
+
+    /// Bytes of K/V storage held by one resident token (all layers).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.n_layers * self.kv_dim * std::mem::size_of::<f16>()
+    }
+
+    /// Drop every cached token.
+    pub fn clear(&mut self) {
+        self.cells.clear();
+        self.live_slots.clear();
+        self.live_pos.clear();
+    }
+
+    /// Occupy one slot per new position and refresh the live list; returns
+    /// the slots in the order of `positions`. The single mutation point.
+    pub fn reserve(&mut self, positions: &[i64], slots: &mut Vec<u32>) -> Result<()> {
+        slots.clear();
+        for &p in positions {
+            let s = self.cells.find_free().ok_or_else(|| {
+                Error::Other(format!(
+                    "KV cache full: {} slots hold {} tokens (raise -c/--ctx-size)",
+                    self.cells.n_slots(),
+                    self.cells.n_live()
+                ))
+            })?;
+            self.cells.set(s, p);
+            slots.push(s as u32);
+        }
+        let mut live: Vec<(i64, u32)> = self.cells.live().map(|(s, p)| (p, s as u32)).collect();
+        live.sort_unstable();
+        self.live_slots.clear();
+        self.live_pos.clear();
+        for (p, s) in live {
+            self.live_slots.push(s);
+            self.live_pos.push(p);
+        }
+        Ok(())
+    }
+
+    /// Live slots ordered by position, with their positions.
+    pub fn live(&self) -> (&[u32], &[i64]) {
+        (&self.live_slots, &self.live_pos)
+    }
+
+    #[inline]
+    fn off(&self, layer: usize, slot: usize) -> usize {
+        (layer * self.cells.n_slots() + slot) * self.kv_dim
+    }
+
+    /// Store one token's K and V rows (kv_dim each) for `layer`.
+    pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let o = self.off(layer, slot);
+        let d = self.kv_dim;
+        for (dst, &x) in self.k[o..o + d].iter_mut().zip(k) {
+            *dst = f16::from_f32(x);
+        }
+        for (dst, &x) in self.v[o..o + d].iter_mut().zip(v) {
+            *dst = f16::from_f32(x);
+        }
+    }
+
+    /// Key row of (layer, slot), kv_dim long.
+    #[inline]
+    pub fn k_row(&self, layer: usize, slot: usize) -> &[f16] {
+        let o = self.off(layer, slot);
+        &self.k[o..o + self.kv_dim]
+    }
+
+    /// Value row of (layer, slot), kv_dim long.
+    #[inline]
+    pub fn v_row(&self, layer: usize, slot: usize) -> &[f16] {
+        let o = self.off(layer, slot);
+        &self.v[o..o + self.kv_dim]
+    }
+}

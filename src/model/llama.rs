@@ -1,0 +1,231 @@
+//! The forward pass of llama-family decoders (llama, qwen2), shaped like
+//! llama2.c's `forward()`: one function, one comment per step, shapes on
+//! every buffer. It processes a batch of `n` consecutive tokens (a prefill
+//! chunk, or one token when decoding) against the KV cache.
+
+use crate::backend::cpu::{add, attend_head, matmul, rmsnorm, swiglu};
+use crate::backend::pool::{split, SharedMut, ThreadPool};
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::model::Weights;
+
+/// Which rows of logits the caller wants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token's (generation).
+    Last,
+    /// Every token's (evaluation, parity tests).
+    All,
+}
+
+/// Scratch buffers for one sequence, sized for `n_batch` tokens at a time.
+#[derive(Debug)]
+pub struct RunState {
+    pub n_batch: usize,
+    /// (n_batch, dim) residual stream
+    pub x: Vec<f32>,
+    /// (n_batch, dim) normed input / branch output
+    xb: Vec<f32>,
+    /// (n_batch, q_dim) queries
+    q: Vec<f32>,
+    /// (n_batch, kv_dim) keys of the new tokens
+    k: Vec<f32>,
+    /// (n_batch, kv_dim) values of the new tokens
+    v: Vec<f32>,
+    /// (n_batch, q_dim) attention output, heads concatenated
+    att_out: Vec<f32>,
+    /// (n_batch, ffn_dim) gate branch
+    hb: Vec<f32>,
+    /// (n_batch, ffn_dim) up branch
+    hb2: Vec<f32>,
+    /// (n_threads, n_slots) per-thread attention scores
+    att: Vec<f32>,
+    /// (n_out, vocab) logits of the requested rows
+    pub logits: Vec<f32>,
+    /// quantized activations scratch
+    act: Vec<u8>,
+    /// (n,) slots reserved for the tokens of the current step
+    slots: Vec<u32>,
+    /// (n,) positions of the tokens of the current step
+    positions: Vec<i64>,
+}
+
+impl RunState {
+    /// Buffers for `n_batch` tokens per call, `n_threads` attention workers
+    /// and a cache of `n_slots` slots.
+    pub fn new(w: &Weights<'_>, n_batch: usize, n_threads: usize, n_slots: usize) -> RunState {
+        let c = &w.config;
+        let n_batch = n_batch.max(1);
+        RunState {
+            n_batch,
+            x: vec![0.0; n_batch * c.dim],
+            xb: vec![0.0; n_batch * c.dim.max(c.q_dim())],
+            q: vec![0.0; n_batch * c.q_dim()],
+            k: vec![0.0; n_batch * c.kv_dim()],
+            v: vec![0.0; n_batch * c.kv_dim()],
+            att_out: vec![0.0; n_batch * c.q_dim()],
+            hb: vec![0.0; n_batch * c.ffn_dim],
+            hb2: vec![0.0; n_batch * c.ffn_dim],
+            att: vec![0.0; n_threads.max(1) * n_slots],
+            logits: Vec::new(),
+            act: Vec::new(),
+            slots: Vec::new(),
+            positions: Vec::new(),
+        }
+    }
+}
+
+/// Run `tokens` (at absolute positions `pos0..pos0+n`) through the model,
+/// appending their K/V to `kv`; returns the requested logits, row-major
+/// (n_out, vocab). Long inputs are processed in chunks of `s.n_batch`.
+pub fn forward<'s>(
+    w: &Weights<'_>,
+    s: &'s mut RunState,
+    kv: &mut KvCache,
+    pool: &ThreadPool,
+    tokens: &[u32],
+    pos0: usize,
+    want: Logits,
+) -> Result<&'s [f32]> {
+    let vocab = w.config.vocab;
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Other(format!("token id {bad} out of range (vocab {vocab})")));
+    }
+    s.logits.clear();
+    let n_total = tokens.len();
+    let mut done = 0;
+    while done < n_total {
+        let n = (n_total - done).min(s.n_batch);
+        let last_chunk = done + n == n_total;
+        let rows = match want {
+            Logits::All => n,
+            Logits::Last if last_chunk => 1,
+            Logits::Last => 0,
+        };
+        forward_chunk(w, s, kv, pool, &tokens[done..done + n], pos0 + done, rows)?;
+        done += n;
+    }
+    Ok(&s.logits)
+}
+
+/// One chunk of n ≤ n_batch tokens; appends logits of its last `n_out` rows.
+fn forward_chunk(
+    w: &Weights<'_>,
+    s: &mut RunState,
+    kv: &mut KvCache,
+    pool: &ThreadPool,
+    tokens: &[u32],
+    pos0: usize,
+    n_out: usize,
+) -> Result<()> {
+    let c = &w.config;
+    let n = tokens.len();
+    let (dim, q_dim, kv_dim, hd, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
+    let n_threads = pool.n_threads();
+
+    // reserve one cache slot per new token (the cache's single mutation point)
+    s.positions.clear();
+    s.positions.extend((0..n).map(|i| (pos0 + i) as i64));
+    kv.reserve(&s.positions, &mut s.slots)?;
+    let n_slots = kv.cells.n_slots();
+    if s.att.len() < n_threads * n_slots {
+        s.att.resize(n_threads * n_slots, 0.0);
+    }
+
+    // token embeddings: x[i] = token_embd[tokens[i]]           (n, dim)
+    for (i, &t) in tokens.iter().enumerate() {
+        w.token_embd.dequantize_row(t as usize, &mut s.x[i * dim..(i + 1) * dim]);
+    }
+
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = c.n_heads / c.n_kv_heads;
+    for (l, lw) in w.layers.iter().enumerate() {
+        // attention rmsnorm                                     (n, dim)
+        rmsnorm(&mut s.xb[..n * dim], &s.x[..n * dim], &lw.attn_norm, c.norm_eps);
+
+        // qkv matmuls (+ biases for qwen2)                      (n, q_dim), (n, kv_dim) x2
+        let xb = &s.xb[..n * dim];
+        matmul(pool, &lw.wq, xb, n, &mut s.q, &mut s.act);
+        matmul(pool, &lw.wk, xb, n, &mut s.k, &mut s.act);
+        matmul(pool, &lw.wv, xb, n, &mut s.v, &mut s.act);
+        for (buf, b, d) in [(&mut s.q, &lw.bq, q_dim), (&mut s.k, &lw.bk, kv_dim), (&mut s.v, &lw.bv, kv_dim)] {
+            if let Some(b) = b {
+                for row in buf[..n * d].chunks_exact_mut(d) {
+                    add(row, b);
+                }
+            }
+        }
+
+        // RoPE on q and k at each token's absolute position
+        for i in 0..n {
+            let pos = pos0 + i;
+            w.rope.apply(&mut s.q[i * q_dim..(i + 1) * q_dim], c.n_heads, hd, pos);
+            w.rope.apply(&mut s.k[i * kv_dim..(i + 1) * kv_dim], c.n_kv_heads, hd, pos);
+        }
+
+        // store k (post-RoPE) and v in the new tokens' slots
+        for i in 0..n {
+            let sl = s.slots[i] as usize;
+            kv.write(l, sl, &s.k[i * kv_dim..(i + 1) * kv_dim], &s.v[i * kv_dim..(i + 1) * kv_dim]);
+        }
+
+        // multi-head attention over live slots, causal by position:
+        // att_out[i, h] = softmax(q[i,h]·K[j] * scale, pos_j ≤ pos_i) @ V[j]
+        {
+            let (live_slots, live_pos) = kv.live();
+            let kvr = &*kv;
+            let q = &s.q;
+            let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
+            let att = SharedMut::new(&mut s.att[..n_threads * n_slots]);
+            let n_work = n * c.n_heads;
+            let f16dot = ggml_sys::CpuTraits::of(crate::tensor::DType::F16.ggml_id()).expect("ggml has an f16 dot");
+            pool.run(|ti| {
+                let (w0, w1) = split(n_work, ti, n_threads);
+                // SAFETY: each thread uses its own row of the score scratch.
+                let sc = unsafe { att.slice(ti * n_slots, n_slots) };
+                for work in w0..w1 {
+                    let (i, h) = (work / c.n_heads, work % c.n_heads);
+                    let g = h / group;
+                    let qh = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+                    let pos = (pos0 + i) as i64;
+                    let n_vis = live_pos.partition_point(|&p| p <= pos);
+                    // SAFETY: (i, h) pairs are disjoint between threads.
+                    let o = unsafe { out.slice(i * q_dim + h * hd, hd) };
+                    let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
+                    let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
+                    attend_head(&f16dot, qh, n_vis, key, val, scale, o, Some(&mut sc[..n_vis]));
+                }
+            });
+        }
+
+        // output projection and residual                      (n, dim)
+        matmul(pool, &lw.wo, &s.att_out[..n * q_dim], n, &mut s.xb, &mut s.act);
+        add(&mut s.x[..n * dim], &s.xb[..n * dim]);
+
+        // ffn rmsnorm                                            (n, dim)
+        rmsnorm(&mut s.xb[..n * dim], &s.x[..n * dim], &lw.ffn_norm, c.norm_eps);
+
+        // SwiGLU ffn: down(silu(gate(x)) * up(x))                (n, ffn) -> (n, dim)
+        let xb = &s.xb[..n * dim];
+        matmul(pool, &lw.w_gate, xb, n, &mut s.hb, &mut s.act);
+        matmul(pool, &lw.w_up, xb, n, &mut s.hb2, &mut s.act);
+        swiglu(&mut s.hb[..n * ffn], &s.hb2[..n * ffn]);
+        matmul(pool, &lw.w_down, &s.hb[..n * ffn], n, &mut s.xb, &mut s.act);
+
+        // residual                                               (n, dim)
+        add(&mut s.x[..n * dim], &s.xb[..n * dim]);
+    }
+
+    if n_out == 0 {
+        return Ok(());
+    }
+    // final rmsnorm of the requested rows                        (n_out, dim)
+    let first = n - n_out;
+    rmsnorm(&mut s.xb[..n_out * dim], &s.x[first * dim..n * dim], &w.output_norm, c.norm_eps);
+
+    // classifier into logits                                     (n_out, vocab)
+    let base = s.logits.len();
+    s.logits.resize(base + n_out * c.vocab, 0.0);
+    matmul(pool, w.output(), &s.xb[..n_out * dim], n_out, &mut s.logits[base..], &mut s.act);
+    Ok(())
+}

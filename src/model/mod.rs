@@ -1,0 +1,289 @@
+//! Model hyperparameters (`Config`) and immutable weights (`Weights`).
+//!
+//! Two architectures share one forward pass: `llama` (Llama 2/3.x,
+//! SmolLM2, DeepSeek-R1-Distill-Llama) and `qwen2` (DeepSeek-R1-Distill-Qwen:
+//! Q/K/V biases, NeoX RoPE). Weights borrow the memory map; nothing in them
+//! changes after loading. Run state lives in `llama::RunState`, the KV cache
+//! in `crate::kv::KvCache`.
+
+pub mod llama;
+
+use crate::backend::cpu::{QMat, Rope, RopeStyle};
+use crate::error::{Error, Result};
+use crate::load::gguf::Gguf;
+use crate::tensor::{DType, TensorView};
+use std::borrow::Cow;
+use std::path::PathBuf;
+
+/// Supported model families.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+}
+
+impl Arch {
+    /// The GGUF `general.architecture` string.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// Hyperparameters of a decoder-only transformer.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub arch: Arch,
+    pub n_layers: usize,
+    /// Residual stream width.
+    pub dim: usize,
+    /// FFN hidden width.
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    /// Context length the model was trained for.
+    pub n_ctx_train: usize,
+    pub norm_eps: f32,
+    pub rope_base: f32,
+    /// Rotated dimensions per head.
+    pub n_rot: usize,
+    pub rope_style: RopeStyle,
+    /// 1 / linear RoPE scaling factor (1.0 = none).
+    pub rope_pos_scale: f32,
+    /// Output head is the embedding matrix.
+    pub tied_output: bool,
+}
+
+impl Config {
+    /// n_kv_heads * head_dim.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    /// n_heads * head_dim.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Read hyperparameters from GGUF metadata.
+    pub fn from_gguf(g: &Gguf) -> Result<Config> {
+        let arch_s = g.get_str("general.architecture")?;
+        let arch = match arch_s {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            other => {
+                return Err(Error::UnknownArchitecture { path: g.path.clone(), arch: other.to_owned() })
+            }
+        };
+        let k = |s: &str| format!("{arch_s}.{s}");
+        let n_layers = g.get_usize(&k("block_count"))?;
+        let dim = g.get_usize(&k("embedding_length"))?;
+        let ffn_dim = g.get_usize(&k("feed_forward_length"))?;
+        let n_heads = g.get_usize(&k("attention.head_count"))?;
+        let n_kv_heads = match g.get(&k("attention.head_count_kv")) {
+            Some(_) => g.get_usize(&k("attention.head_count_kv"))?,
+            None => n_heads,
+        };
+        let bad = |key: String, what: String| Error::BadMetadata { path: g.path.clone(), key, what };
+        if n_layers == 0 || dim == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(bad(
+                k("attention.head_count"),
+                format!("inconsistent shape: layers {n_layers}, dim {dim}, heads {n_heads}/{n_kv_heads}"),
+            ));
+        }
+        let head_dim = match g.get(&k("attention.key_length")) {
+            Some(_) => g.get_usize(&k("attention.key_length"))?,
+            None => dim / n_heads,
+        };
+        if head_dim == 0 || head_dim > 256 || head_dim % 2 != 0 {
+            return Err(bad(k("attention.key_length"), format!("head_dim {head_dim} unsupported")));
+        }
+        let n_rot = match g.get(&k("rope.dimension_count")) {
+            Some(_) => g.get_usize(&k("rope.dimension_count"))?,
+            None => head_dim,
+        };
+        if n_rot > head_dim || n_rot % 2 != 0 {
+            return Err(bad(k("rope.dimension_count"), format!("{n_rot} rotated dims with head_dim {head_dim}")));
+        }
+        let mut rope_pos_scale = 1.0;
+        if let Some(v) = g.get(&k("rope.scaling.type")) {
+            match v.as_str() {
+                Some("none") | None => {}
+                Some("linear") => {
+                    let f = g.get_f32_opt(&k("rope.scaling.factor"))?.unwrap_or(1.0);
+                    if f > 0.0 {
+                        rope_pos_scale = 1.0 / f;
+                    }
+                }
+                Some(other) => {
+                    return Err(bad(k("rope.scaling.type"), format!("RoPE scaling '{other}' is not supported")))
+                }
+            }
+        }
+        let vocab = g
+            .info("token_embd.weight")
+            .map(|t| t.dims.get(1).copied().unwrap_or(0) as usize)
+            .ok_or_else(|| Error::MissingTensor { path: g.path.clone(), tensor: "token_embd.weight".into() })?;
+        Ok(Config {
+            arch,
+            n_layers,
+            dim,
+            ffn_dim,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab,
+            n_ctx_train: g.get_usize(&k("context_length")).unwrap_or(2048),
+            norm_eps: g.get_f32_opt(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            rope_base: g.get_f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0),
+            n_rot,
+            rope_style: match arch {
+                Arch::Llama => RopeStyle::Normal,
+                Arch::Qwen2 => RopeStyle::Neox,
+            },
+            rope_pos_scale,
+            tied_output: g.info("output.weight").is_none(),
+        })
+    }
+}
+
+/// Weights of one decoder layer.
+#[derive(Debug)]
+pub struct LayerWeights<'a> {
+    /// (dim,)
+    pub attn_norm: Vec<f32>,
+    /// (q_dim, dim)
+    pub wq: QMat<'a>,
+    /// (kv_dim, dim)
+    pub wk: QMat<'a>,
+    /// (kv_dim, dim)
+    pub wv: QMat<'a>,
+    /// Optional biases (qwen2): (q_dim,), (kv_dim,), (kv_dim,)
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// (dim, q_dim)
+    pub wo: QMat<'a>,
+    /// (dim,)
+    pub ffn_norm: Vec<f32>,
+    /// (ffn_dim, dim)
+    pub w_gate: QMat<'a>,
+    /// (ffn_dim, dim)
+    pub w_up: QMat<'a>,
+    /// (dim, ffn_dim)
+    pub w_down: QMat<'a>,
+}
+
+/// All weights of a model, immutable after loading.
+#[derive(Debug)]
+pub struct Weights<'a> {
+    pub config: Config,
+    /// (vocab, dim)
+    pub token_embd: QMat<'a>,
+    pub layers: Vec<LayerWeights<'a>>,
+    /// (dim,)
+    pub output_norm: Vec<f32>,
+    /// (vocab, dim); None when tied to `token_embd`.
+    pub output: Option<QMat<'a>>,
+    pub rope: Rope,
+}
+
+impl<'a> Weights<'a> {
+    /// The output projection (the embedding matrix when tied).
+    pub fn output(&self) -> &QMat<'a> {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
+    /// Load from a GGUF file (checks every shape against the config).
+    pub fn from_gguf(g: &'a Gguf) -> Result<Weights<'a>> {
+        let cfg = Config::from_gguf(g)?;
+        g.check_data()?;
+        let src = GgufSource(g);
+        Weights::load(cfg, &src)
+    }
+
+    /// Load through any tensor source.
+    pub fn load(cfg: Config, src: &dyn TensorSource<'a>) -> Result<Weights<'a>> {
+        let (d, q, kv, f, v) = (cfg.dim as u64, cfg.q_dim() as u64, cfg.kv_dim() as u64, cfg.ffn_dim as u64, cfg.vocab as u64);
+        let mat = |name: &str, shape: [u64; 2]| -> Result<QMat<'a>> {
+            let t = src.tensor(name, &shape)?;
+            QMat::new(t.0, shape[0] as usize, shape[1] as usize, t.1)
+        };
+        let vecf = |name: &str, n: u64| -> Result<Vec<f32>> {
+            let (dt, bytes) = src.tensor(name, &[n])?;
+            let mut out = vec![0f32; n as usize];
+            crate::quant::dequantize_row(dt, &bytes, &mut out);
+            Ok(out)
+        };
+        let optf = |name: &str, n: u64| -> Result<Option<Vec<f32>>> {
+            if src.has(name) {
+                vecf(name, n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let p = |s: &str| format!("blk.{l}.{s}");
+            layers.push(LayerWeights {
+                attn_norm: vecf(&p("attn_norm.weight"), d)?,
+                wq: mat(&p("attn_q.weight"), [d, q])?,
+                wk: mat(&p("attn_k.weight"), [d, kv])?,
+                wv: mat(&p("attn_v.weight"), [d, kv])?,
+                bq: optf(&p("attn_q.bias"), q)?,
+                bk: optf(&p("attn_k.bias"), kv)?,
+                bv: optf(&p("attn_v.bias"), kv)?,
+                wo: mat(&p("attn_output.weight"), [q, d])?,
+                ffn_norm: vecf(&p("ffn_norm.weight"), d)?,
+                w_gate: mat(&p("ffn_gate.weight"), [d, f])?,
+                w_up: mat(&p("ffn_up.weight"), [d, f])?,
+                w_down: mat(&p("ffn_down.weight"), [f, d])?,
+            });
+        }
+        let freq_factors = optf("rope_freqs.weight", (cfg.n_rot / 2) as u64)?;
+        let rope = Rope::new(cfg.rope_style, cfg.n_rot, cfg.rope_base, freq_factors.as_deref(), cfg.rope_pos_scale);
+        Ok(Weights {
+            token_embd: mat("token_embd.weight", [d, v])?,
+            output: if src.has("output.weight") { Some(mat("output.weight", [d, v])?) } else { None },
+            output_norm: vecf("output_norm.weight", d)?,
+            layers,
+            rope,
+            config: cfg,
+        })
+    }
+}
+
+/// Where weights come from: a GGUF map or converted safetensors.
+pub trait TensorSource<'a> {
+    /// Whether the tensor exists.
+    fn has(&self, name: &str) -> bool;
+    /// The tensor's type and bytes, checked against the expected ggml-order shape.
+    fn tensor(&self, name: &str, shape: &[u64]) -> Result<(DType, Cow<'a, [u8]>)>;
+}
+
+struct GgufSource<'a>(&'a Gguf);
+
+impl<'a> TensorSource<'a> for GgufSource<'a> {
+    fn has(&self, name: &str) -> bool {
+        self.0.info(name).is_some()
+    }
+    fn tensor(&self, name: &str, shape: &[u64]) -> Result<(DType, Cow<'a, [u8]>)> {
+        let t: TensorView<'a> = self.0.tensor(name)?;
+        let mut got: Vec<u64> = t.dims.to_vec();
+        while got.len() > shape.len() && got.last() == Some(&1) {
+            got.pop();
+        }
+        if got != shape {
+            return Err(Error::ShapeMismatch {
+                path: PathBuf::from(&self.0.path),
+                tensor: name.to_owned(),
+                got: t.dims.to_vec(),
+                want: shape.to_vec(),
+            });
+        }
+        Ok((t.dtype, Cow::Borrowed(t.bytes)))
+    }
+}

@@ -1,0 +1,181 @@
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repeat penalty.
+//!
+//! The chain runs in llama.cpp's default order: penalties → top-k → top-p →
+//! min-p → temperature → draw. `temp <= 0` is greedy (argmax, ties to the
+//! lowest id). The random generator is our own seeded xoshiro256**, so the
+//! same seed gives the same output on every machine.
+
+/// Sampling parameters (llama.cpp defaults).
+#[derive(Clone, Debug)]
+pub struct SamplerConfig {
+    pub temp: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1.0 = off.
+    pub top_p: f32,
+    /// 0.0 = off.
+    pub min_p: f32,
+    /// 1.0 = off.
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            temp: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+/// xoshiro256** seeded through splitmix64.
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    /// A generator from a 64-bit seed.
+    pub fn new(seed: u64) -> Rng {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            x ^ (x >> 31)
+        };
+        Rng { s: [next(), next(), next(), next()] }
+    }
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// A stateful sampler (holds the RNG and the recent-token window).
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    pub cfg: SamplerConfig,
+    rng: Rng,
+    recent: Vec<u32>,
+    cand: Vec<(u32, f32)>,
+}
+
+/// Index of the largest value (lowest index on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl Sampler {
+    /// A sampler with its own RNG seeded from `cfg.seed`.
+    pub fn new(cfg: SamplerConfig) -> Sampler {
+        let rng = Rng::new(cfg.seed);
+        Sampler { cfg, rng, recent: Vec::new(), cand: Vec::new() }
+    }
+
+    /// Record a token that entered the context (prompt or generated).
+    pub fn accept(&mut self, tok: u32) {
+        self.recent.push(tok);
+        let n = self.cfg.repeat_last_n;
+        if self.recent.len() > 4 * n.max(16) {
+            let cut = self.recent.len() - n;
+            self.recent.drain(..cut);
+        }
+    }
+
+    /// Pick the next token from `logits` (vocab,); `logits` is modified by
+    /// the penalty step.
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        // penalties
+        if self.cfg.repeat_penalty != 1.0 && self.cfg.repeat_last_n > 0 {
+            let start = self.recent.len().saturating_sub(self.cfg.repeat_last_n);
+            let mut seen: Vec<u32> = self.recent[start..].to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / self.cfg.repeat_penalty } else { *l * self.cfg.repeat_penalty };
+                }
+            }
+        }
+        if self.cfg.temp <= 0.0 {
+            return argmax(logits);
+        }
+        // candidates sorted by logit, truncated by top-k
+        let c = &mut self.cand;
+        c.clear();
+        c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        let k = if self.cfg.top_k == 0 { c.len() } else { self.cfg.top_k.min(c.len()) };
+        if k < c.len() {
+            c.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            c.truncate(k);
+        }
+        c.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // softmax of the survivors (temperature 1 for the filters, as llama.cpp)
+        let probs = |c: &[(u32, f32)], t: f32| -> Vec<f64> {
+            let mx = c[0].1 as f64;
+            let e: Vec<f64> = c.iter().map(|&(_, l)| ((l as f64 - mx) / t as f64).exp()).collect();
+            let s: f64 = e.iter().sum();
+            e.into_iter().map(|x| x / s).collect()
+        };
+        // top-p: smallest prefix with cumulative probability ≥ p
+        if self.cfg.top_p < 1.0 {
+            let p = probs(c, 1.0);
+            let mut cum = 0.0;
+            let mut keep = c.len();
+            for (i, &pi) in p.iter().enumerate() {
+                cum += pi;
+                if cum >= self.cfg.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            c.truncate(keep.max(1));
+        }
+        // min-p: drop tokens below min_p times the top probability
+        if self.cfg.min_p > 0.0 {
+            let p = probs(c, 1.0);
+            let thr = p[0] * self.cfg.min_p as f64;
+            let keep = p.iter().take_while(|&&x| x >= thr).count();
+            c.truncate(keep.max(1));
+        }
+        // temperature, then draw
+        let p = probs(c, self.cfg.temp);
+        let r = self.rng.next_f64();
+        let mut cum = 0.0;
+        for (i, &pi) in p.iter().enumerate() {
+            cum += pi;
+            if r < cum {
+                return c[i].0;
+            }
+        }
+        c[c.len() - 1].0
+    }
+}

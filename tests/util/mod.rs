@@ -1,0 +1,32 @@
+//! Shared test fixtures: paths to the default model and the shared data.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// ../shared/data/<name>
+pub fn shared(name: &str) -> PathBuf {
+    root().join("..").join("shared").join("data").join(name)
+}
+
+/// The default model; fetched by models/fetch.sh (the CI script runs it).
+pub fn default_model() -> PathBuf {
+    let p = root().join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "default model missing: run `bash models/fetch.sh` first ({})", p.display());
+    p
+}
+
+/// The first `n_chars` characters of the WikiText-2 test text.
+pub fn wikitext(n_chars: usize) -> String {
+    let s = std::fs::read_to_string(shared("wikitext2_test_lf.txt")).expect("wikitext2 text");
+    s.chars().take(n_chars).collect()
+}
+
+/// Path of the kvrun binary built for integration tests.
+pub fn kvrun_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kvrun"))
+}
