@@ -43,8 +43,7 @@ const ATTR_NORMAL: u16 = 1 << 3;
 const ATTR_CONTROL: u16 = 1 << 4;
 const ATTR_USER_DEFINED: u16 = 1 << 5;
 const ATTR_BYTE: u16 = 1 << 6;
-const ATTR_LSTRIP: u16 = 1 << 7;
-const ATTR_RSTRIP: u16 = 1 << 8;
+const ATTR_RSTRIP: u16 = 1 << 7;
 
 /// The GPT-2 split, plus the trailing `\s+` that llama.cpp's hand-written
 /// matcher for it also applies.
@@ -318,7 +317,7 @@ fn longest_whitespace_run(text: &str) -> usize {
     best
 }
 
-/// Is `b` a C `isspace` byte (used by llama.cpp's lstrip/rstrip of specials)?
+/// Is `b` a C `isspace` byte (what llama.cpp's rstrip of specials skips)?
 fn c_isspace(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | 0x0B | 0x0C | b'\r')
 }
@@ -409,9 +408,11 @@ impl Tokenizer {
             .array("tokenizer.ggml.merges")?
             .ok_or_else(|| tok_err("metadata key 'tokenizer.ggml.merges' is missing (needed by gpt2 BPE)"))?;
         let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        // llama.cpp keeps the first rank of a repeated pair; HF needs both
-        // halves and their concatenation in the vocabulary (a merge that
-        // breaks this can never yield a token and is dropped).
+        // llama.cpp keeps the first rank of a repeated pair. HF needs both
+        // halves and their concatenation in the vocabulary, so a merge that
+        // breaks this is dropped (llama.cpp would still apply it and then
+        // emit the unknown merged piece byte by byte; SmolLM2 and R1 have no
+        // such merges).
         let mut seen: HashSet<(&str, &str)> = HashSet::with_capacity(merge_vals.len());
         let mut merges = Vec::with_capacity(merge_vals.len());
         for (i, v) in merge_vals.iter().enumerate() {
@@ -548,14 +549,8 @@ impl Tokenizer {
                         break;
                     };
                     let m = s + rel;
-                    let mut left_end = m;
-                    if attr & ATTR_LSTRIP != 0 {
-                        while left_end > s && c_isspace(bytes[left_end - 1]) {
-                            left_end -= 1;
-                        }
-                    }
-                    if left_end > s {
-                        next.push(Frag::Raw(s, left_end));
+                    if m > s {
+                        next.push(Frag::Raw(s, m));
                     }
                     next.push(Frag::Tok(id));
                     s = m + pat.len();

@@ -5,15 +5,19 @@
 //!   MATH-500 / GSM8K / AIME problems, slices of R1 reasoning traces) must
 //!   tokenize to exactly llama.cpp's ids with (add_special, parse_special) in
 //!   {(true, true), (false, false)} for SmolLM2 (`smollm`) and the
-//!   DeepSeek-R1-Distill-Qwen header (`deepseek-r1-qwen`).
-//! - The same on 200 kB of WikiText (long-text path, with a speed floor).
+//!   DeepSeek-R1-Distill-Qwen header (`deepseek-r1-qwen`); so must 4000
+//!   seeded random strings built from tricky pieces.
+//! - The same on 200 kB of WikiText (long-text path, with a speed floor) and
+//!   on 100k-200k-character runs of spaces, tabs, letters, punctuation, digits.
 //! - Other pre-types on a real vocabulary: SmolLM2's vocabulary rewritten as
 //!   `llama-bpe`, `gpt-2` and `qwen2` GGUF files, and as an SPM (`llama`)
-//!   vocabulary with scores and `<0xNN>` byte tokens, each checked against
-//!   llama.cpp loading the same file.
+//!   vocabulary with scores and `<0xNN>` byte tokens (with and without the
+//!   space prefix, and with Phi-3's right-stripping specials), each checked
+//!   against llama.cpp loading the same file.
 //! - `token_bytes(id, true)` equals llama.cpp's `token_to_piece` for every id;
 //!   `decode(encode(s)) == s` on the corpus.
-//! - Unknown / missing pre-type is an `Error::Tokenizer`; EOG tokens; BOS rules.
+//! - Unknown / missing pre-type and bad metadata are `Error::Tokenizer`; so is
+//!   a whitespace run beyond the regex engine's limit. EOG tokens; BOS rules.
 
 use ggml_sys::LlamaModel;
 use kvrun::load::gguf::{Gguf, Value};
@@ -481,6 +485,9 @@ fn check_variant(label: &str, kv: Vec<(String, Value)>) -> Tokenizer {
     let oracle = LlamaModel::load(file.0.to_str().expect("utf-8"), true)
         .unwrap_or_else(|e| panic!("{label}: llama.cpp refused the file: {e}"));
     assert_eq!(ours.n_vocab(), oracle.n_vocab());
+    for id in 0..ours.n_vocab() as u32 {
+        assert_eq!(ours.token_bytes(id, true), oracle.token_to_piece(id as i32), "{label}: token {id}");
+    }
     assert_parity(label, &ours, &oracle, &variant_corpus());
     ours
 }
@@ -513,8 +520,8 @@ fn qwen2_pre_type_matches_llama_cpp() {
 
 /// SmolLM2's vocabulary turned into a SentencePiece vocabulary: `<unk>`,
 /// `<s>`, `</s>`, 256 byte tokens, every byte-level token that decodes to
-/// UTF-8 (spaces as `▁`, score = -rank), plus a control and a user-defined
-/// token.
+/// UTF-8 (spaces as `▁`, score = -rank), plus two control tokens and a
+/// user-defined one.
 fn spm_kv(add_space_prefix: Option<bool>) -> Vec<(String, Value)> {
     let g = Gguf::open(&smollm_path()).expect("open SmolLM2");
     let tok = Tokenizer::from_gguf(&g).expect("SmolLM2 tokenizer");
@@ -525,6 +532,8 @@ fn spm_kv(add_space_prefix: Option<bool>) -> Vec<(String, Value)> {
         types.push(6);
     }
     tokens.push("<|im_start|>".into());
+    types.push(3);
+    tokens.push("<|endoftext|>".into());
     types.push(3);
     tokens.push("<think>".into());
     types.push(4);
@@ -573,6 +582,18 @@ fn spm_matches_llama_cpp() {
     let ids = t.encode("你", false, false).expect("encode");
     assert!(ids.iter().any(|&i| t.token_text(i).starts_with("<0x")), "{ids:?}");
     assert_eq!(t.decode(&ids, false), "你");
+}
+
+#[test]
+fn spm_phi3_rstrip_matches_llama_cpp() {
+    // llama.cpp gives Phi-3 (by general.name) right-stripping special tokens.
+    let mut kv = spm_kv(None);
+    kv.retain(|(k, _)| k != "general.name");
+    kv.push(("general.name".into(), Value::Str("Phi-3 Mini Test".into())));
+    let t = check_variant("spm-phi3", kv);
+    let a = t.encode("<think>  x", false, false).expect("encode");
+    let b = t.encode("<think>x", false, false).expect("encode");
+    assert_eq!(a, b, "whitespace after a special token is dropped for Phi-3");
 }
 
 #[test]
@@ -659,13 +680,92 @@ fn tokenizer_is_send_and_sync() {
 /// Deterministic random strings over a pool of tricky pieces.
 fn fuzz_strings(n: usize, seed: u64) -> Vec<String> {
     const POOL: &[&str] = &[
-        " ", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\r", "a", "b", "The", " the", "word", "A", "Z", "é", "ß",
-        "0", "1", "42", "999", "٣", "½", "'s", "'S", "'re", "'LL", "'d", "'", "\"", ".", ",", "!", "?", "...",
-        "-", "_", "(", ")", "{", "}", "<", ">", "/", "\\", "$", "%", "#", "@", "*", "+", "=", "你", "好", "世界",
-        "の", "한", "😀", "👍🏽", "🦀", "\u{301}", "\u{200B}", "\u{00A0}", "\u{3000}", "\u{0085}", "\u{0378}",
-        "\u{E000}", "Ελ", "ру", "ال", "हि", "<think>", "</think>", "<｜User｜>", "<｜Assistant｜>",
-        "<｜end▁of▁sentence｜>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|", "|>", "▁", "Ġ", "\u{1}",
-        "\u{7f}", "x\u{0}y",
+        " ",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        "\r\n",
+        "\r",
+        "a",
+        "b",
+        "The",
+        " the",
+        "word",
+        "A",
+        "Z",
+        "é",
+        "ß",
+        "0",
+        "1",
+        "42",
+        "999",
+        "٣",
+        "½",
+        "'s",
+        "'S",
+        "'re",
+        "'LL",
+        "'d",
+        "'",
+        "\"",
+        ".",
+        ",",
+        "!",
+        "?",
+        "...",
+        "-",
+        "_",
+        "(",
+        ")",
+        "{",
+        "}",
+        "<",
+        ">",
+        "/",
+        "\\",
+        "$",
+        "%",
+        "#",
+        "@",
+        "*",
+        "+",
+        "=",
+        "你",
+        "好",
+        "世界",
+        "の",
+        "한",
+        "😀",
+        "👍🏽",
+        "🦀",
+        "\u{301}",
+        "\u{200B}",
+        "\u{00A0}",
+        "\u{3000}",
+        "\u{0085}",
+        "\u{0378}",
+        "\u{E000}",
+        "Ελ",
+        "ру",
+        "ال",
+        "हि",
+        "<think>",
+        "</think>",
+        "<｜User｜>",
+        "<｜Assistant｜>",
+        "<｜end▁of▁sentence｜>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|",
+        "|>",
+        "▁",
+        "Ġ",
+        "\u{1}",
+        "\u{7f}",
+        "x\u{0}y",
     ];
     let mut state = seed;
     let mut next = move || {
@@ -683,20 +783,22 @@ fn fuzz_strings(n: usize, seed: u64) -> Vec<String> {
 }
 
 #[test]
-fn zz_fuzz_big() {
-    let strings = fuzz_strings(20000, 0x9E37_79B9_7F4A_7C15);
+fn random_strings_match_llama_cpp() {
+    let strings = fuzz_strings(4000, 0x9E37_79B9_7F4A_7C15);
     for p in [smollm(), r1()] {
         assert_parity(p.name, &p.ours, &p.oracle, &strings);
+        for s in &strings {
+            let ids = p.ours.encode(s, false, true).expect("encode");
+            assert_eq!(&p.ours.decode(&ids, true), s, "{}: roundtrip", p.name);
+        }
     }
-    let file = write_gguf("spm-fuzz", &spm_kv(None));
-    let g = Gguf::open(&file.0).unwrap();
-    let ours = Tokenizer::from_gguf(&g).unwrap();
-    let oracle = LlamaModel::load(file.0.to_str().unwrap(), true).unwrap();
-    assert_parity("spm", &ours, &oracle, &strings);
-    let kv = smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("llama-bpe".into())))]);
-    let file = write_gguf("l3-fuzz", &kv);
-    let g = Gguf::open(&file.0).unwrap();
-    let ours = Tokenizer::from_gguf(&g).unwrap();
-    let oracle = LlamaModel::load(file.0.to_str().unwrap(), true).unwrap();
-    assert_parity("llama-bpe", &ours, &oracle, &strings);
+    for (label, kv) in [
+        ("spm-fuzz", spm_kv(None)),
+        ("llama-bpe-fuzz", smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("llama-bpe".into())))])),
+    ] {
+        let file = write_gguf(label, &kv);
+        let ours = Tokenizer::from_gguf(&Gguf::open(&file.0).expect("reopen")).expect("tokenizer");
+        let oracle = LlamaModel::load(file.0.to_str().expect("utf-8"), true).expect("llama.cpp");
+        assert_parity(label, &ours, &oracle, &strings);
+    }
 }
