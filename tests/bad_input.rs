@@ -1,0 +1,401 @@
+//! Bad input end to end: every case runs the real `kvrun` binary and checks
+//! that it fails with exactly one `error: ...` line on stderr that names the
+//! file or flag and the problem, a non-zero exit code, and no panic or
+//! backtrace. Small GGUF files for the model-structure cases are written by a
+//! tiny GGUF v3 writer below (tiny F32 llama weights, a handful of tokens).
+
+mod util;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+// ---------------------------------------------------------------- helpers
+
+/// A scratch file path unique to this test process and case.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvrun-bad-input-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn write_scratch(name: &str, bytes: &[u8]) -> PathBuf {
+    let p = scratch(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(util::kvrun_bin())
+        .args(args)
+        .env_remove("KVRUN_MODEL")
+        .env_remove("RUST_BACKTRACE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn kvrun")
+}
+
+/// Run kvrun, expect a clean one-line failure, and return that line.
+fn expect_error(args: &[&str], must_contain: &[&str]) -> String {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let ctx = format!("kvrun {args:?}\nstatus: {:?}\nstderr:\n{stderr}", out.status);
+    assert!(!out.status.success(), "expected failure: {ctx}");
+    assert!(out.status.code().is_some(), "killed by a signal: {ctx}");
+    for bad in ["panicked", "RUST_BACKTRACE", "backtrace", "internal error"] {
+        assert!(!stderr.contains(bad), "stderr contains {bad:?}: {ctx}");
+    }
+    let lines: Vec<&str> = stderr.trim().lines().collect();
+    assert_eq!(lines.len(), 1, "expected exactly one stderr line: {ctx}");
+    let line = lines[0].trim();
+    assert!(line.starts_with("error:") && line.len() > "error:".len() + 3, "not an error line: {ctx}");
+    for want in must_contain {
+        assert!(line.contains(want), "error line lacks {want:?}: {ctx}");
+    }
+    line.to_owned()
+}
+
+fn model() -> String {
+    util::default_model().to_string_lossy().into_owned()
+}
+
+fn s(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+// ---------------------------------------------------------------- a tiny GGUF v3 writer
+
+const ALIGN: usize = 32;
+const F32: u32 = 0;
+
+enum V {
+    U32(u32),
+    F32(f32),
+    Str(&'static str),
+    StrArr(Vec<String>),
+    I32Arr(Vec<i32>),
+}
+
+struct Tensor {
+    name: String,
+    dims: Vec<u64>,
+    ty: u32,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct GgufWriter {
+    kv: Vec<(String, V)>,
+    tensors: Vec<Tensor>,
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+impl GgufWriter {
+    fn kv(&mut self, k: &str, v: V) -> &mut Self {
+        self.kv.retain(|(key, _)| key != k);
+        self.kv.push((k.to_owned(), v));
+        self
+    }
+    /// An F32 tensor filled with small deterministic values.
+    fn f32(&mut self, name: &str, dims: &[u64]) -> &mut Self {
+        let n: u64 = dims.iter().product();
+        let data = (0..n).flat_map(|i| (((i % 7) as f32 - 3.0) * 0.01).to_le_bytes()).collect();
+        self.tensors.push(Tensor { name: name.to_owned(), dims: dims.to_vec(), ty: F32, data });
+        self
+    }
+    fn remove(&mut self, name: &str) -> &mut Self {
+        let before = self.tensors.len();
+        self.tensors.retain(|t| t.name != name);
+        assert_eq!(before, self.tensors.len() + 1, "no tensor {name}");
+        self
+    }
+    fn tensor_mut(&mut self, name: &str) -> &mut Tensor {
+        self.tensors.iter_mut().find(|t| t.name == name).unwrap()
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut o = Vec::new();
+        o.extend_from_slice(b"GGUF");
+        o.extend_from_slice(&3u32.to_le_bytes());
+        o.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        o.extend_from_slice(&(self.kv.len() as u64).to_le_bytes());
+        for (k, v) in &self.kv {
+            put_str(&mut o, k);
+            match v {
+                V::U32(x) => {
+                    o.extend_from_slice(&4u32.to_le_bytes());
+                    o.extend_from_slice(&x.to_le_bytes());
+                }
+                V::F32(x) => {
+                    o.extend_from_slice(&6u32.to_le_bytes());
+                    o.extend_from_slice(&x.to_le_bytes());
+                }
+                V::Str(x) => {
+                    o.extend_from_slice(&8u32.to_le_bytes());
+                    put_str(&mut o, x);
+                }
+                V::StrArr(a) => {
+                    o.extend_from_slice(&9u32.to_le_bytes());
+                    o.extend_from_slice(&8u32.to_le_bytes());
+                    o.extend_from_slice(&(a.len() as u64).to_le_bytes());
+                    for x in a {
+                        put_str(&mut o, x);
+                    }
+                }
+                V::I32Arr(a) => {
+                    o.extend_from_slice(&9u32.to_le_bytes());
+                    o.extend_from_slice(&5u32.to_le_bytes());
+                    o.extend_from_slice(&(a.len() as u64).to_le_bytes());
+                    for x in a {
+                        o.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+        let mut offset = 0usize;
+        let mut offsets = Vec::new();
+        for t in &self.tensors {
+            put_str(&mut o, &t.name);
+            o.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+            for d in &t.dims {
+                o.extend_from_slice(&d.to_le_bytes());
+            }
+            o.extend_from_slice(&t.ty.to_le_bytes());
+            o.extend_from_slice(&(offset as u64).to_le_bytes());
+            offsets.push(offset);
+            offset = (offset + t.data.len()).div_ceil(ALIGN) * ALIGN;
+        }
+        o.resize(o.len().div_ceil(ALIGN) * ALIGN, 0);
+        let data_start = o.len();
+        for (t, off) in self.tensors.iter().zip(offsets) {
+            o.resize(data_start + off, 0);
+            o.extend_from_slice(&t.data);
+        }
+        o.resize(o.len().div_ceil(ALIGN) * ALIGN, 0);
+        o
+    }
+
+    fn write(&self, name: &str) -> PathBuf {
+        write_scratch(name, &self.bytes())
+    }
+}
+
+const DIM: u64 = 32;
+const FFN: u64 = 64;
+const HEADS: u32 = 2;
+const KV_HEADS: u32 = 1;
+const KV_DIM: u64 = DIM / HEADS as u64 * KV_HEADS as u64;
+
+/// Byte-level BPE vocabulary: the printable ASCII bytes plus two specials.
+fn vocab() -> Vec<String> {
+    let mut v: Vec<String> = (b'!'..=b'~').map(|b| (b as char).to_string()).collect();
+    v.push("Ġ".into()); // the byte-level space
+    v.push("<|endoftext|>".into());
+    v.push("<|im_start|>".into());
+    v
+}
+
+/// A complete, loadable one-layer llama with tiny F32 weights and a gpt2 tokenizer.
+fn tiny_llama() -> GgufWriter {
+    let toks = vocab();
+    let n_vocab = toks.len() as u64;
+    let mut types = vec![1i32; toks.len()];
+    let n = types.len();
+    types[n - 2] = 3;
+    types[n - 1] = 3;
+    let mut w = GgufWriter::default();
+    w.kv("general.architecture", V::Str("llama"))
+        .kv("general.name", V::Str("tiny test llama"))
+        .kv("llama.block_count", V::U32(1))
+        .kv("llama.context_length", V::U32(64))
+        .kv("llama.embedding_length", V::U32(DIM as u32))
+        .kv("llama.feed_forward_length", V::U32(FFN as u32))
+        .kv("llama.attention.head_count", V::U32(HEADS))
+        .kv("llama.attention.head_count_kv", V::U32(KV_HEADS))
+        .kv("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5))
+        .kv("llama.rope.freq_base", V::F32(10000.0))
+        .kv("tokenizer.ggml.model", V::Str("gpt2"))
+        .kv("tokenizer.ggml.pre", V::Str("smollm"))
+        .kv("tokenizer.ggml.tokens", V::StrArr(toks))
+        .kv("tokenizer.ggml.token_type", V::I32Arr(types))
+        .kv("tokenizer.ggml.merges", V::StrArr(Vec::new()))
+        .kv("tokenizer.ggml.bos_token_id", V::U32(n as u32 - 2))
+        .kv("tokenizer.ggml.eos_token_id", V::U32(n as u32 - 2));
+    w.f32("token_embd.weight", &[DIM, n_vocab])
+        .f32("output_norm.weight", &[DIM])
+        .f32("blk.0.attn_norm.weight", &[DIM])
+        .f32("blk.0.attn_q.weight", &[DIM, DIM])
+        .f32("blk.0.attn_k.weight", &[DIM, KV_DIM])
+        .f32("blk.0.attn_v.weight", &[DIM, KV_DIM])
+        .f32("blk.0.attn_output.weight", &[DIM, DIM])
+        .f32("blk.0.ffn_norm.weight", &[DIM])
+        .f32("blk.0.ffn_gate.weight", &[DIM, FFN])
+        .f32("blk.0.ffn_up.weight", &[DIM, FFN])
+        .f32("blk.0.ffn_down.weight", &[FFN, DIM]);
+    w
+}
+
+fn gen_args(model: &str) -> Vec<&str> {
+    vec!["-m", model, "-p", "hi", "-n", "1", "-t", "1", "-c", "64", "--no-perf"]
+}
+
+// ---------------------------------------------------------------- positive controls
+
+/// The tiny writer's model is valid: cases 6–10 fail only by their one defect.
+#[test]
+fn control_tiny_model_generates() {
+    let p = tiny_llama().write("control.gguf");
+    let m = s(&p);
+    let out = run(&gen_args(&m));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tiny model failed: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `inspect` reads a header-only file and reports the missing data on stdout.
+#[test]
+fn inspect_header_only_fixture_succeeds() {
+    let fixture = util::shared("r1-distill-qwen-7b.header.gguf");
+    let out = run(&["inspect", &s(&fixture)]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "inspect failed: {stderr}\n{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stdout.contains("qwen2"), "{stdout}");
+    let data_line = stdout.lines().find(|l| l.starts_with("tensor data: ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(data_line.contains("tensor data missing"), "{data_line}");
+    assert!(stdout.contains("deepseek-r1-qwen"), "{stdout}");
+}
+
+// ---------------------------------------------------------------- 1–5: files
+
+#[test]
+fn c01_missing_model_file() {
+    expect_error(&["-m", "/nonexistent.gguf", "-p", "hi", "-n", "1"], &["/nonexistent.gguf", "no such file"]);
+}
+
+#[test]
+fn c02_not_a_gguf() {
+    let text = "Hello, this is not a model at all.\nJust some text: 12345 qwerty zxcv.\n".repeat(20);
+    let p = write_scratch("not_a_model.gguf", text.as_bytes());
+    let m = s(&p);
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "bad magic"]);
+}
+
+#[test]
+fn c03_header_only_fixture_as_model() {
+    let fixture = util::shared("r1-distill-qwen-7b.header.gguf");
+    let m = s(&fixture);
+    let line = expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &["r1-distill-qwen-7b.header.gguf", "tensor data missing", "needs bytes"]);
+    let len = std::fs::metadata(&fixture).unwrap().len();
+    assert!(line.contains(&format!("file has {len} bytes")), "{line}");
+}
+
+#[test]
+fn c04_truncated_default_model() {
+    let src = std::fs::read(util::default_model()).unwrap();
+    let p = write_scratch("truncated.gguf", &src[..50 << 20]);
+    let m = s(&p);
+    let line = expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "tensor data missing"]);
+    assert!(line.contains(&format!("file has {} bytes", 50 << 20)), "{line}");
+}
+
+#[test]
+fn c05_corrupt_metadata_length() {
+    let src = std::fs::read(util::default_model()).unwrap();
+    let mut head = src[..64 << 10].to_vec();
+    // magic, version, tensor count, kv count; then the first key's u64 length.
+    head[24..32].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
+    let p = write_scratch("corrupt_len.gguf", &head);
+    let m = s(&p);
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "invalid GGUF", "byte 24", "string length"]);
+
+    // A huge array length deeper in the header (tokenizer.ggml.tokens) too.
+    let needle = b"tokenizer.ggml.tokens";
+    let at = head.windows(needle.len()).position(|w| w == needle).expect("tokens key in the header");
+    let len_at = at + needle.len() + 4 + 4; // type (array), element type (string)
+    let mut head2 = src[..64 << 10].to_vec();
+    head2[len_at..len_at + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
+    let p2 = write_scratch("corrupt_arr.gguf", &head2);
+    let m2 = s(&p2);
+    expect_error(&["-m", &m2, "-p", "hi", "-n", "1"], &[&m2, "invalid GGUF", "array length"]);
+}
+
+// ---------------------------------------------------------------- 6–10: model structure
+
+#[test]
+fn c06_unknown_architecture() {
+    let mut w = tiny_llama();
+    w.kv("general.architecture", V::Str("mamba9"));
+    let m = s(&w.write("mamba9.gguf"));
+    expect_error(&gen_args(&m), &[&m, "unknown architecture", "mamba9"]);
+}
+
+#[test]
+fn c07_unsupported_tensor_type() {
+    let mut w = tiny_llama();
+    let t = w.tensor_mut("blk.0.attn_q.weight");
+    t.ty = 16; // IQ2_XXS: 256-element blocks of 66 bytes
+    t.dims = vec![256, DIM];
+    t.data = vec![0u8; 66 * DIM as usize];
+    let m = s(&w.write("iq2.gguf"));
+    expect_error(&gen_args(&m), &[&m, "blk.0.attn_q.weight", "unsupported type", "IQ2_XXS"]);
+}
+
+#[test]
+fn c08_missing_tensor() {
+    let mut w = tiny_llama();
+    w.remove("blk.0.attn_q.weight");
+    let m = s(&w.write("missing.gguf"));
+    expect_error(&gen_args(&m), &[&m, "missing tensor", "blk.0.attn_q.weight"]);
+}
+
+#[test]
+fn c09_shape_mismatch() {
+    let mut w = tiny_llama();
+    w.remove("blk.0.ffn_down.weight").f32("blk.0.ffn_down.weight", &[DIM, FFN]);
+    let m = s(&w.write("shape.gguf"));
+    expect_error(&gen_args(&m), &[&m, "blk.0.ffn_down.weight", "shape", "[32, 64]", "[64, 32]"]);
+}
+
+#[test]
+fn c10_unknown_pre_tokenizer() {
+    let mut w = tiny_llama();
+    w.kv("tokenizer.ggml.pre", V::Str("nonesuch"));
+    let m = s(&w.write("pre.gguf"));
+    expect_error(&gen_args(&m), &["pre-tokenizer", "nonesuch"]);
+}
+
+// ---------------------------------------------------------------- 11–14: flags
+
+#[test]
+fn c11_prompt_file_not_utf8() {
+    let p = write_scratch("prompt.bin", &[b'o', b'k', 0xff, 0xfe, 0x00, 0x41, 0xc3]);
+    let f = s(&p);
+    let m = model();
+    expect_error(&["-m", &m, "-f", &f, "-n", "1"], &["-f", &f, "UTF-8"]);
+}
+
+#[test]
+fn c12_context_smaller_than_prompt() {
+    let m = model();
+    expect_error(
+        &["-m", &m, "-p", "Tell me a long story about a dragon and a knight.", "-c", "4", "-n", "1", "-t", "1"],
+        &["-c/--ctx-size", "context holds 4"],
+    );
+}
+
+#[test]
+fn c13_negative_n_predict() {
+    let m = model();
+    expect_error(&["-m", &m, "-p", "hi", "-n", "-5"], &["-n/--n-predict", "-5"]);
+}
+
+#[test]
+fn c14_zero_threads() {
+    let m = model();
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "0"], &["-t/--threads", "at least 1"]);
+}
