@@ -210,6 +210,14 @@ pub fn prompt_tokens(
     }
 }
 
+/// Prefix the model file to tokenizer / chat-template errors, which carry no path.
+fn in_file(path: &Path, e: Error) -> Error {
+    match e {
+        Error::Tokenizer(_) | Error::Template(_) => Error::Other(format!("{}: {e}", path.display())),
+        e => e,
+    }
+}
+
 /// One-shot generation (the default command).
 pub fn run_generate(a: &RunArgs) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
@@ -240,8 +248,8 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     let t_load = std::time::Instant::now();
     let g = Gguf::open(&path)?;
     let w = Weights::from_gguf(&g)?;
-    let tok = Tokenizer::from_gguf(&g)?;
-    let tmpl = if a.raw { None } else { ChatTemplate::from_gguf(&g)? };
+    let tok = Tokenizer::from_gguf(&g).map_err(|e| in_file(&path, e))?;
+    let tmpl = if a.raw { None } else { ChatTemplate::from_gguf(&g).map_err(|e| in_file(&path, e))? };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let ids = prompt_tokens(&tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
     let n_ctx = if a.ctx_size == 0 { w.config.n_ctx_train } else { a.ctx_size as usize };

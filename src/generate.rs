@@ -5,14 +5,23 @@
 use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::llama::{forward, Logits, RunState};
+use crate::model::llama::{forward, Logits, MassMode, RunState, StepIo};
+use crate::policy::{Evictor, Scorer};
 use crate::model::Weights;
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
+/// A budgeted KV cache: the scorer that ranks tokens and the evictor that
+/// enforces the budget and protection.
+#[derive(Debug)]
+pub struct KvPolicy {
+    pub scorer: Box<dyn Scorer>,
+    pub evictor: Evictor,
+}
+
 /// One sequence being decoded: weights (shared, immutable), run state and
-/// KV cache (owned, mutable).
+/// KV cache (owned, mutable), and the optional eviction policy.
 #[derive(Debug)]
 pub struct Session<'w> {
     pub w: &'w Weights<'w>,
@@ -21,23 +30,69 @@ pub struct Session<'w> {
     pub kv: KvCache,
     /// Tokens processed so far (the next token's position).
     pub n_past: usize,
-    /// Context size in tokens.
+    /// Largest position + 1 the session accepts.
     pub n_ctx: usize,
+    /// None = full cache.
+    pub policy: Option<KvPolicy>,
+    /// Tokens evicted so far.
+    pub n_evicted: usize,
+    /// Step-level attention mass export buffer, (n_slots,).
+    mass: Vec<f32>,
+    scores: Vec<f32>,
+    victims: Vec<u32>,
+    logits: Vec<f32>,
 }
 
 impl<'w> Session<'w> {
-    /// A session with a context of `n_ctx` tokens, `n_threads` threads and
-    /// prefill chunks of `n_batch` tokens.
+    /// A full-cache session with a context of `n_ctx` tokens, `n_threads`
+    /// threads and prefill chunks of `n_batch` tokens.
     pub fn new(w: &'w Weights<'w>, n_ctx: usize, n_threads: usize, n_batch: usize) -> Session<'w> {
+        Self::build(w, n_ctx, n_ctx, n_threads, n_batch, None)
+    }
+
+    /// A session whose cache holds at most `policy.evictor.budget` tokens,
+    /// for positions up to `n_ctx`. Prefill chunks are capped so that the
+    /// budget holds during prefill too.
+    pub fn with_policy(
+        w: &'w Weights<'w>,
+        n_ctx: usize,
+        n_threads: usize,
+        n_batch: usize,
+        policy: KvPolicy,
+    ) -> Result<Session<'w>> {
+        let e = &policy.evictor;
+        if e.budget == 0 {
+            return Err(Error::arg("--kv-budget", "must be at least 1"));
+        }
+        if e.n_sink + e.n_recent >= e.budget {
+            return Err(Error::arg(
+                "--kv-budget",
+                format!("budget {} cannot hold the protected tokens (sinks {} + recent {}) plus one new token", e.budget, e.n_sink, e.n_recent),
+            ));
+        }
+        // a chunk must fit next to the protected tokens
+        let room = e.budget - e.n_sink - e.n_recent;
+        let n_batch = n_batch.min(room).max(1);
+        let budget = e.budget;
+        Ok(Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy)))
+    }
+
+    fn build(w: &'w Weights<'w>, n_ctx: usize, n_slots: usize, n_threads: usize, n_batch: usize, policy: Option<KvPolicy>) -> Session<'w> {
         let c = &w.config;
         let pool = ThreadPool::new(n_threads);
         Session {
             w,
-            state: RunState::new(w, n_batch, n_threads, n_ctx),
-            kv: KvCache::new(c.n_layers, c.kv_dim(), n_ctx),
+            state: RunState::new(w, n_batch, n_threads, n_slots),
+            kv: KvCache::new(c.n_layers, c.kv_dim(), c.head_dim, n_slots),
             pool,
             n_past: 0,
             n_ctx,
+            policy,
+            n_evicted: 0,
+            mass: vec![0.0; n_slots],
+            scores: Vec::new(),
+            victims: Vec::new(),
+            logits: Vec::new(),
         }
     }
 
@@ -45,16 +100,74 @@ impl<'w> Session<'w> {
     pub fn reset(&mut self) {
         self.kv.clear();
         self.n_past = 0;
+        self.n_evicted = 0;
+        if let Some(p) = &mut self.policy {
+            p.scorer.reset();
+        }
     }
 
-    /// Feed `tokens` at the current position; returns the requested logits.
+    /// Mark positions below `n` as prompt (protected when the policy keeps the prompt).
+    pub fn protect_prompt(&mut self, n: usize) {
+        if let Some(p) = &mut self.policy {
+            if p.evictor.keep_prompt_until > 0 {
+                p.evictor.keep_prompt_until = n;
+            }
+        }
+    }
+
+    /// Feed `tokens` at the current position (in chunks of at most
+    /// `n_batch`, evicting between chunks); returns the requested logits.
     pub fn feed(&mut self, tokens: &[u32], want: Logits) -> Result<&[f32]> {
         if self.n_past + tokens.len() > self.n_ctx {
             return Err(Error::ContextTooSmall { n_prompt: self.n_past + tokens.len(), n_ctx: self.n_ctx });
         }
-        let pos0 = self.n_past;
-        self.n_past += tokens.len();
-        forward(self.w, &mut self.state, &mut self.kv, &self.pool, tokens, pos0, want)
+        self.logits.clear();
+        let nb = self.state.n_batch;
+        let mut done = 0;
+        while done < tokens.len() {
+            let n = (tokens.len() - done).min(nb);
+            let chunk = &tokens[done..done + n];
+            let last = done + n == tokens.len();
+            let n_out = match want {
+                Logits::All => n,
+                Logits::Last if last => 1,
+                Logits::Last => 0,
+            };
+            let pos0 = self.n_past;
+            // choose victims so that resident + n stays within the budget
+            self.victims.clear();
+            let mass_mode = match &mut self.policy {
+                Some(p) => {
+                    let (slots, pos) = self.kv.live();
+                    if slots.len() + n > p.evictor.budget {
+                        self.scores.resize(slots.len(), 0.0);
+                        p.scorer.score(&self.kv, slots, pos, &mut self.scores);
+                        let newest = (pos0 + n - 1) as i64;
+                        p.evictor.select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
+                    }
+                    p.scorer.mass_mode()
+                }
+                None => MassMode::None,
+            };
+            let io = StepIo {
+                victims: &self.victims,
+                mass_mode,
+                mass: if mass_mode != MassMode::None { Some(&mut self.mass) } else { None },
+            };
+            let out = forward(self.w, &mut self.state, &mut self.kv, &self.pool, chunk, pos0, n_out, io)?;
+            self.logits.extend_from_slice(out);
+            self.n_evicted += self.victims.len();
+            self.n_past += n;
+            if let Some(p) = &mut self.policy {
+                let new_slots = self.state.step_slots();
+                p.scorer.on_write(&self.kv, new_slots, &self.state.step_positions());
+                if mass_mode != MassMode::None {
+                    p.scorer.observe(&self.mass);
+                }
+            }
+            done += n;
+        }
+        Ok(&self.logits)
     }
 }
 

@@ -22,6 +22,7 @@ pub mod generate;
 pub mod kv;
 pub mod load;
 pub mod model;
+pub mod policy;
 pub mod quant;
 pub mod sample;
 pub mod tensor;

@@ -328,6 +328,17 @@ impl Tokenizer {
         Self::from_metadata(&g.metadata)
     }
 
+    /// Build from a Hugging Face `tokenizer.json` (byte-level BPE), reading
+    /// BOS/EOS and flags from `tokenizer_config.json` / `config.json` beside it.
+    pub fn from_hf_json(path: &std::path::Path) -> Result<Tokenizer> {
+        Self::from_metadata(&crate::load::safetensors::hf_tokenizer_metadata(path)?)
+    }
+
+    /// [`Tokenizer::from_hf_json`] on `dir/tokenizer.json`.
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Tokenizer> {
+        Self::from_hf_json(&dir.join("tokenizer.json"))
+    }
+
     /// Build the tokenizer from GGUF-style metadata key/value pairs (the
     /// `tokenizer.*` keys, plus `general.name` for a model-specific quirk).
     pub fn from_metadata(kv: &[(String, Value)]) -> Result<Tokenizer> {

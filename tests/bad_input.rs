@@ -11,17 +11,26 @@ use std::process::{Command, Output, Stdio};
 
 // ---------------------------------------------------------------- helpers
 
-/// A scratch file path unique to this test process and case.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvrun-bad-input-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A scratch directory unique to this test process and case, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(case: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("kvrun-bad-input-{}-{case}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
 }
 
-fn write_scratch(name: &str, bytes: &[u8]) -> PathBuf {
-    let p = scratch(name);
-    std::fs::write(&p, bytes).unwrap();
-    p
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn run(args: &[&str]) -> Output {
@@ -178,8 +187,8 @@ impl GgufWriter {
         o
     }
 
-    fn write(&self, name: &str) -> PathBuf {
-        write_scratch(name, &self.bytes())
+    fn write(&self, dir: &Scratch, name: &str) -> PathBuf {
+        dir.write(name, &self.bytes())
     }
 }
 
@@ -247,7 +256,8 @@ fn gen_args(model: &str) -> Vec<&str> {
 /// The tiny writer's model is valid: cases 6–10 fail only by their one defect.
 #[test]
 fn control_tiny_model_generates() {
-    let p = tiny_llama().write("control.gguf");
+    let tmp = Scratch::new("control");
+    let p = tiny_llama().write(&tmp, "control.gguf");
     let m = s(&p);
     let out = run(&gen_args(&m));
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -279,8 +289,9 @@ fn c01_missing_model_file() {
 
 #[test]
 fn c02_not_a_gguf() {
+    let tmp = Scratch::new("c02");
     let text = "Hello, this is not a model at all.\nJust some text: 12345 qwerty zxcv.\n".repeat(20);
-    let p = write_scratch("not_a_model.gguf", text.as_bytes());
+    let p = tmp.write("not_a_model.gguf", text.as_bytes());
     let m = s(&p);
     expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "bad magic"]);
 }
@@ -296,8 +307,9 @@ fn c03_header_only_fixture_as_model() {
 
 #[test]
 fn c04_truncated_default_model() {
+    let tmp = Scratch::new("c04");
     let src = std::fs::read(util::default_model()).unwrap();
-    let p = write_scratch("truncated.gguf", &src[..50 << 20]);
+    let p = tmp.write("truncated.gguf", &src[..50 << 20]);
     let m = s(&p);
     let line = expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "tensor data missing"]);
     assert!(line.contains(&format!("file has {} bytes", 50 << 20)), "{line}");
@@ -305,11 +317,12 @@ fn c04_truncated_default_model() {
 
 #[test]
 fn c05_corrupt_metadata_length() {
+    let tmp = Scratch::new("c05");
     let src = std::fs::read(util::default_model()).unwrap();
     let mut head = src[..64 << 10].to_vec();
     // magic, version, tensor count, kv count; then the first key's u64 length.
     head[24..32].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
-    let p = write_scratch("corrupt_len.gguf", &head);
+    let p = tmp.write("corrupt_len.gguf", &head);
     let m = s(&p);
     expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "invalid GGUF", "byte 24", "string length"]);
 
@@ -319,7 +332,7 @@ fn c05_corrupt_metadata_length() {
     let len_at = at + needle.len() + 4 + 4; // type (array), element type (string)
     let mut head2 = src[..64 << 10].to_vec();
     head2[len_at..len_at + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
-    let p2 = write_scratch("corrupt_arr.gguf", &head2);
+    let p2 = tmp.write("corrupt_arr.gguf", &head2);
     let m2 = s(&p2);
     expect_error(&["-m", &m2, "-p", "hi", "-n", "1"], &[&m2, "invalid GGUF", "array length"]);
 }
@@ -328,52 +341,58 @@ fn c05_corrupt_metadata_length() {
 
 #[test]
 fn c06_unknown_architecture() {
+    let tmp = Scratch::new("c06");
     let mut w = tiny_llama();
     w.kv("general.architecture", V::Str("mamba9"));
-    let m = s(&w.write("mamba9.gguf"));
+    let m = s(&w.write(&tmp, "mamba9.gguf"));
     expect_error(&gen_args(&m), &[&m, "unknown architecture", "mamba9"]);
 }
 
 #[test]
 fn c07_unsupported_tensor_type() {
+    let tmp = Scratch::new("c07");
     let mut w = tiny_llama();
     let t = w.tensor_mut("blk.0.attn_q.weight");
     t.ty = 16; // IQ2_XXS: 256-element blocks of 66 bytes
     t.dims = vec![256, DIM];
     t.data = vec![0u8; 66 * DIM as usize];
-    let m = s(&w.write("iq2.gguf"));
+    let m = s(&w.write(&tmp, "iq2.gguf"));
     expect_error(&gen_args(&m), &[&m, "blk.0.attn_q.weight", "unsupported type", "IQ2_XXS"]);
 }
 
 #[test]
 fn c08_missing_tensor() {
+    let tmp = Scratch::new("c08");
     let mut w = tiny_llama();
     w.remove("blk.0.attn_q.weight");
-    let m = s(&w.write("missing.gguf"));
+    let m = s(&w.write(&tmp, "missing.gguf"));
     expect_error(&gen_args(&m), &[&m, "missing tensor", "blk.0.attn_q.weight"]);
 }
 
 #[test]
 fn c09_shape_mismatch() {
+    let tmp = Scratch::new("c09");
     let mut w = tiny_llama();
     w.remove("blk.0.ffn_down.weight").f32("blk.0.ffn_down.weight", &[DIM, FFN]);
-    let m = s(&w.write("shape.gguf"));
+    let m = s(&w.write(&tmp, "shape.gguf"));
     expect_error(&gen_args(&m), &[&m, "blk.0.ffn_down.weight", "shape", "[32, 64]", "[64, 32]"]);
 }
 
 #[test]
 fn c10_unknown_pre_tokenizer() {
+    let tmp = Scratch::new("c10");
     let mut w = tiny_llama();
     w.kv("tokenizer.ggml.pre", V::Str("nonesuch"));
-    let m = s(&w.write("pre.gguf"));
-    expect_error(&gen_args(&m), &["pre-tokenizer", "nonesuch"]);
+    let m = s(&w.write(&tmp, "pre.gguf"));
+    expect_error(&gen_args(&m), &[&m, "tokenizer", "pre-tokenizer", "nonesuch"]);
 }
 
 // ---------------------------------------------------------------- 11–14: flags
 
 #[test]
 fn c11_prompt_file_not_utf8() {
-    let p = write_scratch("prompt.bin", &[b'o', b'k', 0xff, 0xfe, 0x00, 0x41, 0xc3]);
+    let tmp = Scratch::new("c11");
+    let p = tmp.write("prompt.bin", &[b'o', b'k', 0xff, 0xfe, 0x00, 0x41, 0xc3]);
     let f = s(&p);
     let m = model();
     expect_error(&["-m", &m, "-f", &f, "-n", "1"], &["-f", &f, "UTF-8"]);

@@ -237,8 +237,10 @@ pub fn add(x: &mut [f32], y: &[f32]) {
 /// and scores use ggml's f16 SIMD dot product against the f16 keys.
 ///
 /// `key(j)` / `val(j)` return entry j's head slice (head_dim f16 values);
-/// `scores`, if given, receives the scaled raw scores (n,). Writes out (head_dim,).
-/// Memory is O(head_dim) whatever n is: no score matrix is ever built.
+/// `scores`, if given, receives the scaled raw scores (n,). Writes out
+/// (head_dim,) and returns the row's (max, sum of exp(s - max)), from which
+/// probabilities are exp(s_j - max) / sum. Memory is O(head_dim) whatever n
+/// is: no score matrix is ever built.
 pub fn attend_head<'k>(
     f16dot: &CpuTraits,
     q: &[f32],
@@ -248,7 +250,7 @@ pub fn attend_head<'k>(
     scale: f32,
     out: &mut [f32],
     mut scores: Option<&mut [f32]>,
-) {
+) -> (f32, f32) {
     let hd = q.len();
     let mut q16 = [f16::ZERO; 256];
     let q16 = &mut q16[..hd];
@@ -280,6 +282,7 @@ pub fn attend_head<'k>(
     for o in out.iter_mut() {
         *o *= inv;
     }
+    (m, sum)
 }
 
 /// Dot product of an f32 query with an f16 key (head_dim ≤ 256).

@@ -4,9 +4,11 @@
 //! token (freeing its slot) never moves or re-rotates data. Storage is f16,
 //! laid out (n_layers, n_slots, kv_dim) for K and for V.
 //!
-//! Protocol for a forward step over `n` new tokens: `reserve(positions)`
-//! picks slots (it is the only place that mutates `cells`), the forward pass
-//! writes each layer's K/V rows into those slots and attends over `live()`.
+//! Protocol for a forward step over `n` new tokens: `apply(victims,
+//! positions)` frees the evicted slots and picks slots for the new tokens (it
+//! is the only place that mutates `cells`); the forward pass then writes each
+//! layer's K/V rows into those slots and attends over `live()`. Freed slots
+//! are reused ring-style, so eviction never moves data.
 
 pub mod cells;
 
@@ -21,6 +23,8 @@ pub struct KvCache {
     pub n_layers: usize,
     /// n_kv_heads * head_dim.
     pub kv_dim: usize,
+    /// Dimensions per KV head.
+    pub head_dim: usize,
     /// (n_layers, n_slots, kv_dim) keys after RoPE.
     k: Vec<f16>,
     /// (n_layers, n_slots, kv_dim) values.
@@ -29,20 +33,25 @@ pub struct KvCache {
     live_slots: Vec<u32>,
     /// (n_live,) absolute positions matching `live_slots`.
     live_pos: Vec<i64>,
+    /// Most tokens ever resident at once since the last `clear`.
+    pub peak_live: usize,
 }
 
 impl KvCache {
-    /// A cache of `n_slots` slots per layer.
-    pub fn new(n_layers: usize, kv_dim: usize, n_slots: usize) -> KvCache {
+    /// A cache of `n_slots` slots per layer, each holding `kv_dim` =
+    /// n_kv_heads * `head_dim` values of K and of V.
+    pub fn new(n_layers: usize, kv_dim: usize, head_dim: usize, n_slots: usize) -> KvCache {
         let n = n_layers * n_slots * kv_dim;
         KvCache {
             cells: KvCells::new(n_slots),
             n_layers,
             kv_dim,
+            head_dim,
             k: vec![f16::ZERO; n],
             v: vec![f16::ZERO; n],
             live_slots: Vec::new(),
             live_pos: Vec::new(),
+            peak_live: 0,
         }
     }
 
@@ -56,11 +65,17 @@ impl KvCache {
         self.cells.clear();
         self.live_slots.clear();
         self.live_pos.clear();
+        self.peak_live = 0;
     }
 
-    /// Occupy one slot per new position and refresh the live list; returns
-    /// the slots in the order of `positions`. The single mutation point.
-    pub fn reserve(&mut self, positions: &[i64], slots: &mut Vec<u32>) -> Result<()> {
+    /// The single mutation point: free the `victims` slots, occupy one slot
+    /// per new position, and refresh the live list. The new tokens' slots
+    /// are returned in `slots`, in the order of `positions`.
+    pub fn apply(&mut self, victims: &[u32], positions: &[i64], slots: &mut Vec<u32>) -> Result<()> {
+        for &v in victims {
+            self.cells.free(v as usize);
+        }
+        self.peak_live = self.peak_live.max(self.cells.n_live() + positions.len());
         slots.clear();
         for &p in positions {
             let s = self.cells.find_free().ok_or_else(|| {

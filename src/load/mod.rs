@@ -2,3 +2,4 @@
 
 pub mod gguf;
 pub mod mmap;
+pub mod safetensors;

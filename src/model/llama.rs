@@ -42,6 +42,8 @@ pub struct RunState {
     att: Vec<f32>,
     /// (n_out, vocab) logits of the requested rows
     pub logits: Vec<f32>,
+    /// (n_threads, n_slots) per-thread attention-mass accumulators
+    mass_thr: Vec<f32>,
     /// quantized activations scratch
     act: Vec<u8>,
     /// (n,) slots reserved for the tokens of the current step
@@ -51,6 +53,15 @@ pub struct RunState {
 }
 
 impl RunState {
+    /// Slots the last forward step wrote its tokens into.
+    pub fn step_slots(&self) -> &[u32] {
+        &self.slots
+    }
+    /// Positions of the last forward step's tokens.
+    pub fn step_positions(&self) -> Vec<i64> {
+        self.positions.clone()
+    }
+
     /// Buffers for `n_batch` tokens per call, `n_threads` attention workers
     /// and a cache of `n_slots` slots.
     pub fn new(w: &Weights<'_>, n_batch: usize, n_threads: usize, n_slots: usize) -> RunState {
@@ -68,6 +79,7 @@ impl RunState {
             hb2: vec![0.0; n_batch * c.ffn_dim],
             att: vec![0.0; n_threads.max(1) * n_slots],
             logits: Vec::new(),
+            mass_thr: Vec::new(),
             act: Vec::new(),
             slots: Vec::new(),
             positions: Vec::new(),
@@ -75,9 +87,33 @@ impl RunState {
     }
 }
 
-/// Run `tokens` (at absolute positions `pos0..pos0+n`) through the model,
-/// appending their K/V to `kv`; returns the requested logits, row-major
-/// (n_out, vocab). Long inputs are processed in chunks of `s.n_batch`.
+/// Which attention probabilities a forward step exports to the scorers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MassMode {
+    /// Nothing (no cost).
+    #[default]
+    None,
+    /// The last query row of the step.
+    LastRow,
+    /// The sum over every query row of the step.
+    AllRows,
+}
+
+/// What one forward step reads and exports besides logits.
+#[derive(Debug, Default)]
+pub struct StepIo<'a> {
+    /// Slots to free before the new tokens are written (chosen by the evictor).
+    pub victims: &'a [u32],
+    /// Attention-probability export mode.
+    pub mass_mode: MassMode,
+    /// (n_slots,) receives, per slot, the attention probability averaged
+    /// over every query head of every layer (summed over rows for `AllRows`).
+    pub mass: Option<&'a mut [f32]>,
+}
+
+/// Run `tokens` (at absolute positions `pos0..pos0+n`, n ≤ `s.n_batch`)
+/// through the model after freeing `io.victims`, appending their K/V to `kv`;
+/// returns the logits of the last `n_out` tokens, row-major (n_out, vocab).
 pub fn forward<'s>(
     w: &Weights<'_>,
     s: &'s mut RunState,
@@ -85,26 +121,18 @@ pub fn forward<'s>(
     pool: &ThreadPool,
     tokens: &[u32],
     pos0: usize,
-    want: Logits,
+    n_out: usize,
+    io: StepIo<'_>,
 ) -> Result<&'s [f32]> {
     let vocab = w.config.vocab;
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::Other(format!("token id {bad} out of range (vocab {vocab})")));
     }
-    s.logits.clear();
-    let n_total = tokens.len();
-    let mut done = 0;
-    while done < n_total {
-        let n = (n_total - done).min(s.n_batch);
-        let last_chunk = done + n == n_total;
-        let rows = match want {
-            Logits::All => n,
-            Logits::Last if last_chunk => 1,
-            Logits::Last => 0,
-        };
-        forward_chunk(w, s, kv, pool, &tokens[done..done + n], pos0 + done, rows)?;
-        done += n;
+    if tokens.len() > s.n_batch || n_out > tokens.len() {
+        return Err(Error::Other(format!("forward: {} tokens / {n_out} outputs exceed batch {}", tokens.len(), s.n_batch)));
     }
+    s.logits.clear();
+    forward_chunk(w, s, kv, pool, tokens, pos0, n_out, io)?;
     Ok(&s.logits)
 }
 
@@ -117,20 +145,29 @@ fn forward_chunk(
     tokens: &[u32],
     pos0: usize,
     n_out: usize,
+    io: StepIo<'_>,
 ) -> Result<()> {
     let c = &w.config;
     let n = tokens.len();
     let (dim, q_dim, kv_dim, hd, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.head_dim, c.ffn_dim);
     let n_threads = pool.n_threads();
 
-    // reserve one cache slot per new token (the cache's single mutation point)
+    // free the victims and take one cache slot per new token (the cache's
+    // single mutation point)
     s.positions.clear();
     s.positions.extend((0..n).map(|i| (pos0 + i) as i64));
-    kv.reserve(&s.positions, &mut s.slots)?;
+    kv.apply(io.victims, &s.positions, &mut s.slots)?;
     let n_slots = kv.cells.n_slots();
     if s.att.len() < n_threads * n_slots {
         s.att.resize(n_threads * n_slots, 0.0);
     }
+    // per-thread attention-mass accumulators, only when a scorer asks
+    let export = io.mass.is_some() && io.mass_mode != MassMode::None;
+    if export {
+        s.mass_thr.clear();
+        s.mass_thr.resize(n_threads * n_slots, 0.0);
+    }
+    let mass_w = 1.0 / (c.n_heads * c.n_layers) as f32;
 
     // token embeddings: x[i] = token_embd[tokens[i]]           (n, dim)
     for (i, &t) in tokens.iter().enumerate() {
@@ -177,6 +214,8 @@ fn forward_chunk(
             let q = &s.q;
             let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
             let att = SharedMut::new(&mut s.att[..n_threads * n_slots]);
+            let mthr = SharedMut::new(&mut s.mass_thr[..]);
+            let mass_mode = if export { io.mass_mode } else { MassMode::None };
             let n_work = n * c.n_heads;
             let f16dot = ggml_sys::CpuTraits::of(crate::tensor::DType::F16.ggml_id()).expect("ggml has an f16 dot");
             pool.run(|ti| {
@@ -193,7 +232,20 @@ fn forward_chunk(
                     let o = unsafe { out.slice(i * q_dim + h * hd, hd) };
                     let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                     let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                    attend_head(&f16dot, qh, n_vis, key, val, scale, o, Some(&mut sc[..n_vis]));
+                    let (m, sum) = attend_head(&f16dot, qh, n_vis, key, val, scale, o, Some(&mut sc[..n_vis]));
+                    let export_row = match mass_mode {
+                        MassMode::None => false,
+                        MassMode::LastRow => i + 1 == n,
+                        MassMode::AllRows => true,
+                    };
+                    if export_row {
+                        // SAFETY: each thread accumulates into its own row.
+                        let acc = unsafe { mthr.slice(ti * n_slots, n_slots) };
+                        let k = mass_w / sum;
+                        for j in 0..n_vis {
+                            acc[live_slots[j] as usize] += (sc[j] - m).exp() * k;
+                        }
+                    }
                 }
             });
         }
@@ -214,6 +266,18 @@ fn forward_chunk(
 
         // residual                                               (n, dim)
         add(&mut s.x[..n * dim], &s.xb[..n * dim]);
+    }
+
+    // reduce the per-thread attention mass into the caller's (n_slots,) buffer
+    if export {
+        if let Some(out) = io.mass {
+            out[..n_slots].fill(0.0);
+            for t in 0..n_threads {
+                for (o, &x) in out[..n_slots].iter_mut().zip(&s.mass_thr[t * n_slots..(t + 1) * n_slots]) {
+                    *o += x;
+                }
+            }
+        }
     }
 
     if n_out == 0 {
