@@ -9,7 +9,7 @@ use crate::chat::{ChatTemplate, Message};
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session};
 use crate::load::gguf::Gguf;
-use crate::model::Weights;
+use crate::load::Checkpoint;
 use crate::sample::{Sampler, SamplerConfig};
 use crate::tokenizer::Tokenizer;
 use clap::{Args, Parser, Subcommand};
@@ -24,9 +24,7 @@ pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
     name = "kvrun",
     version,
     about = "kvrun: LLM inference for long reasoning traces, with a budgeted KV cache",
-    args_conflicts_with_subcommands = true,
-    after_help = "Without a subcommand kvrun generates from -p/-f (one-shot, like llama-completion).\n\
-                  Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv."
+    args_conflicts_with_subcommands = true
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -44,6 +42,9 @@ pub enum Cmd {
     },
     /// llama-bench-style table: kvrun vs llama.cpp (same file, same threads).
     Bench(crate::bench::BenchArgs),
+    /// Fidelity evaluation of eviction policies.
+    #[command(subcommand)]
+    Eval(crate::eval::EvalCmd),
 }
 
 /// Model selection shared by every command.
@@ -57,11 +58,63 @@ pub struct ModelArgs {
     pub threads: Option<i64>,
 }
 
+/// KV-cache budget and eviction flags, shared by every command that decodes.
+#[derive(Args, Debug, Clone)]
+pub struct KvArgs {
+    /// Eviction policy (see the list below; `full` = no eviction).
+    #[arg(long = "policy", default_value = "full")]
+    pub policy: String,
+    /// Tokens kept in the KV cache (per layer per KV head); required unless --policy full.
+    #[arg(long = "kv-budget")]
+    pub kv_budget: Option<usize>,
+    /// First positions never evicted (attention sinks).
+    #[arg(long = "kv-sink", default_value_t = 4)]
+    pub kv_sink: usize,
+    /// Newest positions never evicted (default: min(128, budget/4)).
+    #[arg(long = "kv-recent")]
+    pub kv_recent: Option<usize>,
+    /// Never evict prompt tokens.
+    #[arg(long = "keep-prompt")]
+    pub keep_prompt: bool,
+    /// Evict in batches: free this many slots at a time once over budget.
+    #[arg(long = "evict-every", default_value_t = 1)]
+    pub evict_every: usize,
+}
+
+impl KvArgs {
+    /// Build the policy (None for `full`) for a cache of `budget` slots.
+    pub fn build(&self, seed: u64) -> Result<Option<crate::generate::KvPolicy>> {
+        let Some(scorer_budget) = (match (self.policy.as_str(), self.kv_budget) {
+            ("full", _) => None,
+            (_, None) => return Err(Error::arg("--kv-budget", format!("--policy {} needs --kv-budget N", self.policy))),
+            (_, Some(b)) => Some(b),
+        }) else {
+            return Ok(None);
+        };
+        let budget = scorer_budget;
+        if self.evict_every == 0 {
+            return Err(Error::arg("--evict-every", "must be at least 1"));
+        }
+        let scorer = crate::policy::by_name(&self.policy, budget, &crate::policy::PolicyArgs { seed })?
+            .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
+        let evictor = crate::policy::Evictor {
+            budget,
+            n_sink: self.kv_sink,
+            n_recent: self.kv_recent.unwrap_or((budget / 4).min(128)),
+            keep_prompt_until: if self.keep_prompt { usize::MAX } else { 0 },
+            evict_every: self.evict_every,
+        };
+        Ok(Some(crate::generate::KvPolicy { scorer, evictor }))
+    }
+}
+
 /// One-shot generation flags.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// Prompt text.
     #[arg(short = 'p', long = "prompt")]
     pub prompt: Option<String>,
@@ -168,7 +221,7 @@ pub fn resolve_threads(t: Option<i64>) -> Result<usize> {
     match t {
         None | Some(-1) => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
         Some(n) if n >= 1 && n <= 1024 => Ok(n as usize),
-        Some(n) => Err(Error::arg("-t/--threads", format!("must be at least 1 (got {n})"))),
+        Some(n) => Err(Error::arg("-t/--threads", format!("must be between 1 and 1024 (got {n})"))),
     }
 }
 
@@ -210,13 +263,21 @@ pub fn prompt_tokens(
     }
 }
 
-/// Prefix the model file to tokenizer / chat-template errors, which carry no path.
-fn in_file(path: &Path, e: Error) -> Error {
-    match e {
-        Error::Tokenizer(_) | Error::Template(_) => Error::Other(format!("{}: {e}", path.display())),
-        e => e,
+/// Fail cleanly when the KV cache and per-slot buffers of an `n_ctx` context
+/// cannot be allocated (a huge -c would otherwise abort in the allocator).
+fn check_ctx_alloc(c: &crate::model::Config, n_ctx: usize, n_threads: usize) -> Result<()> {
+    let per_slot = (2 * c.n_layers * c.kv_dim() * 2).checked_add(4 * (n_threads + 1));
+    let bytes = per_slot.and_then(|b| b.checked_mul(n_ctx)).filter(|&b| b <= isize::MAX as usize);
+    if bytes.is_some_and(|b| Vec::<u8>::new().try_reserve_exact(b).is_ok()) {
+        return Ok(());
     }
+    let gib = per_slot.map_or(f64::INFINITY, |b| b as f64 * n_ctx as f64 / (1u64 << 30) as f64);
+    Err(Error::arg(
+        "-c/--ctx-size",
+        format!("a context of {n_ctx} tokens needs {gib:.1} GiB of KV cache, which cannot be allocated (the model was trained with {})", c.n_ctx_train),
+    ))
 }
+
 
 /// One-shot generation (the default command).
 pub fn run_generate(a: &RunArgs) -> Result<()> {
@@ -246,16 +307,23 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         _ => None,
     };
     let t_load = std::time::Instant::now();
-    let g = Gguf::open(&path)?;
-    let w = Weights::from_gguf(&g)?;
-    let tok = Tokenizer::from_gguf(&g).map_err(|e| in_file(&path, e))?;
-    let tmpl = if a.raw { None } else { ChatTemplate::from_gguf(&g).map_err(|e| in_file(&path, e))? };
+    let ck = Checkpoint::open(&path)?;
+    let w = ck.weights()?;
+    let tok = ck.tokenizer()?;
+    if tok.n_vocab() > w.config.vocab {
+        return Err(Error::Other(format!(
+            "{}: the tokenizer has {} tokens but token_embd.weight has only {} rows",
+            path.display(), tok.n_vocab(), w.config.vocab
+        )));
+    }
+    let tmpl = if a.raw { None } else { ck.chat_template()? };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let ids = prompt_tokens(&tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
     let n_ctx = if a.ctx_size == 0 { w.config.n_ctx_train } else { a.ctx_size as usize };
     if ids.len() > n_ctx {
         return Err(Error::ContextTooSmall { n_prompt: ids.len(), n_ctx });
     }
+    check_ctx_alloc(&w.config, n_ctx, n_threads)?;
     let seed = if a.seed < 0 {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
     } else {
@@ -270,7 +338,20 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         repeat_last_n: a.repeat_last_n,
         seed,
     });
-    let mut sess = Session::new(&w, n_ctx, n_threads, a.batch_size);
+    let mut sess = match a.kv.build(seed)? {
+        None => Session::new(&w, n_ctx, n_threads, a.batch_size),
+        Some(p) => {
+            if a.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
+                return Err(Error::arg(
+                    "--kv-budget",
+                    format!("budget {} cannot hold the {}-token prompt (--keep-prompt) plus the recent window {}", p.evictor.budget, ids.len(), p.evictor.n_recent),
+                ));
+            }
+            let mut s = Session::with_policy(&w, n_ctx, n_threads, a.batch_size, p)?;
+            s.protect_prompt(ids.len());
+            s
+        }
+    };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.display_prompt {
@@ -285,6 +366,15 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     if !a.no_perf {
         eprintln!("kvrun: load time = {load_ms:10.2} ms");
         eprint!("{}", stats.timing_lines("kvrun"));
+        eprintln!(
+            "kvrun: kv: policy={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak)",
+            a.kv.policy,
+            a.kv.kv_budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+            sess.n_evicted,
+            sess.kv.cells.n_live(),
+            sess.kv.peak_live,
+            (sess.kv.peak_live * sess.kv.bytes_per_token()) as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }
@@ -382,11 +472,33 @@ fn short_value(v: &crate::load::gguf::Value) -> String {
     }
 }
 
+/// The policy table shown in `--help`, from the registry.
+pub fn policies_help() -> String {
+    let mut s = String::from("KV-cache policies (--policy):\n");
+    for p in crate::policy::POLICIES {
+        s.push_str(&format!("  {:10} {}\n", p.name, p.about));
+    }
+    s
+}
+
+/// Parse argv (llama.cpp multi-letter flags accepted) into a `Cli`.
+pub fn parse(args: impl IntoIterator<Item = String>) -> std::result::Result<Cli, clap::Error> {
+    use clap::{CommandFactory, FromArgMatches};
+    let help = format!(
+        "{}\nWithout a subcommand kvrun generates from -p/-f (one-shot, like llama-completion).\n\
+         Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv.",
+        policies_help()
+    );
+    let m = Cli::command().after_help(help).try_get_matches_from(normalize_args(args))?;
+    Cli::from_arg_matches(&m)
+}
+
 /// Entry point used by main: parse already-normalized args and run.
 pub fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
         Some(Cmd::Inspect { model }) => run_inspect(model),
         Some(Cmd::Bench(b)) => crate::bench::run_bench(b),
+        Some(Cmd::Eval(crate::eval::EvalCmd::Ppl(p))) => crate::eval::run_ppl(p),
         None => run_generate(&cli.run),
     }
 }

@@ -18,6 +18,7 @@ pub mod bench;
 pub mod chat;
 pub mod cli;
 pub mod error;
+pub mod eval;
 pub mod generate;
 pub mod kv;
 pub mod load;

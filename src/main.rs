@@ -1,7 +1,6 @@
 //! The `kvrun` binary: parse the command line, run, and turn any error into
 //! one line on stderr and a non-zero exit code.
 
-use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -9,8 +8,7 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error: {info}");
     }));
-    let args = kvrun::cli::normalize_args(std::env::args());
-    let cli = match kvrun::cli::Cli::try_parse_from(args) {
+    let cli = match kvrun::cli::parse(std::env::args()) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();

@@ -416,5 +416,68 @@ fn c13_negative_n_predict() {
 #[test]
 fn c14_zero_threads() {
     let m = model();
-    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "0"], &["-t/--threads", "at least 1"]);
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "0"], &["-t/--threads", "got 0"]);
+}
+
+// ---------------------------------------------------------------- found while writing these
+
+/// A context far too large to allocate used to abort in the allocator
+/// ("memory allocation of N bytes failed", SIGABRT); now it is a -c error.
+#[test]
+fn c15_huge_context() {
+    let m = model();
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "1", "-c", "99999999999"], &["-c/--ctx-size", "99999999999", "cannot be allocated"]);
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "1", "-c", &i64::MAX.to_string()], &["-c/--ctx-size", "cannot be allocated"]);
+}
+
+/// The -t upper bound is named in the message (it used to say "at least 1").
+#[test]
+fn c16_too_many_threads() {
+    let m = model();
+    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "100000"], &["-t/--threads", "1024", "got 100000"]);
+}
+
+/// A tokenizer larger than the embedding matrix is refused at load (it used
+/// to fail at the first prompt token: "token id 71 out of range", no file named).
+#[test]
+fn c17_vocab_larger_than_embedding() {
+    let tmp = Scratch::new("c17");
+    let mut w = tiny_llama();
+    w.remove("token_embd.weight").f32("token_embd.weight", &[DIM, 10]);
+    let m = s(&w.write(&tmp, "small_embd.gguf"));
+    let n = format!("{} tokens", vocab().len());
+    expect_error(&gen_args(&m), &[&m, "token_embd.weight", &n, "only 10 rows"]);
+}
+
+/// A tensor whose byte size overflows u64 is reported as too large (it used
+/// to be reported as a row length that is "not a multiple of the F32 block
+/// size 1").
+#[test]
+fn c18_tensor_too_large() {
+    let tmp = Scratch::new("c18");
+    let mut w = tiny_llama();
+    w.tensor_mut("blk.0.attn_q.weight").dims = vec![DIM, 1 << 58];
+    let m = s(&w.write(&tmp, "huge_tensor.gguf"));
+    expect_error(&gen_args(&m), &[&m, "invalid GGUF", "blk.0.attn_q.weight", "too large"]);
+}
+
+/// A quantized row that is not a whole number of blocks, at an offset near
+/// u64::MAX (the error's byte offset used to be computed with an unchecked add).
+#[test]
+fn c19_partial_block_at_huge_offset() {
+    let tmp = Scratch::new("c19");
+    let mut w = tiny_llama();
+    w.remove("blk.0.attn_q.weight");
+    let mut b = w.bytes();
+    // Append nothing to the data; patch the table by hand instead: rebuild
+    // with a Q4_0 tensor whose row (16) is half a block, then move its offset.
+    w.tensors.insert(0, Tensor { name: "blk.0.attn_q.weight".into(), dims: vec![16, DIM], ty: 2, data: vec![0; 18 * 16] });
+    b.clear();
+    b.extend(w.bytes());
+    let name = b"blk.0.attn_q.weight";
+    let at = b.windows(name.len()).position(|x| x == name).unwrap() + name.len();
+    let off_at = at + 4 + 2 * 8 + 4; // n_dims, two dims, type
+    b[off_at..off_at + 8].copy_from_slice(&(u64::MAX - 31).to_le_bytes());
+    let m = s(&tmp.write("partial_block.gguf", &b));
+    expect_error(&gen_args(&m), &[&m, "invalid GGUF", "blk.0.attn_q.weight", "not a multiple of the Q4_0 block size 32"]);
 }

@@ -103,8 +103,16 @@ impl ThreadPool {
         }
         f(0);
         let n_workers = self.n_threads - 1;
+        let mut spins = 0u32;
         while s.done.load(Ordering::Acquire) < n_workers {
-            std::hint::spin_loop();
+            // Spin briefly; if a worker was descheduled (an oversubscribed
+            // machine), give the core away instead of burning our slice.
+            spins += 1;
+            if spins < 2048 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
         // SAFETY: all workers are done with this epoch's job.
         unsafe { *s.job.get() = None };
@@ -127,7 +135,11 @@ fn worker(s: Arc<Shared>, index: usize) {
             }
             spins += 1;
             if spins < SPIN_LIMIT {
-                std::hint::spin_loop();
+                if spins % 1024 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             } else {
                 let g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::AcqRel);

@@ -390,13 +390,18 @@ impl Gguf {
             });
         };
         let Some(n) = t.n_bytes() else {
-            return Err(Error::BadGguf {
-                path: self.path.clone(),
-                offset: self.data_offset + t.offset,
-                what: format!(
+            let what = if t.dims[0] % dtype.block_len() as u64 != 0 {
+                format!(
                     "tensor '{}' row length {} is not a multiple of the {} block size {}",
                     t.name, t.dims[0], dtype, dtype.block_len()
-                ),
+                )
+            } else {
+                format!("tensor '{}' of shape {:?} and type {} is too large", t.name, t.dims, dtype)
+            };
+            return Err(Error::BadGguf {
+                path: self.path.clone(),
+                offset: self.data_offset.saturating_add(t.offset),
+                what,
             });
         };
         let start = self.data_offset.saturating_add(t.offset);
