@@ -499,6 +499,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Inspect { model }) => run_inspect(model),
         Some(Cmd::Bench(b)) => crate::bench::run_bench(b),
         Some(Cmd::Eval(crate::eval::EvalCmd::Ppl(p))) => crate::eval::run_ppl(p),
+        Some(Cmd::Eval(crate::eval::EvalCmd::Sweep(s))) => crate::sweep::run_sweep(s),
         None => run_generate(&cli.run),
     }
 }

@@ -25,6 +25,8 @@ use std::time::Instant;
 pub enum EvalCmd {
     /// Teacher-forced perplexity / KL / top-1 agreement of a policy vs the full cache.
     Ppl(PplArgs),
+    /// Sweep policies × KV budgets: CSV, JSON, an SVG plot and a markdown table.
+    Sweep(crate::sweep::SweepArgs),
 }
 
 /// Text input shared by the evaluators.

@@ -26,6 +26,7 @@ pub mod model;
 pub mod policy;
 pub mod quant;
 pub mod sample;
+pub mod sweep;
 pub mod tensor;
 pub mod tokenizer;
 

@@ -467,13 +467,11 @@ fn c18_tensor_too_large() {
 fn c19_partial_block_at_huge_offset() {
     let tmp = Scratch::new("c19");
     let mut w = tiny_llama();
+    // A Q4_0 tensor (32-element blocks of 18 bytes) whose row is half a block,
+    // first in the table; then its offset is patched to u64::MAX - 31.
     w.remove("blk.0.attn_q.weight");
-    let mut b = w.bytes();
-    // Append nothing to the data; patch the table by hand instead: rebuild
-    // with a Q4_0 tensor whose row (16) is half a block, then move its offset.
     w.tensors.insert(0, Tensor { name: "blk.0.attn_q.weight".into(), dims: vec![16, DIM], ty: 2, data: vec![0; 18 * 16] });
-    b.clear();
-    b.extend(w.bytes());
+    let mut b = w.bytes();
     let name = b"blk.0.attn_q.weight";
     let at = b.windows(name.len()).position(|x| x == name).unwrap() + name.len();
     let off_at = at + 4 + 2 * 8 + 4; // n_dims, two dims, type

@@ -618,3 +618,23 @@ fn h2o_accumulated_mass_is_conserved() {
     }
     assert!(s.n_evicted > 0);
 }
+
+#[test]
+#[ignore]
+fn zz_probe_speed() {
+    let _g = serial();
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let toks = wiki_tokens(&g, 1000);
+    for th in [1usize, 2] {
+        let mut s = Session::with_policy(&w, 1000, th, 512, policy("window", 0, evictor(256, 4, 32, 1))).unwrap();
+        let t = Instant::now();
+        s.feed(&toks[..300], Logits::Last).unwrap();
+        eprintln!("threads {th} prefill 300: {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+        for n in [1usize, 4, 16] {
+            let t = Instant::now();
+            for _ in 0..10 { let i = s.n_past; s.feed(&toks[i..i + n], Logits::Last).unwrap(); }
+            eprintln!("threads {th} chunk {n}: {:.1} ms/feed", t.elapsed().as_secs_f64() * 100.0);
+        }
+    }
+}

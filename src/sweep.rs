@@ -1,0 +1,615 @@
+//! `kvrun eval sweep`: fidelity of several eviction policies over a range of
+//! KV budgets, as a CSV, a JSON array of [`PplReport`]s, an SVG line plot
+//! and a markdown table.
+//!
+//! Every (policy, budget) point is one [`eval_ppl`] run with the same text
+//! and settings, so each point matches `kvrun eval ppl` exactly. Budgets at or
+//! above the text length are still run: they are the "no eviction" points
+//! (KL 0, top-1 agreement 1). The output files are rewritten after every
+//! finished run, so an interrupted sweep keeps what it measured.
+
+use crate::cli::{KvArgs, ModelArgs};
+use crate::error::{Error, Result};
+use crate::eval::{eval_ppl, Fidelity, PplArgs, PplReport, TextArgs};
+use clap::{Args, ValueEnum};
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Metric drawn in the SVG plot.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// Mean KL(full ‖ policy), nats/token.
+    Kl,
+    /// Mean ΔNLL (policy − full), nats/token.
+    DeltaNll,
+    /// Top-1 agreement with the full cache.
+    Top1,
+    /// Perplexity under the policy.
+    Ppl,
+}
+
+impl Metric {
+    /// The metric's value in `f`.
+    pub fn of(self, f: &Fidelity) -> f64 {
+        match self {
+            Metric::Kl => f.kl,
+            Metric::DeltaNll => f.delta_nll,
+            Metric::Top1 => f.top1_agree,
+            Metric::Ppl => f.ppl,
+        }
+    }
+    /// Axis label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Metric::Kl => "KL(full ‖ policy), nats/token",
+            Metric::DeltaNll => "ΔNLL (policy − full), nats/token",
+            Metric::Top1 => "top-1 agreement with the full cache",
+            Metric::Ppl => "perplexity",
+        }
+    }
+    /// Short name.
+    pub fn short(self) -> &'static str {
+        match self {
+            Metric::Kl => "KL",
+            Metric::DeltaNll => "ΔNLL",
+            Metric::Top1 => "top-1 agreement",
+            Metric::Ppl => "PPL",
+        }
+    }
+}
+
+/// Flags of `kvrun eval sweep`.
+#[derive(Args, Debug, Clone)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub text: TextArgs,
+    /// With --jsonl: evaluate N records (from --record on) and average them, token-weighted.
+    #[arg(long = "records")]
+    pub records: Option<usize>,
+    /// Comma-separated policies (default: every registered policy except full).
+    #[arg(long = "policies", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Comma-separated KV budgets (tokens per layer per KV head).
+    #[arg(long = "budgets", value_delimiter = ',', default_values_t = vec![256usize, 512, 1024, 2048])]
+    pub budgets: Vec<usize>,
+    /// Tokens of the text to evaluate (0 = all).
+    #[arg(long = "ctx", default_value_t = 2048)]
+    pub ctx: usize,
+    /// Tokens fed per step (1 = token by token, exactly as in decoding).
+    #[arg(long = "chunk", default_value_t = 1)]
+    pub chunk: usize,
+    /// First positions never evicted (attention sinks).
+    #[arg(long = "kv-sink", default_value_t = 4)]
+    pub kv_sink: usize,
+    /// Newest positions never evicted (default: min(128, budget/4)).
+    #[arg(long = "kv-recent")]
+    pub kv_recent: Option<usize>,
+    /// Evict in batches: free this many slots at a time once over budget.
+    #[arg(long = "evict-every", default_value_t = 1)]
+    pub evict_every: usize,
+    /// Also report fidelity on the tokens after the first occurrence of MARKER.
+    #[arg(long = "segment-after")]
+    pub segment_after: Option<String>,
+    /// Also report fidelity on the last N tokens.
+    #[arg(long = "segment-last")]
+    pub segment_last: Option<usize>,
+    /// Output prefix: writes PREFIX.csv, PREFIX.json and PREFIX.svg.
+    #[arg(long = "out", default_value = "sweep")]
+    pub out: PathBuf,
+    /// Metric drawn in the SVG plot.
+    #[arg(long = "metric", value_enum, default_value_t = Metric::Kl)]
+    pub metric: Metric,
+    /// Seed for seeded policies.
+    #[arg(short = 's', long = "seed", default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SweepArgs {
+    /// The policies to run (validated against the registry).
+    pub fn policy_list(&self) -> Result<Vec<String>> {
+        let known = crate::policy::names();
+        let list: Vec<String> = if self.policies.is_empty() {
+            known.iter().filter(|&&n| n != "full").map(|s| s.to_string()).collect()
+        } else {
+            self.policies.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect()
+        };
+        if list.is_empty() {
+            return Err(Error::arg("--policies", "no policy given"));
+        }
+        for p in &list {
+            if !known.contains(&p.as_str()) {
+                return Err(Error::arg("--policies", format!("unknown policy '{p}' (known: {})", known.join(", "))));
+            }
+        }
+        let mut seen = Vec::new();
+        for p in list {
+            if !seen.contains(&p) {
+                seen.push(p);
+            }
+        }
+        Ok(seen)
+    }
+
+    /// `eval ppl` arguments of one point.
+    fn ppl_args(&self, policy: &str, budget: usize, record: usize) -> PplArgs {
+        PplArgs {
+            model: self.model.clone(),
+            kv: KvArgs {
+                policy: policy.to_owned(),
+                kv_budget: Some(budget),
+                kv_sink: self.kv_sink,
+                kv_recent: self.kv_recent,
+                keep_prompt: false,
+                evict_every: self.evict_every,
+            },
+            text: TextArgs { record, ..self.text.clone() },
+            ctx: self.ctx,
+            chunk: self.chunk,
+            segment_after: self.segment_after.clone(),
+            segment_last: self.segment_last,
+            // eval_ppl's own in-place progress is replaced by the sweep's.
+            json: true,
+            seed: self.seed,
+        }
+    }
+
+    /// Where the text comes from, for titles.
+    pub fn source(&self) -> String {
+        let name = |p: &Path| p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string());
+        match (&self.text.file, &self.text.jsonl) {
+            (Some(f), _) => name(f),
+            (None, Some(j)) => match self.records {
+                Some(n) if n > 1 => format!("{} records {}–{}", name(j), self.text.record, self.text.record + n - 1),
+                _ => format!("{} record {}", name(j), self.text.record),
+            },
+            _ => "?".into(),
+        }
+    }
+}
+
+/// Combine per-record fidelities (token-weighted; PPL and its error exactly,
+/// from the per-record mean and variance of the NLL).
+fn merge_fidelity(fs: &[&Fidelity]) -> Fidelity {
+    let n: usize = fs.iter().map(|f| f.n).sum();
+    if n == 0 {
+        return Fidelity::default();
+    }
+    let (mut nll, mut nll2, mut nll_full, mut dn, mut kl, mut agree) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    for f in fs {
+        let k = f.n as f64;
+        let mean = f.ppl.ln();
+        let rel = if f.ppl > 0.0 { f.ppl_err / f.ppl } else { 0.0 };
+        let var = rel * rel * (k - 1.0).max(1.0);
+        nll += k * mean;
+        nll2 += k * (var + mean * mean);
+        nll_full += k * f.ppl_full.ln();
+        dn += k * f.delta_nll;
+        kl += k * f.kl;
+        agree += k * f.top1_agree;
+    }
+    let nf = n as f64;
+    let mean = nll / nf;
+    let var = (nll2 / nf - mean * mean).max(0.0);
+    let ppl = mean.exp();
+    Fidelity {
+        n,
+        ppl,
+        ppl_full: (nll_full / nf).exp(),
+        ppl_err: ppl * (var / (nf - 1.0).max(1.0)).sqrt(),
+        delta_nll: dn / nf,
+        kl: kl / nf,
+        top1_agree: agree / nf,
+    }
+}
+
+/// Average several records' reports of one (policy, budget) point.
+pub fn merge_reports(rs: &[PplReport]) -> PplReport {
+    if rs.len() == 1 {
+        return rs[0].clone();
+    }
+    let all = merge_fidelity(&rs.iter().map(|r| &r.all).collect::<Vec<_>>());
+    let segs: Vec<&Fidelity> = rs.iter().filter_map(|r| r.segment.as_ref()).collect();
+    let secs: f64 = rs.iter().map(|r| (r.n_tokens.saturating_sub(1)) as f64 / r.tokens_per_second.max(1e-12)).sum();
+    let n_pred: usize = rs.iter().map(|r| r.n_tokens.saturating_sub(1)).sum();
+    PplReport {
+        policy: rs[0].policy.clone(),
+        budget: rs[0].budget,
+        n_tokens: rs.iter().map(|r| r.n_tokens).sum(),
+        all,
+        segment: if segs.is_empty() { None } else { Some(merge_fidelity(&segs)) },
+        segment_start: None,
+        peak_kv_entries: rs.iter().map(|r| r.peak_kv_entries).max().unwrap_or(0),
+        peak_kv_bytes: rs.iter().map(|r| r.peak_kv_bytes).max().unwrap_or(0),
+        evicted: rs.iter().map(|r| r.evicted).sum(),
+        tokens_per_second: if secs > 0.0 { n_pred as f64 / secs } else { 0.0 },
+    }
+}
+
+/// CSV header.
+pub const CSV_HEADER: &str =
+    "policy,budget,n_tokens,ppl,ppl_full,delta_nll,kl,top1,seg_n,seg_ppl,seg_delta_nll,seg_kl,seg_top1,peak_kv_entries,peak_kv_bytes,evicted,tok_s";
+
+/// The CSV text of `rs`.
+pub fn to_csv(rs: &[PplReport]) -> String {
+    let mut s = String::from(CSV_HEADER);
+    s.push('\n');
+    for r in rs {
+        let a = &r.all;
+        let _ = write!(
+            s,
+            "{},{},{},{},{},{},{},{},",
+            r.policy,
+            r.budget.map(|b| b.to_string()).unwrap_or_default(),
+            r.n_tokens,
+            a.ppl,
+            a.ppl_full,
+            a.delta_nll,
+            a.kl,
+            a.top1_agree
+        );
+        match &r.segment {
+            Some(g) => {
+                let _ = write!(s, "{},{},{},{},{},", g.n, g.ppl, g.delta_nll, g.kl, g.top1_agree);
+            }
+            None => s.push_str(",,,,,"),
+        }
+        let _ = writeln!(s, "{},{},{},{:.3}", r.peak_kv_entries, r.peak_kv_bytes, r.evicted, r.tokens_per_second);
+    }
+    s
+}
+
+/// The markdown table of `rs`.
+pub fn to_markdown(rs: &[PplReport]) -> String {
+    let mut s = String::from("| policy | budget | ppl | ΔNLL | KL | top1 | seg KL | seg top1 | peak KV |\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in rs {
+        let (sk, st) = match &r.segment {
+            Some(g) => (format!("{:.5}", g.kl), format!("{:.2}%", 100.0 * g.top1_agree)),
+            None => ("–".into(), "–".into()),
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.4} | {:+.5} | {:.5} | {:.2}% | {} | {} | {} ({:.2} MiB) |",
+            r.policy,
+            r.budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+            r.all.ppl,
+            r.all.delta_nll,
+            r.all.kl,
+            100.0 * r.all.top1_agree,
+            sk,
+            st,
+            r.peak_kv_entries,
+            r.peak_kv_bytes as f64 / (1 << 20) as f64
+        );
+    }
+    s
+}
+
+fn xml_escape(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&apos;"),
+            _ => o.push(c),
+        }
+    }
+    o
+}
+
+/// "Nice" axis ticks (1-2-5 steps) covering [lo, hi].
+fn nice_ticks(lo: f64, hi: f64, target: usize) -> (f64, f64, f64) {
+    let span = (hi - lo).max(1e-12);
+    let raw = span / target.max(1) as f64;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0].iter().map(|m| m * mag).find(|&s| s >= raw).unwrap_or(10.0 * mag);
+    ((lo / step).floor() * step, (hi / step).ceil() * step, step)
+}
+
+fn fmt_tick(v: f64, step: f64) -> String {
+    let dec = if step >= 1.0 { 0 } else { (-step.log10()).ceil().max(0.0) as usize + 1 };
+    let s = format!("{v:.dec$}");
+    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_owned() } else { s };
+    if s == "-0" {
+        "0".into()
+    } else {
+        s
+    }
+}
+
+const PALETTE: &[&str] = &["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
+
+/// The SVG line plot: x = budget (log2), y = `metric`, one line per policy,
+/// dashed lines for the segment when present.
+pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str) -> String {
+    let (w, h) = (900.0f64, 520.0f64);
+    let (l, r, t, b) = (80.0, 700.0, 60.0, 450.0); // plot area
+    let mut policies: Vec<&str> = Vec::new();
+    for x in rs {
+        if !policies.contains(&x.policy.as_str()) {
+            policies.push(&x.policy);
+        }
+    }
+    let mut budgets: Vec<usize> = rs.iter().filter_map(|x| x.budget).filter(|&b| b > 0).collect();
+    budgets.sort_unstable();
+    budgets.dedup();
+    let has_seg = rs.iter().any(|x| x.segment.is_some());
+    // y range
+    let mut ys: Vec<f64> = Vec::new();
+    for x in rs {
+        ys.push(metric.of(&x.all));
+        if let Some(g) = &x.segment {
+            ys.push(metric.of(g));
+        }
+    }
+    ys.retain(|v| v.is_finite());
+    let (mut ylo, mut yhi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+    if !ylo.is_finite() {
+        (ylo, yhi) = (0.0, 1.0);
+    }
+    match metric {
+        Metric::Kl | Metric::DeltaNll => {
+            ylo = ylo.min(0.0);
+            yhi = yhi.max(0.0);
+        }
+        Metric::Top1 => yhi = yhi.max(1.0),
+        Metric::Ppl => {}
+    }
+    if yhi - ylo < 1e-9 {
+        let pad = if yhi.abs() > 1e-9 { yhi.abs() * 0.1 } else { 0.1 };
+        ylo -= pad;
+        yhi += pad;
+    }
+    let (ylo, yhi, ystep) = nice_ticks(ylo, yhi, 6);
+    // x range (log2)
+    let (xlo, xhi) = match (budgets.first(), budgets.last()) {
+        (Some(&a), Some(&z)) if z > a => ((a as f64).log2(), (z as f64).log2()),
+        (Some(&a), _) => ((a as f64).log2() - 1.0, (a as f64).log2() + 1.0),
+        _ => (0.0, 1.0),
+    };
+    let xpad = 0.05 * (xhi - xlo);
+    let (xlo, xhi) = (xlo - xpad, xhi + xpad);
+    let px = |bud: usize| l + ((bud as f64).log2() - xlo) / (xhi - xlo) * (r - l);
+    let py = |v: f64| b - (v - ylo) / (yhi - ylo) * (b - t);
+
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>"#);
+    let title = format!("{} vs KV budget — {}", metric.short(), source);
+    let _ = writeln!(s, r#"<text x="{}" y="28" text-anchor="middle" font-size="16" font-weight="bold">{}</text>"#, (l + r) / 2.0, xml_escape(&title));
+    if let Some(x) = rs.first() {
+        let mut sub = format!("{} tokens", x.n_tokens);
+        if let (true, Some(st)) = (has_seg, x.segment_start) {
+            let _ = write!(sub, "; segment from token {st} dashed");
+        } else if has_seg {
+            sub.push_str("; segment dashed");
+        }
+        let _ = writeln!(s, r##"<text x="{}" y="46" text-anchor="middle" fill="#555">{}</text>"##, (l + r) / 2.0, xml_escape(&sub));
+    }
+    // grid + y ticks
+    let n_yt = ((yhi - ylo) / ystep).round() as usize;
+    for i in 0..=n_yt {
+        let v = ylo + i as f64 * ystep;
+        let y = py(v);
+        let _ = writeln!(s, r##"<line x1="{l}" y1="{y:.2}" x2="{r}" y2="{y:.2}" stroke="#e5e5e5"/>"##);
+        let _ = writeln!(s, r#"<line x1="{}" y1="{y:.2}" x2="{l}" y2="{y:.2}" stroke="black"/>"#, l - 5.0);
+        let _ = writeln!(s, r#"<text x="{}" y="{:.2}" text-anchor="end">{}</text>"#, l - 8.0, y + 4.0, fmt_tick(v, ystep));
+    }
+    // x ticks at each budget
+    for &bud in &budgets {
+        let x = px(bud);
+        let _ = writeln!(s, r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#e5e5e5"/>"##);
+        let _ = writeln!(s, r#"<line x1="{x:.2}" y1="{b}" x2="{x:.2}" y2="{}" stroke="black"/>"#, b + 5.0);
+        let _ = writeln!(s, r#"<text x="{x:.2}" y="{}" text-anchor="middle">{bud}</text>"#, b + 20.0);
+    }
+    // text length marker: budgets at or above it evict nothing
+    if let Some(n) = rs.first().map(|x| x.n_tokens) {
+        let lx = (n as f64).log2();
+        if n > 0 && lx > xlo && lx < xhi && rs.iter().all(|x| x.n_tokens == n) {
+            let x = l + (lx - xlo) / (xhi - xlo) * (r - l);
+            let _ = writeln!(s, r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#999" stroke-dasharray="2,3"/>"##);
+            let _ = writeln!(s, r##"<text x="{:.2}" y="{}" fill="#777" font-size="10">text length {n}</text>"##, x + 3.0, t + 12.0);
+        }
+    }
+    // axes
+    let _ = writeln!(s, r#"<line x1="{l}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/>"#);
+    let _ = writeln!(s, r#"<line x1="{l}" y1="{t}" x2="{l}" y2="{b}" stroke="black"/>"#);
+    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle" font-size="13">KV budget (tokens, log2 scale)</text>"#, (l + r) / 2.0, b + 42.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="22" y="{}" text-anchor="middle" font-size="13" transform="rotate(-90 22 {})">{}</text>"#,
+        (t + b) / 2.0,
+        (t + b) / 2.0,
+        xml_escape(metric.label())
+    );
+    // lines
+    let mut legend: Vec<(String, &str, bool)> = Vec::new();
+    for (i, p) in policies.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let mut pts: Vec<(usize, f64, Option<f64>)> = rs
+            .iter()
+            .filter(|x| x.policy == *p)
+            .filter_map(|x| x.budget.filter(|&b| b > 0).map(|bud| (bud, metric.of(&x.all), x.segment.as_ref().map(|g| metric.of(g)))))
+            .collect();
+        pts.sort_by_key(|q| q.0);
+        let _ = writeln!(s, r#"<g class="policy" data-policy="{}">"#, xml_escape(p));
+        let main: Vec<String> = pts.iter().filter(|q| q.1.is_finite()).map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1))).collect();
+        let _ = writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, main.join(" "));
+        for q in pts.iter().filter(|q| q.1.is_finite()) {
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{:.2}" cy="{:.2}" r="3.5" fill="{color}"><title>{} {}: {} = {}</title></circle>"#,
+                px(q.0),
+                py(q.1),
+                xml_escape(p),
+                q.0,
+                xml_escape(metric.short()),
+                q.1
+            );
+        }
+        legend.push((p.to_string(), color, false));
+        let seg: Vec<(usize, f64)> = pts.iter().filter_map(|q| q.2.filter(|v| v.is_finite()).map(|v| (q.0, v))).collect();
+        if !seg.is_empty() {
+            let sp: Vec<String> = seg.iter().map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1))).collect();
+            let _ = writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="6,4" points="{}"/>"#, sp.join(" "));
+            for q in &seg {
+                let _ = writeln!(
+                    s,
+                    r#"<circle cx="{:.2}" cy="{:.2}" r="3" fill="white" stroke="{color}" stroke-width="1.5"><title>{} (segment) {}: {} = {}</title></circle>"#,
+                    px(q.0),
+                    py(q.1),
+                    xml_escape(p),
+                    q.0,
+                    xml_escape(metric.short()),
+                    q.1
+                );
+            }
+            legend.push((format!("{p} (segment)"), color, true));
+        }
+        s.push_str("</g>\n");
+    }
+    // legend
+    let lx = r + 20.0;
+    let _ = writeln!(
+        s,
+        r##"<rect x="{}" y="{}" width="{}" height="{}" fill="white" stroke="#ccc"/>"##,
+        lx - 8.0,
+        t - 8.0,
+        w - lx - 4.0,
+        legend.len() as f64 * 20.0 + 10.0
+    );
+    for (i, (name, color, dashed)) in legend.iter().enumerate() {
+        let y = t + 8.0 + i as f64 * 20.0;
+        let dash = if *dashed { r#" stroke-dasharray="6,4""# } else { "" };
+        let _ = writeln!(s, r#"<line x1="{lx}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="2"{dash}/>"#, lx + 28.0);
+        let fill = if *dashed { "white" } else { color };
+        let _ = writeln!(s, r#"<circle cx="{}" cy="{y}" r="3" fill="{fill}" stroke="{color}"/>"#, lx + 14.0);
+        let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, lx + 36.0, y + 4.0, xml_escape(name));
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(".");
+    s.push(ext);
+    PathBuf::from(s)
+}
+
+fn write_file(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).map_err(|source| Error::Io { path: path.to_owned(), source })
+}
+
+/// Write PREFIX.csv, PREFIX.json and PREFIX.svg; returns their paths.
+pub fn write_outputs(prefix: &Path, rs: &[PplReport], metric: Metric, source: &str) -> Result<[PathBuf; 3]> {
+    if let Some(dir) = prefix.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_owned(), source })?;
+    }
+    let paths = [with_ext(prefix, "csv"), with_ext(prefix, "json"), with_ext(prefix, "svg")];
+    write_file(&paths[0], &to_csv(rs))?;
+    let json = serde_json::to_string_pretty(rs).map_err(|e| Error::Other(e.to_string()))?;
+    write_file(&paths[1], &(json + "\n"))?;
+    write_file(&paths[2], &to_svg(rs, metric, source))?;
+    Ok(paths)
+}
+
+/// Run the sweep and return the reports (one per policy × budget, in order).
+pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
+    let policies = a.policy_list()?;
+    if a.budgets.is_empty() {
+        return Err(Error::arg("--budgets", "no budget given"));
+    }
+    let mut budgets = a.budgets.clone();
+    budgets.dedup();
+    let n_rec = match (a.records, &a.text.jsonl) {
+        (None, _) => 1,
+        (Some(0), _) => return Err(Error::arg("--records", "must be at least 1")),
+        (Some(n), Some(_)) => n,
+        (Some(_), None) => return Err(Error::arg("--records", "needs --jsonl")),
+    };
+    if a.chunk == 0 {
+        return Err(Error::arg("--chunk", "must be at least 1"));
+    }
+    // Check every point's settings before spending minutes on the first ones.
+    for p in &policies {
+        for &bud in &budgets {
+            let pa = a.ppl_args(p, bud, a.text.record);
+            if let Some(kp) = pa.kv.build(a.seed)? {
+                let e = &kp.evictor;
+                if e.budget == 0 || e.n_sink + e.n_recent >= e.budget {
+                    return Err(Error::arg(
+                        "--budgets",
+                        format!("budget {bud} cannot hold the protected tokens (sinks {} + recent {}) plus one new token", e.n_sink, e.n_recent),
+                    ));
+                }
+            }
+        }
+    }
+    for r in 0..n_rec {
+        TextArgs { record: a.text.record + r, ..a.text.clone() }.load()?;
+    }
+    let source = a.source();
+    let total = policies.len() * budgets.len();
+    let tty = std::io::stderr().is_terminal();
+    let t_all = Instant::now();
+    let mut out = Vec::with_capacity(total);
+    let mut i = 0;
+    for p in &policies {
+        for &bud in &budgets {
+            i += 1;
+            if tty {
+                let eta = if i > 1 {
+                    let per = t_all.elapsed().as_secs_f64() / (i - 1) as f64;
+                    format!(", ~{:.0}s left", per * (total - i + 1) as f64)
+                } else {
+                    String::new()
+                };
+                eprint!("\r\x1b[2K[{i}/{total}] {p} {bud}: running{eta}…");
+                let _ = std::io::stderr().flush();
+            }
+            let t0 = Instant::now();
+            let mut recs = Vec::with_capacity(n_rec);
+            for r in 0..n_rec {
+                recs.push(eval_ppl(&a.ppl_args(p, bud, a.text.record + r)).map_err(|e| {
+                    if tty {
+                        eprintln!();
+                    }
+                    e
+                })?);
+            }
+            let rep = merge_reports(&recs);
+            let secs = t0.elapsed().as_secs_f64();
+            if tty {
+                eprint!("\r\x1b[2K");
+            }
+            let seg = rep.segment.as_ref().map(|g| format!(" seg_kl={:.5} seg_top1={:.4}", g.kl, g.top1_agree)).unwrap_or_default();
+            eprintln!(
+                "[{i}/{total}] {p} {bud}: kl={:.5} top1={:.4} dnll={:+.5}{seg} evicted={} ({secs:.1}s)",
+                rep.all.kl, rep.all.top1_agree, rep.all.delta_nll, rep.evicted
+            );
+            out.push(rep);
+            write_outputs(&a.out, &out, a.metric, &source)?;
+        }
+    }
+    Ok(out)
+}
+
+/// `kvrun eval sweep`.
+pub fn run_sweep(a: &SweepArgs) -> Result<()> {
+    let rs = sweep(a)?;
+    let [csv, json, svg] = write_outputs(&a.out, &rs, a.metric, &a.source())?;
+    print!("{}", to_markdown(&rs));
+    eprintln!("kvrun: wrote {}, {}, {}", csv.display(), json.display(), svg.display());
+    Ok(())
+}
