@@ -32,6 +32,13 @@ pub struct BenchArgs {
     /// Skip the llama.cpp side.
     #[arg(long = "no-llama")]
     pub no_llama: bool,
+    /// Prefill this many tokens before each test (llama-bench's -d): the
+    /// tests then run at context depth D. llama.cpp keeps its full cache;
+    /// kvrun uses --policy / --kv-budget.
+    #[arg(short = 'd', long = "depth", default_value_t = 0)]
+    pub depth: usize,
+    #[command(flatten)]
+    pub kv: crate::cli::KvArgs,
 }
 
 /// Deterministic, varied token ids for benchmarking.
@@ -61,13 +68,22 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Runs a test `reps` times after one warm-up; returns tokens/s per rep.
-fn measure(reps: usize, n: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
-    f()?;
+/// Like `measure`, with an untimed `setup` (e.g. prefilling the context
+/// depth) before every run.
+fn measure_with_setup<S>(
+    reps: usize,
+    n: usize,
+    state: &mut S,
+    mut setup: impl FnMut(&mut S) -> Result<()>,
+    mut f: impl FnMut(&mut S) -> Result<()>,
+) -> Result<Vec<f64>> {
+    setup(state)?;
+    f(state)?;
     let mut out = Vec::with_capacity(reps);
     for _ in 0..reps {
+        setup(state)?;
         let t = Instant::now();
-        f()?;
+        f(state)?;
         out.push(n as f64 / t.elapsed().as_secs_f64());
     }
     Ok(out)
@@ -85,37 +101,53 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let c = &w.config;
     let name = g.get("general.name").and_then(|v| v.as_str()).unwrap_or("model").to_owned();
     let size_mib = g.bytes().len() as f64 / (1 << 20) as f64;
-    let n_ctx = (a.n_prompt.max(a.n_gen) + 16).max(64);
-    let toks = bench_tokens(a.n_prompt.max(a.n_gen), c.vocab);
+    let n_ctx = (a.depth + a.n_prompt.max(a.n_gen) + 16).max(64);
+    let toks = bench_tokens(a.depth + a.n_prompt.max(a.n_gen), c.vocab);
+    let (ctx_toks, toks) = toks.split_at(a.depth);
+    let at = if a.depth > 0 { format!(" @ d{}", a.depth) } else { String::new() };
     let mut tests: Vec<(String, usize)> = Vec::new();
     if a.n_prompt > 0 {
-        tests.push((format!("pp{}", a.n_prompt), a.n_prompt));
+        tests.push((format!("pp{}{at}", a.n_prompt), a.n_prompt));
     }
     if a.n_gen > 0 {
-        tests.push((format!("tg{}", a.n_gen), a.n_gen));
+        tests.push((format!("tg{}{at}", a.n_gen), a.n_gen));
     }
 
     // kvrun
     let mut ours = Vec::new();
+    let kv_line;
     {
-        let mut sess = Session::new(&w, n_ctx, n_threads, 512);
+        let mut sess = match a.kv.build(0)? {
+            None => Session::new(&w, n_ctx, n_threads, 512),
+            Some(p) => Session::with_policy(&w, n_ctx, n_threads, 512, p)?,
+        };
         for (t, n) in &tests {
             let r = if t.starts_with("pp") {
-                measure(a.reps, *n, || {
-                    sess.reset();
-                    sess.feed(&toks[..*n], Logits::Last).map(|_| ())
-                })?
+                measure_with_setup(a.reps, *n, &mut sess, |s| {
+                    s.reset();
+                    s.feed(ctx_toks, Logits::Last).map(|_| ())
+                }, |s| s.feed(&toks[..*n], Logits::Last).map(|_| ()))?
             } else {
-                measure(a.reps, *n, || {
-                    sess.reset();
+                measure_with_setup(a.reps, *n, &mut sess, |s| {
+                    s.reset();
+                    s.feed(ctx_toks, Logits::Last).map(|_| ())
+                }, |s| {
                     for &tk in &toks[..*n] {
-                        sess.feed(&[tk], Logits::Last)?;
+                        s.feed(&[tk], Logits::Last)?;
                     }
                     Ok(())
                 })?
             };
             ours.push(r);
         }
+        kv_line = format!(
+            "kvrun KV: policy {} budget {} peak resident {} tokens ({:.1} MiB), evicted {}",
+            a.kv.policy,
+            a.kv.kv_budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+            sess.kv.peak_live,
+            (sess.kv.peak_live * sess.kv.bytes_per_token()) as f64 / (1 << 20) as f64,
+            sess.n_evicted
+        );
     }
     let rss_kvrun = peak_rss_bytes();
 
@@ -126,17 +158,24 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         let lm = ggml_sys::LlamaModel::load(&path_s, false).map_err(Error::Other)?;
         let mut ctx = ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32).map_err(Error::Other)?;
         let ltoks: Vec<i32> = toks.iter().map(|&t| t as i32).collect();
+        let lctx: Vec<i32> = ctx_toks.iter().map(|&t| t as i32).collect();
+        let d = a.depth as i32;
+        let setup = |ctx: &mut ggml_sys::LlamaContext<'_>| -> Result<()> {
+            ctx.clear();
+            if !lctx.is_empty() {
+                ctx.decode(&lctx, 0, false).map_err(Error::Other)?;
+            }
+            Ok(())
+        };
         for (i, (t, n)) in tests.iter().enumerate() {
             let r = if t.starts_with("pp") {
-                measure(a.reps, *n, || {
-                    ctx.clear();
-                    ctx.decode(&ltoks[..*n], 0, false).map(|_| ()).map_err(Error::Other)
+                measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
+                    ctx.decode(&ltoks[..*n], d, false).map(|_| ()).map_err(Error::Other)
                 })?
             } else {
-                measure(a.reps, *n, || {
-                    ctx.clear();
+                measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
                     for (p, &tk) in ltoks[..*n].iter().enumerate() {
-                        ctx.decode(&[tk], p as i32, false).map_err(Error::Other)?;
+                        ctx.decode(&[tk], d + p as i32, false).map_err(Error::Other)?;
                     }
                     Ok(())
                 })?
@@ -159,6 +198,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x |");
         }
     }
+    println!("{kv_line}");
     if let Some(b) = rss_kvrun {
         println!("peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB", b as f64 / (1 << 20) as f64);
     }

@@ -1,0 +1,204 @@
+//! `kvrun eval sweep`: one real sweep on WikiText-2 (2 policies × 2 budgets
+//! with SmolLM2-135M), checking the CSV / JSON / SVG it writes; plus the
+//! pure helpers (merging records, the plot) and argument errors.
+
+mod util;
+
+use kvrun::eval::{Fidelity, PplReport};
+use kvrun::sweep::{merge_reports, to_csv, to_svg, Metric, CSV_HEADER};
+use std::process::Command;
+
+fn field<'a>(header: &[&str], row: &'a [&'a str], name: &str) -> &'a str {
+    let i = header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"));
+    row[i]
+}
+
+#[test]
+fn sweep_window_random_on_wikitext() {
+    let model = util::default_model();
+    let text = util::shared("wikitext2_test_lf.txt");
+    let dir = std::env::temp_dir().join(format!("kvrun-sweep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("s");
+    let out = Command::new(util::kvrun_bin())
+        .args(["eval", "sweep", "-m"])
+        .arg(&model)
+        .arg("-f")
+        .arg(&text)
+        .args(["--ctx", "192", "--chunk", "8", "--policies", "window,random", "--budgets", "64,256"])
+        .args(["--kv-recent", "16", "--segment-last", "32", "-t", "2", "--out"])
+        .arg(&prefix)
+        .output()
+        .expect("run kvrun");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "exit {:?}\nstderr:\n{stderr}", out.status);
+    // one progress line per run, a markdown table on stdout
+    for (i, tag) in ["[1/4] window 64:", "[2/4] window 256:", "[3/4] random 64:", "[4/4] random 256:"].iter().enumerate() {
+        assert!(stderr.contains(tag), "progress line {i} missing: {stderr}");
+    }
+    assert!(stdout.starts_with("| policy | budget |"), "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("| window") || l.starts_with("| random")).count(), 4, "{stdout}");
+
+    // CSV
+    let csv = std::fs::read_to_string(prefix.with_extension("csv")).expect("s.csv");
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), 5, "{csv}");
+    assert_eq!(lines[0], CSV_HEADER);
+    let header: Vec<&str> = lines[0].split(',').collect();
+    assert_eq!(header.len(), 17);
+    let mut n_tokens = 0;
+    for line in &lines[1..] {
+        let row: Vec<&str> = line.split(',').collect();
+        assert_eq!(row.len(), header.len(), "{line}");
+        let num = |n: &str| field(&header, &row, n).parse::<f64>().unwrap_or_else(|e| panic!("{n} in {line}: {e}"));
+        let budget = num("budget") as usize;
+        n_tokens = num("n_tokens") as usize;
+        assert_eq!(n_tokens, 192);
+        assert_eq!(num("seg_n") as usize, 32);
+        match budget {
+            256 => {
+                // the budget holds the whole text: nothing is evicted, the logits are the full cache's
+                assert!(num("kl").abs() < 1e-9, "{line}");
+                assert!(num("seg_kl").abs() < 1e-9, "{line}");
+                assert!(num("delta_nll").abs() < 1e-9, "{line}");
+                assert_eq!(num("top1"), 1.0, "{line}");
+                assert_eq!(num("seg_top1"), 1.0, "{line}");
+                assert_eq!(num("evicted"), 0.0, "{line}");
+                assert_eq!(num("ppl"), num("ppl_full"), "{line}");
+            }
+            64 => {
+                assert!(num("evicted") > 0.0, "{line}");
+                assert!(num("peak_kv_entries") <= 64.0, "{line}");
+                assert!(num("kl") > 0.0 && num("top1") < 1.0, "{line}");
+            }
+            b => panic!("unexpected budget {b}"),
+        }
+        assert!(num("peak_kv_bytes") > 0.0 && num("tok_s") > 0.0, "{line}");
+    }
+    let policies: Vec<&str> = lines[1..].iter().map(|l| l.split(',').next().unwrap()).collect();
+    assert_eq!(policies, ["window", "window", "random", "random"]);
+
+    // JSON
+    let json = std::fs::read_to_string(prefix.with_extension("json")).expect("s.json");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    let arr = v.as_array().expect("a JSON array");
+    assert_eq!(arr.len(), 4);
+    for r in arr {
+        assert!(r["policy"].is_string() && r["budget"].is_u64() && r["all"]["kl"].is_number(), "{r}");
+        assert_eq!(r["n_tokens"].as_u64(), Some(n_tokens as u64));
+        assert!(r["segment"]["top1_agree"].is_number(), "{r}");
+    }
+
+    // SVG
+    let svg = std::fs::read_to_string(prefix.with_extension("svg")).expect("s.svg");
+    check_svg(&svg, &["window", "random"], true);
+    assert!(svg.contains("wikitext2_test_lf.txt") && svg.contains("KL"), "title");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Rough well-formedness: balanced tags, one line per policy (two with a segment), legend names.
+fn check_svg(svg: &str, policies: &[&str], seg: bool) {
+    assert!(svg.trim_start().starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+    assert!(svg.trim_end().ends_with("</svg>"));
+    for tag in ["svg", "g", "text", "circle"] {
+        let open = svg.matches(&format!("<{tag} ")).count() + svg.matches(&format!("<{tag}>")).count();
+        let opener = format!("<{tag} ");
+        let self_closed = svg.split(&opener).skip(1).filter(|s| {
+            let end = s.find('>').unwrap();
+            s[..end].ends_with('/')
+        });
+        let close = svg.matches(&format!("</{tag}>")).count();
+        assert_eq!(open, close + self_closed.count(), "<{tag}> unbalanced");
+    }
+    let lines = svg.matches("<polyline").count() + svg.matches("<path").count();
+    assert_eq!(lines, policies.len() * if seg { 2 } else { 1 }, "one line per policy (and segment)");
+    for p in policies {
+        assert!(svg.contains(&format!(r#"data-policy="{p}""#)), "no group for {p}");
+        assert!(svg.contains(&format!(">{p}</text>")), "legend lacks {p}");
+        assert_eq!(svg.contains(&format!(">{p} (segment)</text>")), seg, "segment legend for {p}");
+    }
+    assert!(!svg.contains("NaN") && !svg.contains("inf\"") && !svg.contains("inf,"), "non-finite coordinates");
+}
+
+fn fid(n: usize, ppl: f64, kl: f64, top1: f64) -> Fidelity {
+    Fidelity { n, ppl, ppl_full: ppl * 0.9, ppl_err: ppl * 0.05, delta_nll: (1.0f64 / 0.9).ln(), kl, top1_agree: top1 }
+}
+
+fn report(policy: &str, budget: usize, n: usize, kl: f64, seg: bool) -> PplReport {
+    PplReport {
+        policy: policy.into(),
+        budget: Some(budget),
+        n_tokens: n + 1,
+        all: fid(n, 20.0, kl, 1.0 - kl),
+        segment: seg.then(|| fid(n / 4, 40.0, 2.0 * kl, 1.0 - 2.0 * kl)),
+        segment_start: seg.then_some(n - n / 4),
+        peak_kv_entries: budget.min(n),
+        peak_kv_bytes: budget.min(n) * 100,
+        evicted: n.saturating_sub(budget),
+        tokens_per_second: 10.0,
+    }
+}
+
+#[test]
+fn plot_and_csv_helpers() {
+    let mut rs = Vec::new();
+    for (p, k) in [("window", 0.2), ("h2o", 0.1), ("tova", 0.05)] {
+        for (i, b) in [128, 256, 512, 1024].into_iter().enumerate() {
+            rs.push(report(p, b, 700, k / (i + 1) as f64, false));
+        }
+    }
+    for m in [Metric::Kl, Metric::DeltaNll, Metric::Top1, Metric::Ppl] {
+        check_svg(&to_svg(&rs, m, "wiki.txt"), &["window", "h2o", "tova"], false);
+    }
+    // names and sources are escaped
+    let svg = to_svg(&[report("a<&>", 64, 100, 0.1, false)], Metric::Kl, "a & b.txt");
+    assert!(svg.contains("a &amp; b.txt") && svg.contains(">a&lt;&amp;&gt;</text>"), "{svg}");
+    // a single budget, constant values: still finite coordinates
+    let one = vec![report("window", 64, 10, 0.0, true)];
+    check_svg(&to_svg(&one, Metric::Kl, "x"), &["window"], true);
+    let csv = to_csv(&one);
+    assert_eq!(csv.lines().count(), 2);
+    assert_eq!(csv.lines().nth(1).unwrap().split(',').count(), 17);
+    let no_seg = to_csv(&[report("h2o", 64, 10, 0.1, false)]);
+    assert_eq!(no_seg.lines().nth(1).unwrap().split(',').count(), 17);
+
+    // merging records: token-weighted, PPL from the mean NLL
+    let a = report("h2o", 64, 100, 0.1, true);
+    let mut b = report("h2o", 64, 300, 0.3, true);
+    b.all.ppl = 80.0;
+    let m = merge_reports(&[a.clone(), b.clone()]);
+    assert_eq!(m.all.n, 400);
+    assert!((m.all.kl - (0.1 * 100.0 + 0.3 * 300.0) / 400.0).abs() < 1e-12);
+    let want_ppl = ((100.0 * 20f64.ln() + 300.0 * 80f64.ln()) / 400.0).exp();
+    assert!((m.all.ppl - want_ppl).abs() < 1e-9 * want_ppl, "{} vs {want_ppl}", m.all.ppl);
+    assert_eq!(m.segment.as_ref().unwrap().n, 100);
+    assert_eq!(m.evicted, a.evicted + b.evicted);
+    assert_eq!(m.n_tokens, a.n_tokens + b.n_tokens);
+    // one record: unchanged
+    let s = merge_reports(&[a.clone()]);
+    assert_eq!(serde_json::to_string(&s).unwrap(), serde_json::to_string(&a).unwrap());
+}
+
+#[test]
+fn bad_sweep_arguments_fail_fast() {
+    let text = util::shared("wikitext2_test_lf.txt");
+    for (args, want) in [
+        (vec!["--policies", "window,nope"], "unknown policy"),
+        (vec!["--policies", "h2o", "--budgets", "16", "--kv-recent", "16"], "cannot hold"),
+        (vec!["--records", "2"], "--records"),
+        (vec!["--metric", "bogus"], "bogus"),
+    ] {
+        let out = Command::new(util::kvrun_bin())
+            .args(["eval", "sweep", "-f"])
+            .arg(&text)
+            .args(&args)
+            .args(["--out", "/nonexistent-dir-kvrun/s"])
+            .output()
+            .expect("run kvrun");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
