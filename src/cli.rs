@@ -500,6 +500,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Bench(b)) => crate::bench::run_bench(b),
         Some(Cmd::Eval(crate::eval::EvalCmd::Ppl(p))) => crate::eval::run_ppl(p),
         Some(Cmd::Eval(crate::eval::EvalCmd::Sweep(s))) => crate::sweep::run_sweep(s),
+        Some(Cmd::Eval(crate::eval::EvalCmd::Passkey(p))) => crate::passkey::run_passkey(p),
         None => run_generate(&cli.run),
     }
 }

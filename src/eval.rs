@@ -27,6 +27,8 @@ pub enum EvalCmd {
     Ppl(PplArgs),
     /// Sweep policies × KV budgets: CSV, JSON, an SVG plot and a markdown table.
     Sweep(crate::sweep::SweepArgs),
+    /// Pass-key retrieval at several depths of a long haystack (filler or a reasoning trace).
+    Passkey(crate::passkey::PasskeyArgs),
 }
 
 /// Text input shared by the evaluators.

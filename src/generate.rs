@@ -70,9 +70,11 @@ impl<'w> Session<'w> {
                 format!("budget {} cannot hold the protected tokens (sinks {} + recent {}) plus one new token", e.budget, e.n_sink, e.n_recent),
             ));
         }
-        // a chunk must fit next to the protected tokens
+        // A prefill chunk must fit next to the protected tokens, and since
+        // the cache is trimmed to budget - chunk before each chunk, a small
+        // chunk (1/8 of the budget) keeps the cache nearly full throughout.
         let room = e.budget - e.n_sink - e.n_recent;
-        let n_batch = n_batch.min(room).max(1);
+        let n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
         let budget = e.budget;
         Ok(Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy)))
     }

@@ -74,7 +74,7 @@ pub struct SweepArgs {
     #[arg(long = "policies", value_delimiter = ',')]
     pub policies: Vec<String>,
     /// Comma-separated KV budgets (tokens per layer per KV head).
-    #[arg(long = "budgets", value_delimiter = ',', default_values_t = vec![256usize, 512, 1024, 2048])]
+    #[arg(long = "budgets", value_delimiter = ',', default_value = "256,512,1024,2048")]
     pub budgets: Vec<usize>,
     /// Tokens of the text to evaluate (0 = all).
     #[arg(long = "ctx", default_value_t = 2048)]
@@ -154,6 +154,14 @@ impl SweepArgs {
             // eval_ppl's own in-place progress is replaced by the sweep's.
             json: true,
             seed: self.seed,
+        }
+    }
+
+    /// Tokens of the evaluated text, when it is a single text.
+    fn text_len(&self, rs: &[PplReport]) -> Option<usize> {
+        match self.records {
+            Some(n) if n > 1 => None,
+            _ => rs.first().map(|r| r.n_tokens),
         }
     }
 
@@ -327,8 +335,9 @@ fn fmt_tick(v: f64, step: f64) -> String {
 const PALETTE: &[&str] = &["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
 
 /// The SVG line plot: x = budget (log2), y = `metric`, one line per policy,
-/// dashed lines for the segment when present.
-pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str) -> String {
+/// dashed lines for the segment when present; `text_len` (tokens of a single
+/// text) is marked with a dotted vertical line when inside the budget range.
+pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<usize>) -> String {
     let (w, h) = (900.0f64, 520.0f64);
     let (l, r, t, b) = (80.0, 700.0, 60.0, 450.0); // plot area
     let mut policies: Vec<&str> = Vec::new();
@@ -413,9 +422,9 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str) -> String {
         let _ = writeln!(s, r#"<text x="{x:.2}" y="{}" text-anchor="middle">{bud}</text>"#, b + 20.0);
     }
     // text length marker: budgets at or above it evict nothing
-    if let Some(n) = rs.first().map(|x| x.n_tokens) {
+    if let Some(n) = text_len {
         let lx = (n as f64).log2();
-        if n > 0 && lx > xlo && lx < xhi && rs.iter().all(|x| x.n_tokens == n) {
+        if n > 0 && lx > xlo && lx < xhi {
             let x = l + (lx - xlo) / (xhi - xlo) * (r - l);
             let _ = writeln!(s, r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#999" stroke-dasharray="2,3"/>"##);
             let _ = writeln!(s, r##"<text x="{:.2}" y="{}" fill="#777" font-size="10">text length {n}</text>"##, x + 3.0, t + 12.0);
@@ -512,7 +521,7 @@ fn write_file(path: &Path, text: &str) -> Result<()> {
 }
 
 /// Write PREFIX.csv, PREFIX.json and PREFIX.svg; returns their paths.
-pub fn write_outputs(prefix: &Path, rs: &[PplReport], metric: Metric, source: &str) -> Result<[PathBuf; 3]> {
+pub fn write_outputs(prefix: &Path, rs: &[PplReport], metric: Metric, source: &str, text_len: Option<usize>) -> Result<[PathBuf; 3]> {
     if let Some(dir) = prefix.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_owned(), source })?;
     }
@@ -520,7 +529,7 @@ pub fn write_outputs(prefix: &Path, rs: &[PplReport], metric: Metric, source: &s
     write_file(&paths[0], &to_csv(rs))?;
     let json = serde_json::to_string_pretty(rs).map_err(|e| Error::Other(e.to_string()))?;
     write_file(&paths[1], &(json + "\n"))?;
-    write_file(&paths[2], &to_svg(rs, metric, source))?;
+    write_file(&paths[2], &to_svg(rs, metric, source, text_len))?;
     Ok(paths)
 }
 
@@ -599,7 +608,7 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
                 rep.all.kl, rep.all.top1_agree, rep.all.delta_nll, rep.evicted
             );
             out.push(rep);
-            write_outputs(&a.out, &out, a.metric, &source)?;
+            write_outputs(&a.out, &out, a.metric, &source, a.text_len(&out))?;
         }
     }
     Ok(out)
@@ -608,7 +617,7 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
 /// `kvrun eval sweep`.
 pub fn run_sweep(a: &SweepArgs) -> Result<()> {
     let rs = sweep(a)?;
-    let [csv, json, svg] = write_outputs(&a.out, &rs, a.metric, &a.source())?;
+    let [csv, json, svg] = write_outputs(&a.out, &rs, a.metric, &a.source(), a.text_len(&rs))?;
     print!("{}", to_markdown(&rs));
     eprintln!("kvrun: wrote {}, {}, {}", csv.display(), json.display(), svg.display());
     Ok(())

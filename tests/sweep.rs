@@ -95,6 +95,7 @@ fn sweep_window_random_on_wikitext() {
     let svg = std::fs::read_to_string(prefix.with_extension("svg")).expect("s.svg");
     check_svg(&svg, &["window", "random"], true);
     assert!(svg.contains("wikitext2_test_lf.txt") && svg.contains("KL"), "title");
+    assert!(svg.contains("text length 192"), "the no-eviction boundary is marked");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -150,14 +151,16 @@ fn plot_and_csv_helpers() {
         }
     }
     for m in [Metric::Kl, Metric::DeltaNll, Metric::Top1, Metric::Ppl] {
-        check_svg(&to_svg(&rs, m, "wiki.txt"), &["window", "h2o", "tova"], false);
+        let svg = to_svg(&rs, m, "wiki.txt", Some(700));
+        check_svg(&svg, &["window", "h2o", "tova"], false);
+        assert!(svg.contains("text length 700"));
     }
     // names and sources are escaped
-    let svg = to_svg(&[report("a<&>", 64, 100, 0.1, false)], Metric::Kl, "a & b.txt");
+    let svg = to_svg(&[report("a<&>", 64, 100, 0.1, false)], Metric::Kl, "a & b.txt", None);
     assert!(svg.contains("a &amp; b.txt") && svg.contains(">a&lt;&amp;&gt;</text>"), "{svg}");
     // a single budget, constant values: still finite coordinates
     let one = vec![report("window", 64, 10, 0.0, true)];
-    check_svg(&to_svg(&one, Metric::Kl, "x"), &["window"], true);
+    check_svg(&to_svg(&one, Metric::Kl, "x", Some(11)), &["window"], true);
     let csv = to_csv(&one);
     assert_eq!(csv.lines().count(), 2);
     assert_eq!(csv.lines().nth(1).unwrap().split(',').count(), 17);
@@ -201,4 +204,19 @@ fn bad_sweep_arguments_fail_fast() {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn sweep_flags_are_consistent() {
+    use clap::CommandFactory;
+    // clap's own consistency checks (duplicate flags, bad defaults) only run in debug builds
+    let mut cli = kvrun::cli::Cli::command();
+    let sweep = cli.find_subcommand_mut("eval").unwrap().find_subcommand_mut("sweep").expect("eval sweep").clone();
+    sweep.debug_assert();
+    let c = kvrun::cli::parse(["kvrun", "eval", "sweep", "-f", "x.txt"].map(String::from)).expect("defaults parse");
+    let Some(kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Sweep(a))) = c.cmd else { panic!("not a sweep") };
+    assert_eq!(a.budgets, [256, 512, 1024, 2048]);
+    assert_eq!(a.metric, Metric::Kl);
+    let want: Vec<String> = kvrun::policy::names().into_iter().filter(|&n| n != "full").map(String::from).collect();
+    assert_eq!(a.policy_list().unwrap(), want);
 }
