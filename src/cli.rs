@@ -45,6 +45,8 @@ pub enum Cmd {
     /// Fidelity evaluation of eviction policies.
     #[command(subcommand)]
     Eval(crate::eval::EvalCmd),
+    /// Run a JSONL file of problems and grade the answers (`batch merge` combines shards).
+    Batch(crate::batch::BatchCmd),
 }
 
 /// Model selection shared by every command.
@@ -501,6 +503,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Eval(crate::eval::EvalCmd::Ppl(p))) => crate::eval::run_ppl(p),
         Some(Cmd::Eval(crate::eval::EvalCmd::Sweep(s))) => crate::sweep::run_sweep(s),
         Some(Cmd::Eval(crate::eval::EvalCmd::Passkey(p))) => crate::passkey::run_passkey(p),
+        Some(Cmd::Batch(b)) => crate::batch::run_batch(b),
         None => run_generate(&cli.run),
     }
 }

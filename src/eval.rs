@@ -212,6 +212,8 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
         None => Session::new(&w, n, n_threads, a.chunk),
         Some(p) => Session::with_policy(&w, n, n_threads, a.chunk, p)?,
     };
+    // teacher forcing has no prompt: --keep-prompt protects nothing here
+    pol.protect_prompt(0);
     let vocab = w.config.vocab;
     let (mut all, mut seg) = (Acc::default(), Acc::default());
     let (mut lf, mut lp) = (Vec::new(), Vec::new());

@@ -281,6 +281,8 @@ pub fn generate(
     for &t in prompt {
         sampler.accept(t);
     }
+    // --keep-prompt protects everything fed before generation starts
+    sess.protect_prompt(sess.n_past + prompt.len());
     let mut logits = sess.feed(prompt, Logits::Last)?.to_vec();
     let prompt_ms = t_start.elapsed().as_secs_f64() * 1e3;
 

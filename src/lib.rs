@@ -14,6 +14,7 @@
 #![allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 
 pub mod backend;
+pub mod batch;
 pub mod bench;
 pub mod chat;
 pub mod cli;

@@ -590,11 +590,10 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
             let t0 = Instant::now();
             let mut recs = Vec::with_capacity(n_rec);
             for r in 0..n_rec {
-                recs.push(eval_ppl(&a.ppl_args(p, bud, a.text.record + r)).map_err(|e| {
+                recs.push(eval_ppl(&a.ppl_args(p, bud, a.text.record + r)).inspect_err(|_| {
                     if tty {
                         eprintln!();
                     }
-                    e
                 })?);
             }
             let rep = merge_reports(&recs);

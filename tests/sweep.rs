@@ -180,7 +180,7 @@ fn plot_and_csv_helpers() {
     assert_eq!(m.evicted, a.evicted + b.evicted);
     assert_eq!(m.n_tokens, a.n_tokens + b.n_tokens);
     // one record: unchanged
-    let s = merge_reports(&[a.clone()]);
+    let s = merge_reports(std::slice::from_ref(&a));
     assert_eq!(serde_json::to_string(&s).unwrap(), serde_json::to_string(&a).unwrap());
 }
 

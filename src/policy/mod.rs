@@ -141,7 +141,13 @@ impl Evictor {
                 "--kv-budget",
                 format!(
                     "budget {} cannot hold the protected tokens: {} live, {} new, only {} evictable (sinks {}, recent {}, prompt {})",
-                    self.budget, n_live, n_new, cand.len(), self.n_sink, self.n_recent, self.keep_prompt_until
+                    self.budget,
+                    n_live,
+                    n_new,
+                    cand.len(),
+                    self.n_sink,
+                    self.n_recent,
+                    if self.keep_prompt_until == usize::MAX { "all".to_string() } else { self.keep_prompt_until.to_string() }
                 ),
             ));
         }

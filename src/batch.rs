@@ -1,0 +1,595 @@
+//! `kvrun batch`: run a JSONL file of problems through the model and grade
+//! the answers; `kvrun batch merge`: combine shard outputs.
+//!
+//! ```text
+//! kvrun batch -i IN.jsonl|- -o OUT.jsonl|- [model, KV, sampling flags]
+//!             [--template plain|boxed|r1] [--grade auto|math|gsm8k|aime|none]
+//!             [--resume] [--limit N] [--shard i/n] [--summary FILE]
+//! kvrun batch merge OUT1 OUT2 ... -o MERGED
+//! ```
+//!
+//! - One output record per processed input line, in input order, each
+//!   written and flushed as soon as it finishes:
+//!   `{id, line, prompt_tokens, gen_tokens, output, pred, gold, correct,
+//!   stop, time_s, tok_s, peak_kv_bytes, evicted, policy, budget}`.
+//!   `line` is the 1-based input line number; `id` is the `--id-field`
+//!   value (auto: `id`, `unique_id`), else the line number.
+//! - A malformed line (bad JSON, no prompt field, a prompt that does not fit
+//!   the context) is reported on stderr as `line N: …`, NO record is written
+//!   for it, and the rest of the batch runs. The exit code is 0 unless
+//!   there were lines to process and none of them could be processed.
+//! - Blank lines are skipped silently (they still count for line numbers).
+//! - `--shard i/n` keeps the lines whose 0-based line index % n == i.
+//!   `--limit N` processes at most N lines (after sharding and resume).
+//! - Each record gets a fresh session and a sampler seeded with
+//!   seed + line index, so a record's output does not depend on which
+//!   other records run, or in which shard (greedy is the default).
+//! - `--resume` reads the ids already in the output file and appends only
+//!   the missing records.
+//! - Progress goes to stderr only when stderr is a terminal; a summary line
+//!   always goes to stderr, and `--summary FILE` writes it as JSON.
+
+use crate::cli::{prompt_tokens, resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::error::{Error, Result};
+use crate::generate::{generate, GenOptions, Session, StopReason};
+use crate::grade::{extract_answer, grade, Kind};
+use crate::load::Checkpoint;
+use crate::sample::{Sampler, SamplerConfig};
+use clap::{Args, Subcommand, ValueEnum};
+use serde_json::{json, Map, Value};
+use std::collections::HashSet;
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The R1 prompt of ../shared/data/README.md (raw text, no chat template).
+pub const R1_TEMPLATE: &str = "<｜begin▁of▁sentence｜><｜User｜>You are given a math problem.\n\nProblem: {problem}\n\n You need to solve the problem step by step. First, you need to provide the chain-of-thought, then provide the final answer.\n\n Provide the final answer in the format: Final answer:  \\boxed{}<｜Assistant｜><think>\n";
+
+/// The `boxed` instruction (through the chat template).
+pub const BOXED_TEMPLATE: &str = "Solve the following problem step by step. Put the final answer in \\boxed{}.\n\n{problem}";
+
+/// `kvrun batch ...`: run (the flags) or `merge`.
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BatchCmd {
+    #[command(subcommand)]
+    pub sub: Option<BatchSub>,
+    #[command(flatten)]
+    pub run: BatchArgs,
+}
+
+/// Subcommands of `kvrun batch`.
+#[derive(Subcommand, Debug)]
+pub enum BatchSub {
+    /// Combine shard outputs, ordered by line number, dropping duplicate ids.
+    Merge(MergeArgs),
+}
+
+/// Flags of `kvrun batch merge`.
+#[derive(Args, Debug, Clone)]
+pub struct MergeArgs {
+    /// Output files of `kvrun batch` (e.g. one per shard).
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
+    /// Merged output (`-` = stdout).
+    #[arg(short = 'o', long = "output", default_value = "-")]
+    pub output: String,
+}
+
+/// Prompt wrapping.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Template {
+    /// The prompt as is, through the model's chat template.
+    Plain,
+    /// "Solve … Put the final answer in \boxed{}." + the prompt, through the chat template.
+    Boxed,
+    /// The DeepSeek-R1 prompt (raw, ends in `<think>\n`).
+    R1,
+}
+
+/// Grading mode.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradeMode {
+    /// gsm8k if the gold answer contains ####, aime if it is all digits, else math.
+    Auto,
+    Math,
+    Gsm8k,
+    Aime,
+    /// No grading (pred and correct are null).
+    None,
+}
+
+/// Flags of `kvrun batch` (run mode).
+#[derive(Args, Debug, Clone)]
+pub struct BatchArgs {
+    /// Input JSONL (`-` = stdin).
+    #[arg(short = 'i', long = "input")]
+    pub input: Option<String>,
+    /// Output JSONL (`-` = stdout).
+    #[arg(short = 'o', long = "output")]
+    pub output: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+    /// Field holding the prompt (default: the first of problem, question, prompt).
+    #[arg(long = "prompt-field")]
+    pub prompt_field: Option<String>,
+    /// Field holding the record id (default: id, unique_id; else the line number).
+    #[arg(long = "id-field")]
+    pub id_field: Option<String>,
+    /// Field holding the gold answer (default: answer).
+    #[arg(long = "answer-field")]
+    pub answer_field: Option<String>,
+    /// Prompt wrapping.
+    #[arg(long = "template", value_enum, default_value_t = Template::Plain)]
+    pub template: Template,
+    /// Grading of the extracted answer against the gold answer.
+    #[arg(long = "grade", value_enum, default_value_t = GradeMode::Auto)]
+    pub grade: GradeMode,
+    /// Tokens to generate per record at most.
+    #[arg(long = "max-tokens", alias = "n-predict", default_value_t = 1024)]
+    pub max_tokens: usize,
+    /// Context size in tokens (0 = the model's training context).
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Prompt processing chunk size.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    pub batch_size: usize,
+    /// RNG seed (-1 = random); record k uses seed + its line index.
+    #[arg(short = 's', long = "seed", default_value_t = 0, allow_negative_numbers = true)]
+    pub seed: i64,
+    /// Temperature (0 = greedy).
+    #[arg(long = "temp", alias = "temperature", default_value_t = 0.0)]
+    pub temp: f32,
+    /// Top-k (0 = off).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Top-p (1.0 = off).
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p (0.0 = off).
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repeat penalty (1.0 = off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// System prompt (through the chat template).
+    #[arg(long = "system-prompt")]
+    pub system: Option<String>,
+    /// Do not use the chat template (plain / boxed templates).
+    #[arg(long = "raw")]
+    pub raw: bool,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
+    /// Skip ids already in the output file and append the rest.
+    #[arg(long = "resume")]
+    pub resume: bool,
+    /// Process at most N lines.
+    #[arg(long = "limit")]
+    pub limit: Option<usize>,
+    /// Process only lines with index % n == i (`i/n`).
+    #[arg(long = "shard")]
+    pub shard: Option<String>,
+    /// Write the summary as JSON to this file.
+    #[arg(long = "summary")]
+    pub summary: Option<PathBuf>,
+}
+
+/// Run `kvrun batch` (or its `merge`).
+pub fn run_batch(cmd: &BatchCmd) -> Result<()> {
+    match &cmd.sub {
+        Some(BatchSub::Merge(m)) => run_merge(m),
+        None => run_records(&cmd.run),
+    }
+}
+
+fn io_err(path: &str, source: std::io::Error) -> Error {
+    Error::Io { path: PathBuf::from(path), source }
+}
+
+/// Parse `i/n`.
+pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
+    let bad = || Error::arg("--shard", format!("expected i/n with 0 <= i < n, got {s:?}"));
+    let (i, n) = s.split_once('/').ok_or_else(bad)?;
+    let (i, n): (usize, usize) = (i.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+    if n == 0 || i >= n {
+        return Err(bad());
+    }
+    Ok((i, n))
+}
+
+/// The id of a record as a comparable key (strings as is, other JSON as text).
+pub fn id_key(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Auto grading kind from the gold answer.
+pub fn auto_kind(gold: &str) -> Kind {
+    let g = gold.trim();
+    if g.contains("####") {
+        Kind::Gsm8k
+    } else if !g.is_empty() && g.chars().all(|c| c.is_ascii_digit()) {
+        Kind::Aime
+    } else {
+        Kind::Math
+    }
+}
+
+fn stop_name(s: StopReason) -> &'static str {
+    match s {
+        StopReason::Eog => "eog",
+        StopReason::Length => "length",
+        StopReason::ContextFull => "context_full",
+        StopReason::Cancelled => "cancelled",
+    }
+}
+
+/// Read all of a file (or stdin for `-`) as raw lines.
+fn read_lines(path: &str) -> Result<Vec<Vec<u8>>> {
+    let mut buf = Vec::new();
+    if path == "-" {
+        std::io::stdin().lock().read_to_end(&mut buf).map_err(|e| io_err("<stdin>", e))?;
+    } else {
+        buf = std::fs::read(path).map_err(|e| io_err(path, e))?;
+    }
+    let mut lines: Vec<Vec<u8>> = buf.split(|&b| b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l).to_vec()).collect();
+    if lines.last().is_some_and(|l| l.is_empty()) {
+        lines.pop();
+    }
+    Ok(lines)
+}
+
+fn str_field(obj: &Map<String, Value>, k: &str) -> Option<String> {
+    match obj.get(k)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Null => None,
+        Value::Number(n) => Some(n.to_string()),
+        Value::Bool(b) => Some(b.to_string()),
+        other => Some(other.to_string()),
+    }
+}
+
+/// One parsed input record.
+struct Item {
+    idx: usize,
+    id: Value,
+    prompt: String,
+    gold: Option<String>,
+}
+
+fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<Item, String> {
+    let text = std::str::from_utf8(raw).map_err(|e| format!("not valid UTF-8 (byte {})", e.valid_up_to()))?;
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("bad JSON: {e}"))?;
+    let Value::Object(obj) = v else {
+        return Err("not a JSON object".into());
+    };
+    let prompt = match &a.prompt_field {
+        Some(f) => match obj.get(f) {
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(format!("field {f:?} is not a string")),
+            None => return Err(format!("no prompt field {f:?}")),
+        },
+        None => ["problem", "question", "prompt"]
+            .iter()
+            .find_map(|k| obj.get(*k).and_then(|v| v.as_str()).map(str::to_owned))
+            .ok_or_else(|| "no prompt field (looked for problem, question, prompt; use --prompt-field)".to_string())?,
+    };
+    let id = match &a.id_field {
+        Some(f) => obj.get(f).filter(|v| !v.is_null()).cloned().ok_or_else(|| format!("no id field {f:?}"))?,
+        None => ["id", "unique_id"]
+            .iter()
+            .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned())
+            .unwrap_or_else(|| json!(idx + 1)),
+    };
+    let gold = str_field(&obj, a.answer_field.as_deref().unwrap_or("answer"));
+    Ok(Item { idx, id, prompt, gold })
+}
+
+/// Ids already present in an output file (unparseable lines are ignored),
+/// and whether the file ends without a newline.
+fn done_ids(path: &str) -> Result<(HashSet<String>, bool)> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((HashSet::new(), false)),
+        Err(e) => return Err(io_err(path, e)),
+    };
+    let mut ids = HashSet::new();
+    for l in bytes.split(|&b| b == b'\n') {
+        if let Ok(v) = serde_json::from_slice::<Value>(l) {
+            if let Some(id) = v.get("id") {
+                ids.insert(id_key(id));
+            }
+        }
+    }
+    Ok((ids, !bytes.is_empty() && bytes.last() != Some(&b'\n')))
+}
+
+fn run_records(a: &BatchArgs) -> Result<()> {
+    let input = a.input.as_deref().ok_or_else(|| Error::arg("-i/--input", "no input given (-i FILE.jsonl or -i -)"))?;
+    let output = a.output.as_deref().ok_or_else(|| Error::arg("-o/--output", "no output given (-o FILE.jsonl or -o -)"))?;
+    if a.resume && output == "-" {
+        return Err(Error::arg("--resume", "needs an output file, not stdout"));
+    }
+    if a.batch_size == 0 {
+        return Err(Error::arg("-b/--batch-size", "must be at least 1"));
+    }
+    if !a.temp.is_finite() || a.top_p.is_nan() || a.min_p.is_nan() {
+        return Err(Error::arg("--temp/--top-p/--min-p", "must be numbers"));
+    }
+    let shard = a.shard.as_deref().map(parse_shard).transpose()?;
+    let n_threads = resolve_threads(a.model.threads)?;
+    let seed = if a.seed < 0 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    } else {
+        a.seed as u64
+    };
+    // validate the KV flags before loading anything
+    a.kv.build(seed)?;
+    let path = resolve_model(&a.model.model)?;
+    let lines = read_lines(input)?;
+    let (done, needs_nl) = if a.resume { done_ids(output)? } else { (HashSet::new(), false) };
+
+    let t_wall = Instant::now();
+    let ck = Checkpoint::open(&path)?;
+    let w = ck.weights()?;
+    let tok = ck.tokenizer()?;
+    let tmpl = if a.raw { None } else { ck.chat_template()? };
+    let n_ctx = if a.ctx_size == 0 { w.config.n_ctx_train } else { a.ctx_size };
+
+    let mut out: Box<dyn Write> = if output == "-" {
+        Box::new(std::io::stdout())
+    } else {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(a.resume)
+            .truncate(!a.resume)
+            .open(output)
+            .map_err(|e| io_err(output, e))?;
+        Box::new(f)
+    };
+    if needs_nl {
+        out.write_all(b"\n").map_err(|e| io_err(output, e))?;
+    }
+
+    // select the lines: shard, blank, resume, limit (parse errors are counted when reached)
+    let mut todo: Vec<(usize, std::result::Result<Item, String>)> = Vec::new();
+    let mut n_resumed = 0usize;
+    for (idx, raw) in lines.iter().enumerate() {
+        if shard.is_some_and(|(i, n)| idx % n != i) {
+            continue;
+        }
+        if raw.iter().all(|b| b.is_ascii_whitespace()) {
+            continue;
+        }
+        let item = parse_item(a, idx, raw);
+        if let Ok(it) = &item {
+            if done.contains(&id_key(&it.id)) {
+                n_resumed += 1;
+                continue;
+            }
+        }
+        if a.limit.is_some_and(|l| todo.len() >= l) {
+            break;
+        }
+        todo.push((idx, item));
+    }
+
+    let progress = std::io::stderr().is_terminal();
+    let kv_budget = a.kv.kv_budget;
+    let mut n_ok = 0usize;
+    let mut err_lines: Vec<usize> = Vec::new();
+    let (mut n_graded, mut n_correct) = (0usize, 0usize);
+    let (mut tot_prompt, mut tot_gen) = (0usize, 0usize);
+    let (mut tot_ms, mut tot_gen_ms) = (0.0f64, 0.0f64);
+    let mut peak_kv = 0usize;
+    let mut tot_evicted = 0usize;
+    let n_todo = todo.len();
+    for (k, (idx, item)) in todo.into_iter().enumerate() {
+        let line_no = idx + 1;
+        let item = match item {
+            Ok(it) => it,
+            Err(msg) => {
+                eprintln!("line {line_no}: {msg}");
+                err_lines.push(line_no);
+                continue;
+            }
+        };
+        if progress {
+            eprint!("\r[{}/{}] line {} id {} ...", k + 1, n_todo, line_no, id_key(&item.id));
+        }
+        let rec_seed = seed.wrapping_add(item.idx as u64);
+        let res = (|| -> Result<Value> {
+            let ids = match a.template {
+                Template::R1 => tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?,
+                Template::Plain => prompt_tokens(&tok, tmpl.as_ref(), &item.prompt, a.system.as_deref(), a.raw)?,
+                Template::Boxed => {
+                    let p = BOXED_TEMPLATE.replace("{problem}", &item.prompt);
+                    prompt_tokens(&tok, tmpl.as_ref(), &p, a.system.as_deref(), a.raw)?
+                }
+            };
+            if ids.len() >= n_ctx {
+                return Err(Error::ContextTooSmall { n_prompt: ids.len(), n_ctx });
+            }
+            let mut sampler = Sampler::new(SamplerConfig {
+                temp: a.temp,
+                top_k: a.top_k,
+                top_p: a.top_p,
+                min_p: a.min_p,
+                repeat_penalty: a.repeat_penalty,
+                repeat_last_n: 64,
+                seed: rec_seed,
+            });
+            let mut sess = match a.kv.build(rec_seed)? {
+                None => Session::new(&w, n_ctx, n_threads, a.batch_size),
+                Some(p) => {
+                    if a.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
+                        return Err(Error::arg(
+                            "--kv-budget",
+                            format!("budget {} cannot hold the {}-token prompt (--keep-prompt) plus the recent window {}", p.evictor.budget, ids.len(), p.evictor.n_recent),
+                        ));
+                    }
+                    let mut s = Session::with_policy(&w, n_ctx, n_threads, a.batch_size, p)?;
+                    s.protect_prompt(ids.len());
+                    s
+                }
+            };
+            let mut text = String::new();
+            let opts = GenOptions { n_predict: a.max_tokens as i64, ignore_eos: a.ignore_eos };
+            let st = generate(&mut sess, &tok, &mut sampler, &ids, &opts, |piece| {
+                text.push_str(piece);
+                true
+            })?;
+            let kind = match (a.grade, item.gold.as_deref()) {
+                (GradeMode::None, _) | (_, None) => None,
+                (GradeMode::Auto, Some(g)) => Some(auto_kind(g)),
+                (GradeMode::Math, _) => Some(Kind::Math),
+                (GradeMode::Gsm8k, _) => Some(Kind::Gsm8k),
+                (GradeMode::Aime, _) => Some(Kind::Aime),
+            };
+            let pred = kind.and_then(|k| extract_answer(&text, k));
+            let correct = match (kind, &item.gold) {
+                (Some(k), Some(g)) => Some(pred.as_deref().is_some_and(|p| grade(p, g, k))),
+                _ => None,
+            };
+            let peak = sess.kv.peak_live * sess.kv.bytes_per_token();
+            let tok_s = if st.gen_ms > 0.0 { st.n_gen as f64 * 1e3 / st.gen_ms } else { 0.0 };
+            n_ok += 1;
+            if let Some(c) = correct {
+                n_graded += 1;
+                n_correct += c as usize;
+            }
+            tot_prompt += st.n_prompt;
+            tot_gen += st.n_gen;
+            tot_ms += st.total_ms;
+            tot_gen_ms += st.gen_ms;
+            peak_kv = peak_kv.max(peak);
+            tot_evicted += sess.n_evicted;
+            Ok(json!({
+                "id": item.id,
+                "line": line_no,
+                "prompt_tokens": st.n_prompt,
+                "gen_tokens": st.n_gen,
+                "output": text,
+                "pred": pred,
+                "gold": item.gold,
+                "correct": correct,
+                "stop": stop_name(st.stop),
+                "time_s": st.total_ms / 1e3,
+                "tok_s": tok_s,
+                "peak_kv_bytes": peak,
+                "evicted": sess.n_evicted,
+                "policy": a.kv.policy,
+                "budget": kv_budget,
+            }))
+        })();
+        match res {
+            Ok(rec) => {
+                let mut s = serde_json::to_string(&rec).map_err(|e| Error::Other(e.to_string()))?;
+                s.push('\n');
+                out.write_all(s.as_bytes()).and_then(|_| out.flush()).map_err(|e| io_err(output, e))?;
+            }
+            Err(e) => {
+                if progress {
+                    eprint!("\r\x1b[K");
+                }
+                eprintln!("line {line_no}: {e}");
+                err_lines.push(line_no);
+            }
+        }
+    }
+    if progress {
+        eprint!("\r\x1b[K");
+    }
+    let wall_s = t_wall.elapsed().as_secs_f64();
+    let tok_s = if tot_gen_ms > 0.0 { tot_gen as f64 * 1e3 / tot_gen_ms } else { 0.0 };
+    let acc = if n_graded > 0 { n_correct as f64 / n_graded as f64 } else { 0.0 };
+    eprintln!(
+        "kvrun batch: {n_ok} done, {} errors, {n_resumed} skipped (resume) | accuracy {n_correct}/{n_graded} ({:.1}%) | tokens {tot_prompt} prompt + {tot_gen} gen | time {:.2} s (wall {wall_s:.2} s) | {tok_s:.2} tok/s | peak KV {peak_kv} bytes | evicted {tot_evicted} | policy {} budget {}",
+        err_lines.len(),
+        100.0 * acc,
+        tot_ms / 1e3,
+        a.kv.policy,
+        kv_budget.map_or_else(|| "none".to_string(), |b| b.to_string()),
+    );
+    if let Some(p) = &a.summary {
+        let s = json!({
+            "input": input,
+            "output": output,
+            "processed": n_ok,
+            "errors": err_lines.len(),
+            "error_lines": err_lines,
+            "skipped_resume": n_resumed,
+            "graded": n_graded,
+            "correct": n_correct,
+            "accuracy": acc,
+            "prompt_tokens": tot_prompt,
+            "gen_tokens": tot_gen,
+            "time_s": tot_ms / 1e3,
+            "wall_s": wall_s,
+            "tok_s": tok_s,
+            "peak_kv_bytes": peak_kv,
+            "evicted": tot_evicted,
+            "policy": a.kv.policy,
+            "budget": kv_budget,
+            "peak_rss_bytes": crate::bench::peak_rss_bytes(),
+        });
+        let text = serde_json::to_string_pretty(&s).map_err(|e| Error::Other(e.to_string()))? + "\n";
+        std::fs::write(p, text).map_err(|source| Error::Io { path: p.clone(), source })?;
+    }
+    if n_ok == 0 && !err_lines.is_empty() {
+        return Err(Error::Other(format!("no line could be processed ({} errors)", err_lines.len())));
+    }
+    Ok(())
+}
+
+/// `kvrun batch merge`: records of all inputs ordered by `line` (records
+/// without one go last, in reading order); the first record of each id wins.
+fn run_merge(m: &MergeArgs) -> Result<()> {
+    let mut recs: Vec<(usize, usize, Value)> = Vec::new();
+    for p in &m.inputs {
+        let ps = p.display().to_string();
+        let bytes = std::fs::read(p).map_err(|source| Error::Io { path: p.clone(), source })?;
+        for (i, l) in bytes.split(|&b| b == b'\n').enumerate() {
+            if l.iter().all(|b| b.is_ascii_whitespace()) {
+                continue;
+            }
+            match serde_json::from_slice::<Value>(l) {
+                Ok(v) => {
+                    let line = v.get("line").and_then(|x| x.as_u64()).map_or(usize::MAX, |x| x as usize);
+                    let n = recs.len();
+                    recs.push((line, n, v));
+                }
+                Err(e) => eprintln!("{ps}: line {}: skipped ({e})", i + 1),
+            }
+        }
+    }
+    recs.sort_by_key(|r| (r.0, r.1));
+    let mut seen = HashSet::new();
+    let mut text = String::new();
+    let mut n_dup = 0;
+    for (_, _, v) in &recs {
+        if let Some(id) = v.get("id") {
+            if !seen.insert(id_key(id)) {
+                n_dup += 1;
+                continue;
+            }
+        }
+        text.push_str(&serde_json::to_string(v).map_err(|e| Error::Other(e.to_string()))?);
+        text.push('\n');
+    }
+    if m.output == "-" {
+        let so = std::io::stdout();
+        let mut o = so.lock();
+        o.write_all(text.as_bytes()).and_then(|_| o.flush()).map_err(|e| io_err("<stdout>", e))?;
+    } else {
+        std::fs::write(Path::new(&m.output), text).map_err(|e| io_err(&m.output, e))?;
+    }
+    eprintln!("kvrun batch merge: {} records ({} duplicate ids dropped)", recs.len() - n_dup, n_dup);
+    Ok(())
+}
