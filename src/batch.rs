@@ -12,7 +12,9 @@
 //!   written and flushed as soon as it finishes:
 //!   `{id, line, prompt_tokens, gen_tokens, output, pred, gold, correct,
 //!   stop, time_s, tok_s, peak_kv_bytes, evicted, policy, budget}`.
-//!   `line` is the 1-based input line number; `id` is the `--id-field`
+//!   `line` is the 1-based input line number; `gold` is the answer field
+//!   (for GSM8K references, the number after `####`); `pred` the extracted
+//!   answer and `correct` the grade (null when not graded); `id` is the `--id-field`
 //!   value (auto: `id`, `unique_id`), else the line number.
 //! - A malformed line (bad JSON, no prompt field, a prompt that does not fit
 //!   the context) is reported on stderr as `line N: …`, NO record is written
@@ -36,6 +38,7 @@ use crate::grade::{extract_answer, grade, Kind};
 use crate::load::Checkpoint;
 use crate::sample::{Sampler, SamplerConfig};
 use clap::{Args, Subcommand, ValueEnum};
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 use std::collections::HashSet;
 use std::io::{IsTerminal, Read, Write};
@@ -254,6 +257,26 @@ fn str_field(obj: &Map<String, Value>, k: &str) -> Option<String> {
     }
 }
 
+/// One output record (field order as written).
+#[derive(Serialize, Debug)]
+pub struct Record {
+    pub id: Value,
+    pub line: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub output: String,
+    pub pred: Option<String>,
+    pub gold: Option<String>,
+    pub correct: Option<bool>,
+    pub stop: &'static str,
+    pub time_s: f64,
+    pub tok_s: f64,
+    pub peak_kv_bytes: usize,
+    pub evicted: usize,
+    pub policy: String,
+    pub budget: Option<usize>,
+}
+
 /// One parsed input record.
 struct Item {
     idx: usize,
@@ -404,7 +427,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             eprint!("\r[{}/{}] line {} id {} ...", k + 1, n_todo, line_no, id_key(&item.id));
         }
         let rec_seed = seed.wrapping_add(item.idx as u64);
-        let res = (|| -> Result<Value> {
+        let res = (|| -> Result<Record> {
             let ids = match a.template {
                 Template::R1 => tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?,
                 Template::Plain => prompt_tokens(&tok, tmpl.as_ref(), &item.prompt, a.system.as_deref(), a.raw)?,
@@ -453,6 +476,11 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 (GradeMode::Aime, _) => Some(Kind::Aime),
             };
             let pred = kind.and_then(|k| extract_answer(&text, k));
+            // GSM8K references are reduced to their final number
+            let gold = match (kind, &item.gold) {
+                (Some(Kind::Gsm8k), Some(g)) if g.contains("####") => crate::grade::extract_gsm8k(g).or_else(|| item.gold.clone()),
+                _ => item.gold.clone(),
+            };
             let correct = match (kind, &item.gold) {
                 (Some(k), Some(g)) => Some(pred.as_deref().is_some_and(|p| grade(p, g, k))),
                 _ => None,
@@ -470,23 +498,23 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             tot_gen_ms += st.gen_ms;
             peak_kv = peak_kv.max(peak);
             tot_evicted += sess.n_evicted;
-            Ok(json!({
-                "id": item.id,
-                "line": line_no,
-                "prompt_tokens": st.n_prompt,
-                "gen_tokens": st.n_gen,
-                "output": text,
-                "pred": pred,
-                "gold": item.gold,
-                "correct": correct,
-                "stop": stop_name(st.stop),
-                "time_s": st.total_ms / 1e3,
-                "tok_s": tok_s,
-                "peak_kv_bytes": peak,
-                "evicted": sess.n_evicted,
-                "policy": a.kv.policy,
-                "budget": kv_budget,
-            }))
+            Ok(Record {
+                id: item.id.clone(),
+                line: line_no,
+                prompt_tokens: st.n_prompt,
+                gen_tokens: st.n_gen,
+                output: text,
+                pred,
+                gold,
+                correct,
+                stop: stop_name(st.stop),
+                time_s: st.total_ms / 1e3,
+                tok_s,
+                peak_kv_bytes: peak,
+                evicted: sess.n_evicted,
+                policy: a.kv.policy.clone(),
+                budget: kv_budget,
+            })
         })();
         match res {
             Ok(rec) => {

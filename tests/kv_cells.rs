@@ -391,13 +391,3 @@ fn apply_matches_reference_model() {
     }
 }
 
-#[test]
-#[ignore]
-fn zz_scratch_apply_error_state() {
-    let mut kv = cache(4);
-    let mut slots = Vec::new();
-    kv.apply(&[], &[0, 1, 2], &mut slots).unwrap();
-    let e = kv.apply(&[0], &[3, 4, 5], &mut slots).unwrap_err();
-    eprintln!("err: {e}");
-    eprintln!("n_live {} peak {} cells {:?} live() {:?} slots {:?}", kv.cells.n_live(), kv.peak_live, kv.cells.live().collect::<Vec<_>>(), kv.live(), slots);
-}

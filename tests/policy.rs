@@ -257,8 +257,8 @@ fn check_step(s: &Session, keep_prompt: usize, what: &str) {
     }
 }
 
-/// Feed `toks` as a 300-token prompt (more than one prefill chunk: the
-/// budget caps n_batch to budget - sink - recent = 220), then decode in a
+/// Feed `toks` as a 300-token prompt (several prefill chunks: the budget
+/// caps n_batch to at most budget - sink - recent = 220), then decode in a
 /// repeating mix of single tokens and small chunks, with one 400-token
 /// chunked feed in the middle (when `big`); checks after every feed.
 /// Returns the number of feeds.
@@ -296,7 +296,9 @@ fn budget_run(name: &str, n_tokens: usize, evict_every: usize) {
     let toks = wiki_tokens(&g, n_tokens);
     let p = policy(name, 3, evictor(256, 4, 32, evict_every));
     let mut s = Session::with_policy(&w, n_tokens, THREADS, 512, p).unwrap();
-    assert_eq!(s.state.n_batch, 256 - 4 - 32, "prefill chunk capped to the room next to protected tokens");
+    let nb = s.state.n_batch;
+    assert!(nb >= 1 && nb <= 256 - 4 - 32, "prefill chunk {nb} must fit next to the protected tokens");
+    assert!(nb < 300, "the 300-token prompt must take several chunks");
     let feeds = run_budgeted(&mut s, &toks, 0, true, name, |s| {
         if name == "window" && s.n_past > 256 {
             // StreamingLLM: exactly the sinks plus the newest budget - sinks
@@ -429,15 +431,26 @@ fn budget_never_reached_is_bit_identical_to_full() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 200);
-    let full = logits_200(&mut Session::new(&w, 256, THREADS, 64), &toks);
+    // the full-cache reference at each prefill chunk size the budgeted
+    // sessions use (with_policy caps n_batch; chunking is not under test here)
+    let mut refs: Vec<(usize, Vec<u32>)> = Vec::new();
+    let mut reference = |nb: usize| -> Vec<u32> {
+        if let Some((_, r)) = refs.iter().find(|(b, _)| *b == nb) {
+            return r.clone();
+        }
+        let r = logits_200(&mut Session::new(&w, 256, THREADS, nb), &toks);
+        refs.push((nb, r.clone()));
+        r
+    };
+    let first = reference(64);
     let again = logits_200(&mut Session::new(&w, 256, THREADS, 64), &toks);
-    assert!(full == again, "Session::new is not deterministic");
+    assert!(first == again, "Session::new is not deterministic");
     for name in names().into_iter().filter(|&n| n != "full") {
         // budget exactly the text length (boundary: resident + new == budget) and a larger one
         let budgets: &[usize] = if name == "window" { &[200, 1024] } else { &[200] };
         for &budget in budgets {
             let mut s = Session::with_policy(&w, 256, THREADS, 64, policy(name, 1, evictor(budget, 4, 32, 1))).unwrap();
-            assert_eq!(s.state.n_batch, 64);
+            let full = reference(s.state.n_batch);
             let got = logits_200(&mut s, &toks);
             assert_eq!(s.n_evicted, 0, "{name} budget {budget}");
             assert_eq!(s.kv.peak_live, 200);
@@ -547,7 +560,7 @@ fn tova_scores_are_a_probability_row() {
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 230);
     let mut s = Session::with_policy(&w, 230, THREADS, 512, policy("tova", 0, evictor(96, 4, 32, 1))).unwrap();
-    assert_eq!(s.state.n_batch, 60);
+    assert!(s.state.n_batch < 150, "prompt must be chunked");
     let sum_live = |s: &mut Session| {
         let (slots, pos) = {
             let (a, b) = s.kv.live();
@@ -558,7 +571,7 @@ fn tova_scores_are_a_probability_row() {
         assert!(sc.iter().all(|&x| (0.0..=1.0).contains(&x)), "scores outside [0, 1]: {sc:?}");
         sc.iter().map(|&x| x as f64).sum::<f64>()
     };
-    // after a chunked prefill (60, 60, 30) the last row of the last chunk
+    // after a chunked prefill: the last row of the last chunk
     s.feed(&toks[..150], Logits::Last).unwrap();
     let t = sum_live(&mut s);
     assert!((t - 1.0).abs() < 1e-3, "prefill: tova scores sum to {t}");
@@ -571,7 +584,8 @@ fn tova_scores_are_a_probability_row() {
 }
 
 /// h2o accumulates one probability row per query row: the resident total
-/// grows by n_new per step and loses exactly the victims' scores.
+/// grows by n_new per forward step and loses exactly the victims' scores
+/// (checked per feed of at most n_batch tokens, i.e. one forward step).
 #[test]
 fn h2o_accumulated_mass_is_conserved() {
     let g = Gguf::open(&util::default_model()).unwrap();
@@ -587,7 +601,8 @@ fn h2o_accumulated_mass_is_conserved() {
         s.policy.as_mut().unwrap().scorer.score(&s.kv, &slots, &pos, &mut sc);
         (pos, sc)
     };
-    // 60 tokens in one chunk, no eviction: 60 rows of mass
+    let nb = s.state.n_batch;
+    // 60 tokens, no eviction yet: 60 rows of mass
     s.feed(&toks[..60], Logits::Last).unwrap();
     let (_, sc) = scores(&mut s);
     let total: f64 = sc.iter().map(|&x| x as f64).sum();
@@ -596,7 +611,7 @@ fn h2o_accumulated_mass_is_conserved() {
     let steps = [1usize, 1, 7, 1, 60, 1, 1, 20, 1, 1, 1, 1, 16, 1, 1];
     let mut k = 0;
     while i < toks.len() {
-        let n = steps[k % steps.len()].min(toks.len() - i);
+        let n = steps[k % steps.len()].min(nb).min(toks.len() - i);
         k += 1;
         let (pos0, sc0) = scores(&mut s);
         s.feed(&toks[i..i + n], Logits::Last).unwrap();
@@ -613,20 +628,3 @@ fn h2o_accumulated_mass_is_conserved() {
 }
 
 
-#[test]
-#[ignore]
-fn zz_scratch_keep_prompt_chunk() {
-    let g = Gguf::open(&util::default_model()).unwrap();
-    let w = Weights::from_gguf(&g).unwrap();
-    let toks = wiki_tokens(&g, 600);
-    let e = Evictor { keep_prompt_until: usize::MAX, ..evictor(256, 4, 32, 1) };
-    let mut s = Session::with_policy(&w, 600, THREADS, 512, policy("window", 0, e)).unwrap();
-    s.protect_prompt(150);
-    s.feed(&toks[..150], Logits::Last).unwrap();
-    s.feed(&toks[150..256], Logits::Last).unwrap();
-    eprintln!("n_batch {} live {}", s.state.n_batch, s.kv.cells.n_live());
-    let r = s.feed(&toks[256..376], Logits::Last).map(|_| ());
-    eprintln!("120-token feed: {r:?}; live {} n_past {}", s.kv.cells.n_live(), s.n_past);
-    for c in toks[256..376].chunks(60) { s.feed(c, Logits::Last).unwrap(); }
-    eprintln!("same tokens in 60-chunks: ok, live {} n_past {}", s.kv.cells.n_live(), s.n_past);
-}

@@ -285,6 +285,94 @@ pub fn attend_head<'k>(
     (m, sum)
 }
 
+/// Most query heads sharing one KV head that `attend_group` handles.
+pub const MAX_GROUP: usize = 16;
+
+/// Grouped-query attention for the `g` query heads that share one KV head:
+/// each cached key and value row is converted from f16 once and used by all
+/// of them (the decode hot loop; `attend_head` is its per-head reference).
+/// Numerics as `attend_head`: query rounded to f16, scores accumulated in
+/// f32, online softmax, f32 value accumulator.
+///
+/// q: (g, head_dim); out: (g, head_dim); `scores`, if given: (g, n) raw
+/// scaled scores. Returns each head's (max, sum of exp(s - max)) in `stats`.
+pub fn attend_group<'k>(
+    q: &[f32],
+    g: usize,
+    n: usize,
+    key: impl Fn(usize) -> &'k [f16],
+    val: impl Fn(usize) -> &'k [f16],
+    scale: f32,
+    out: &mut [f32],
+    mut scores: Option<&mut [f32]>,
+    stats: &mut [(f32, f32)],
+) {
+    let hd = q.len() / g;
+    assert!(g <= MAX_GROUP && hd <= 256 && q.len() == g * hd && out.len() == g * hd);
+    // query rounded to f16, as llama.cpp's kernel does, kept in f32
+    let mut qr = [0f32; MAX_GROUP * 256];
+    for (d, &x) in qr.iter_mut().zip(q) {
+        *d = f16::from_f32(x).to_f32();
+    }
+    let mut m = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut sum = [0f32; MAX_GROUP];
+    out.fill(0.0);
+    let mut k32 = [0f32; 256];
+    let mut v32 = [0f32; 256];
+    for j in 0..n {
+        key(j).convert_to_f32_slice(&mut k32[..hd]);
+        val(j).convert_to_f32_slice(&mut v32[..hd]);
+        for h in 0..g {
+            let qh = &qr[h * hd..(h + 1) * hd];
+            let s = dot_f32(qh, &k32[..hd]) * scale;
+            if let Some(sc) = scores.as_deref_mut() {
+                sc[h * n + j] = s;
+            }
+            let o = &mut out[h * hd..(h + 1) * hd];
+            let mut vs = 1f32;
+            if s > m[h] {
+                // new maximum: rescale what was accumulated so far
+                let ms = (m[h] - s).exp();
+                m[h] = s;
+                for x in o.iter_mut() {
+                    *x *= ms;
+                }
+                sum[h] *= ms;
+            } else {
+                vs = (s - m[h]).exp();
+            }
+            for (x, &v) in o.iter_mut().zip(&v32[..hd]) {
+                *x += vs * v;
+            }
+            sum[h] += vs;
+        }
+    }
+    for h in 0..g {
+        let inv = if sum[h] == 0.0 { 0.0 } else { 1.0 / sum[h] };
+        for x in out[h * hd..(h + 1) * hd].iter_mut() {
+            *x *= inv;
+        }
+        stats[h] = (m[h], sum[h]);
+    }
+}
+
+/// f32 dot product with 8 independent partial sums (vectorizes).
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for j in 0..8 {
+            s[j] += a[c * 8 + j] * b[c * 8 + j];
+        }
+    }
+    let mut tail = 0f32;
+    for j in chunks * 8..a.len() {
+        tail += a[j] * b[j];
+    }
+    s.iter().sum::<f32>() + tail
+}
+
 /// Dot product of an f32 query with an f16 key (head_dim ≤ 256).
 #[inline]
 pub fn dot_f16(q: &[f32], k: &[f16]) -> f32 {

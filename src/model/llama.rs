@@ -3,7 +3,7 @@
 //! every buffer. It processes a batch of `n` consecutive tokens (a prefill
 //! chunk, or one token when decoding) against the KV cache.
 
-use crate::backend::cpu::{add, attend_head, matmul, rmsnorm, swiglu};
+use crate::backend::cpu::{add, attend_group, matmul, rmsnorm, swiglu, MAX_GROUP};
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
@@ -158,8 +158,9 @@ fn forward_chunk(
     s.positions.extend((0..n).map(|i| (pos0 + i) as i64));
     kv.apply(io.victims, &s.positions, &mut s.slots)?;
     let n_slots = kv.cells.n_slots();
-    if s.att.len() < n_threads * n_slots {
-        s.att.resize(n_threads * n_slots, 0.0);
+    let group = c.n_heads / c.n_kv_heads;
+    if s.att.len() < n_threads * group * n_slots {
+        s.att.resize(n_threads * group * n_slots, 0.0);
     }
     // per-thread attention-mass accumulators, only when a scorer asks
     let export = io.mass.is_some() && io.mass_mode != MassMode::None;
@@ -175,7 +176,6 @@ fn forward_chunk(
     }
 
     let scale = 1.0 / (hd as f32).sqrt();
-    let group = c.n_heads / c.n_kv_heads;
     for (l, lw) in w.layers.iter().enumerate() {
         // attention rmsnorm                                     (n, dim)
         rmsnorm(&mut s.xb[..n * dim], &s.x[..n * dim], &lw.attn_norm, c.norm_eps);
@@ -213,37 +213,40 @@ fn forward_chunk(
             let kvr = &*kv;
             let q = &s.q;
             let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
-            let att = SharedMut::new(&mut s.att[..n_threads * n_slots]);
+            let att = SharedMut::new(&mut s.att[..n_threads * group * n_slots]);
             let mthr = SharedMut::new(&mut s.mass_thr[..]);
             let mass_mode = if export { io.mass_mode } else { MassMode::None };
-            let n_work = n * c.n_heads;
-            let f16dot = ggml_sys::CpuTraits::of(crate::tensor::DType::F16.ggml_id()).expect("ggml has an f16 dot");
+            let n_work = n * c.n_kv_heads;
             pool.run(|ti| {
                 let (w0, w1) = split(n_work, ti, n_threads);
-                // SAFETY: each thread uses its own row of the score scratch.
-                let sc = unsafe { att.slice(ti * n_slots, n_slots) };
+                // SAFETY: each thread uses its own rows of the score scratch.
+                let sc = unsafe { att.slice(ti * group * n_slots, group * n_slots) };
+                let mut stats = [(0f32, 0f32); MAX_GROUP];
                 for work in w0..w1 {
-                    let (i, h) = (work / c.n_heads, work % c.n_heads);
-                    let g = h / group;
-                    let qh = &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+                    // token i, KV head g, serving query heads g*group .. (g+1)*group
+                    let (i, g) = (work / c.n_kv_heads, work % c.n_kv_heads);
+                    let qg = &q[i * q_dim + g * group * hd..i * q_dim + (g + 1) * group * hd];
                     let pos = (pos0 + i) as i64;
                     let n_vis = live_pos.partition_point(|&p| p <= pos);
-                    // SAFETY: (i, h) pairs are disjoint between threads.
-                    let o = unsafe { out.slice(i * q_dim + h * hd, hd) };
+                    // SAFETY: (i, g) pairs are disjoint between threads.
+                    let o = unsafe { out.slice(i * q_dim + g * group * hd, group * hd) };
                     let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                     let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                    let (m, sum) = attend_head(&f16dot, qh, n_vis, key, val, scale, o, Some(&mut sc[..n_vis]));
                     let export_row = match mass_mode {
                         MassMode::None => false,
                         MassMode::LastRow => i + 1 == n,
                         MassMode::AllRows => true,
                     };
+                    let scores = if export_row { Some(&mut sc[..group * n_vis]) } else { None };
+                    attend_group(qg, group, n_vis, key, val, scale, o, scores, &mut stats[..group]);
                     if export_row {
                         // SAFETY: each thread accumulates into its own row.
                         let acc = unsafe { mthr.slice(ti * n_slots, n_slots) };
-                        let k = mass_w / sum;
-                        for j in 0..n_vis {
-                            acc[live_slots[j] as usize] += (sc[j] - m).exp() * k;
+                        for (h, &(m, sum)) in stats[..group].iter().enumerate() {
+                            let k = mass_w / sum;
+                            for j in 0..n_vis {
+                                acc[live_slots[j] as usize] += (sc[h * n_vis + j] - m).exp() * k;
+                            }
                         }
                     }
                 }

@@ -98,6 +98,9 @@ impl Config {
             Some(_) => g.get_usize(&k("attention.key_length"))?,
             None => dim / n_heads,
         };
+        if n_heads / n_kv_heads > crate::backend::cpu::MAX_GROUP {
+            return Err(bad(k("attention.head_count_kv"), format!("{} query heads per KV head (at most {})", n_heads / n_kv_heads, crate::backend::cpu::MAX_GROUP)));
+        }
         if head_dim == 0 || head_dim > 256 || head_dim % 2 != 0 {
             return Err(bad(k("attention.key_length"), format!("head_dim {head_dim} unsupported")));
         }
