@@ -4,7 +4,7 @@
 //! fresh random data each run (seed printed).
 
 use half::f16;
-use kvrun::backend::cpu::{attend_group, attend_head};
+use kvrun::backend::cpu::{attend_group, attend_head, attend_prefill_group};
 use kvrun::sample::Rng;
 
 fn randn(r: &mut Rng) -> f32 {
@@ -55,6 +55,44 @@ fn attend_group_matches_per_head_reference_and_exact_softmax() {
             }
             let (gm, gs) = stats[h];
             assert!((gm - m).abs() <= 1e-4 * (1.0 + m.abs()) && (gs - s).abs() <= 1e-3 * s, "softmax stats differ");
+        }
+    }
+}
+
+/// The two-pass prefill kernel (transposed keys) agrees with the online
+/// grouped kernel, including the exported scores and softmax statistics.
+#[test]
+fn attend_prefill_group_matches_online_kernel() {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 ^ 0x5eed;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    for &(g, hd, n, stride) in &[(3usize, 64usize, 1usize, 5usize), (3, 64, 200, 260), (7, 128, 97, 97), (4, 32, 513, 600)] {
+        let q: Vec<f32> = (0..g * hd).map(|_| randn(&mut r) * 2.0).collect();
+        let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(randn(&mut r) * 2.0)).collect();
+        let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(randn(&mut r))).collect();
+        let vf: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+        // transposed keys with a stride larger than n (the live list may be longer)
+        let mut kt = vec![f32::NAN; hd * stride];
+        for j in 0..n {
+            for d in 0..hd {
+                kt[d * stride + j] = k[j * hd + d].to_f32();
+            }
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (mut o1, mut o2) = (vec![0f32; g * hd], vec![0f32; g * hd]);
+        let (mut s1, mut s2) = (vec![0f32; g * n], vec![0f32; g * n]);
+        let (mut st1, mut st2) = (vec![(0f32, 0f32); g], vec![(0f32, 0f32); g]);
+        attend_group(&q, g, n, |j| &k[j * hd..(j + 1) * hd], |j| &v[j * hd..(j + 1) * hd], scale, &mut o1, Some(&mut s1), &mut st1);
+        attend_prefill_group(&q, g, n, &kt, stride, |j| &vf[j * hd..(j + 1) * hd], scale, &mut s2, &mut o2, &mut st2);
+        for i in 0..g * hd {
+            assert!((o1[i] - o2[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()), "g{g} hd{hd} n{n}: out {i}: {} vs {}", o1[i], o2[i]);
+        }
+        for i in 0..g * n {
+            assert!((s1[i] - s2[i]).abs() <= 1e-4 * (1.0 + s1[i].abs()), "score {i}");
+        }
+        for h in 0..g {
+            assert!((st1[h].0 - st2[h].0).abs() <= 1e-4 * (1.0 + st1[h].0.abs()));
+            assert!((st1[h].1 - st2[h].1).abs() <= 1e-3 * st1[h].1);
         }
     }
 }

@@ -83,36 +83,50 @@ const ROW_TILE: usize = 16;
 ///
 /// `act` is scratch for the quantized activations, grown as needed.
 pub fn matmul(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32], act: &mut Vec<u8>) {
-    let (n_in, n_out) = (w.n_in, w.n_out);
+    quantize_acts(pool, w, x, n_tok, act);
+    matmul_q(pool, w, act, n_tok, out);
+}
+
+/// Whether matrices take their activations in the same format (so one
+/// `quantize_acts` can feed all of them, e.g. Q, K and V).
+pub fn same_act_format(a: &QMat<'_>, b: &QMat<'_>) -> bool {
+    a.traits.vec_dot_type == b.traits.vec_dot_type && a.n_in == b.n_in
+}
+
+/// Convert x (n_tok, n_in) to `w`'s dot-partner format into `act`, split by token.
+pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, act: &mut Vec<u8>) {
+    let n_in = w.n_in;
     assert_eq!(x.len(), n_tok * n_in, "matmul: x has {} floats, want {n_tok}x{n_in}", x.len());
-    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
     if act.len() < n_tok * ab {
         act.resize(n_tok * ab, 0);
     }
     let nt = pool.n_threads();
-    // 1. convert activations to the weight type's dot partner, split by token.
-    {
-        let acts = SharedMut::new(&mut act[..n_tok * ab]);
-        let quant = |i: usize| {
-            let (t0, t1) = split(n_tok, i, nt);
-            for t in t0..t1 {
-                // SAFETY: token rows are disjoint between threads.
-                let dst = unsafe { acts.slice(t * ab, ab) };
-                w.traits.quantize_act(&x[t * n_in..(t + 1) * n_in], dst);
-            }
-        };
-        if n_tok >= nt && n_tok > 1 {
-            pool.run(quant);
-        } else {
-            quant(0);
-            for i in 1..nt {
-                quant(i);
-            }
+    let acts = SharedMut::new(&mut act[..n_tok * ab]);
+    let quant = |i: usize| {
+        let (t0, t1) = split(n_tok, i, nt);
+        for t in t0..t1 {
+            // SAFETY: token rows are disjoint between threads.
+            let dst = unsafe { acts.slice(t * ab, ab) };
+            w.traits.quantize_act(&x[t * n_in..(t + 1) * n_in], dst);
         }
+    };
+    if n_tok > 1 {
+        pool.run(quant);
+    } else {
+        quant(0);
     }
-    // 2. dot products, split by output rows (tiles of ROW_TILE rows).
+}
+
+/// out (n_tok, n_out) = act @ W^T with activations already converted by
+/// `quantize_acts` for a matrix of the same format; split by output rows
+/// (tiles of ROW_TILE rows, each tile swept over every token).
+pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
     let act = &act[..n_tok * ab];
+    let nt = pool.n_threads();
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
     pool.run(|i| {
         let n_tiles = n_out.div_ceil(ROW_TILE);
@@ -285,6 +299,28 @@ pub fn attend_head<'k>(
     (m, sum)
 }
 
+/// A cached K or V row as stored (f16) or pre-converted for a prefill chunk (f32).
+pub trait KvRow {
+    /// The row as f32: converted into `buf`, or borrowed as is.
+    fn as_f32<'a>(&'a self, buf: &'a mut [f32]) -> &'a [f32];
+}
+
+impl KvRow for [f16] {
+    #[inline]
+    fn as_f32<'a>(&'a self, buf: &'a mut [f32]) -> &'a [f32] {
+        let b = &mut buf[..self.len()];
+        self.convert_to_f32_slice(b);
+        b
+    }
+}
+
+impl KvRow for [f32] {
+    #[inline]
+    fn as_f32<'a>(&'a self, _buf: &'a mut [f32]) -> &'a [f32] {
+        self
+    }
+}
+
 /// Most query heads sharing one KV head that `attend_group` handles.
 pub const MAX_GROUP: usize = 16;
 
@@ -296,12 +332,12 @@ pub const MAX_GROUP: usize = 16;
 ///
 /// q: (g, head_dim); out: (g, head_dim); `scores`, if given: (g, n) raw
 /// scaled scores. Returns each head's (max, sum of exp(s - max)) in `stats`.
-pub fn attend_group<'k>(
+pub fn attend_group<'k, R: KvRow + ?Sized + 'k>(
     q: &[f32],
     g: usize,
     n: usize,
-    key: impl Fn(usize) -> &'k [f16],
-    val: impl Fn(usize) -> &'k [f16],
+    key: impl Fn(usize) -> &'k R,
+    val: impl Fn(usize) -> &'k R,
     scale: f32,
     out: &mut [f32],
     mut scores: Option<&mut [f32]>,
@@ -320,11 +356,11 @@ pub fn attend_group<'k>(
     let mut k32 = [0f32; 256];
     let mut v32 = [0f32; 256];
     for j in 0..n {
-        key(j).convert_to_f32_slice(&mut k32[..hd]);
-        val(j).convert_to_f32_slice(&mut v32[..hd]);
+        let kr = key(j).as_f32(&mut k32[..hd]);
+        let vr = val(j).as_f32(&mut v32[..hd]);
         for h in 0..g {
             let qh = &qr[h * hd..(h + 1) * hd];
-            let s = dot_f32(qh, &k32[..hd]) * scale;
+            let s = dot_f32(qh, kr) * scale;
             if let Some(sc) = scores.as_deref_mut() {
                 sc[h * n + j] = s;
             }
@@ -341,7 +377,7 @@ pub fn attend_group<'k>(
             } else {
                 vs = (s - m[h]).exp();
             }
-            for (x, &v) in o.iter_mut().zip(&v32[..hd]) {
+            for (x, &v) in o.iter_mut().zip(vr) {
                 *x += vs * v;
             }
             sum[h] += vs;
@@ -356,8 +392,67 @@ pub fn attend_group<'k>(
     }
 }
 
+/// Prefill attention for the `g` query heads of one KV head over `n` keys,
+/// two-pass instead of online: scores for all keys at once from keys stored
+/// transposed (`kt`: (head_dim, stride), key j's dimension d at
+/// `kt[d * stride + j]`), so the score loop vectorizes across keys with no
+/// horizontal sums; then max, exp and the value sum. Same outputs as
+/// `attend_group` (up to float summation order; tested in tests/kernels.rs).
+///
+/// q: (g, head_dim); v(j): value row j (head_dim); `sc`: (g, n) scratch that
+/// holds the raw scaled scores on return; out: (g, head_dim); stats: (g,).
+pub fn attend_prefill_group<'k>(
+    q: &[f32],
+    g: usize,
+    n: usize,
+    kt: &[f32],
+    stride: usize,
+    val: impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let hd = q.len() / g;
+    assert!(hd <= 256 && q.len() == g * hd && out.len() == g * hd && sc.len() >= g * n);
+    assert!(n == 0 || kt.len() >= (hd - 1) * stride + n);
+    for h in 0..g {
+        let s = &mut sc[h * n..(h + 1) * n];
+        s.fill(0.0);
+        // scores: s[j] = Σ_d q[d] * K[j][d], query rounded to f16 as elsewhere
+        for d in 0..hd {
+            let qd = f16::from_f32(q[h * hd + d]).to_f32();
+            let row = &kt[d * stride..d * stride + n];
+            for (x, &k) in s.iter_mut().zip(row) {
+                *x += qd * k;
+            }
+        }
+        let mut m = f32::NEG_INFINITY;
+        for x in s.iter_mut() {
+            *x *= scale;
+            m = m.max(*x);
+        }
+        // softmax weights and the value sum
+        let o = &mut out[h * hd..(h + 1) * hd];
+        o.fill(0.0);
+        let mut sum = 0f32;
+        for (j, &x) in s.iter().enumerate() {
+            let p = (x - m).exp();
+            sum += p;
+            for (a, &v) in o.iter_mut().zip(val(j)) {
+                *a += p * v;
+            }
+        }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        for a in o.iter_mut() {
+            *a *= inv;
+        }
+        stats[h] = (m, sum);
+    }
+}
+
 /// f32 dot product with 8 independent partial sums (vectorizes).
-#[inline]
+#[inline(always)]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut s = [0f32; 8];
     let chunks = a.len() / 8;

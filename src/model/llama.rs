@@ -3,11 +3,14 @@
 //! every buffer. It processes a batch of `n` consecutive tokens (a prefill
 //! chunk, or one token when decoding) against the KV cache.
 
-use crate::backend::cpu::{add, attend_group, matmul, rmsnorm, swiglu, MAX_GROUP};
+use crate::backend::cpu::{
+    add, attend_group, attend_prefill_group, matmul, matmul_q, quantize_acts, rmsnorm, same_act_format, swiglu, MAX_GROUP,
+};
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::Weights;
+use half::slice::HalfFloatSliceExt;
 
 /// Which rows of logits the caller wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +45,10 @@ pub struct RunState {
     att: Vec<f32>,
     /// (n_out, vocab) logits of the requested rows
     pub logits: Vec<f32>,
+    /// (n_live, kv_dim) f32 copies of the live values for a prefill chunk
+    vf: Vec<f32>,
+    /// (kv_dim, n_live) transposed f32 keys for a prefill chunk
+    kt: Vec<f32>,
     /// (n_threads, n_slots) per-thread attention-mass accumulators
     mass_thr: Vec<f32>,
     /// quantized activations scratch
@@ -79,6 +86,8 @@ impl RunState {
             hb2: vec![0.0; n_batch * c.ffn_dim],
             att: vec![0.0; n_threads.max(1) * n_slots],
             logits: Vec::new(),
+            vf: Vec::new(),
+            kt: Vec::new(),
             mass_thr: Vec::new(),
             act: Vec::new(),
             slots: Vec::new(),
@@ -182,9 +191,17 @@ fn forward_chunk(
 
         // qkv matmuls (+ biases for qwen2)                      (n, q_dim), (n, kv_dim) x2
         let xb = &s.xb[..n * dim];
-        matmul(pool, &lw.wq, xb, n, &mut s.q, &mut s.act);
-        matmul(pool, &lw.wk, xb, n, &mut s.k, &mut s.act);
-        matmul(pool, &lw.wv, xb, n, &mut s.v, &mut s.act);
+        if same_act_format(&lw.wq, &lw.wk) && same_act_format(&lw.wq, &lw.wv) {
+            // one activation conversion feeds all three
+            quantize_acts(pool, &lw.wq, xb, n, &mut s.act);
+            matmul_q(pool, &lw.wq, &s.act, n, &mut s.q);
+            matmul_q(pool, &lw.wk, &s.act, n, &mut s.k);
+            matmul_q(pool, &lw.wv, &s.act, n, &mut s.v);
+        } else {
+            matmul(pool, &lw.wq, xb, n, &mut s.q, &mut s.act);
+            matmul(pool, &lw.wk, xb, n, &mut s.k, &mut s.act);
+            matmul(pool, &lw.wv, xb, n, &mut s.v, &mut s.act);
+        }
         for (buf, b, d) in [(&mut s.q, &lw.bq, q_dim), (&mut s.k, &lw.bk, kv_dim), (&mut s.v, &lw.bv, kv_dim)] {
             if let Some(b) = b {
                 for row in buf[..n * d].chunks_exact_mut(d) {
@@ -206,12 +223,41 @@ fn forward_chunk(
             kv.write(l, sl, &s.k[i * kv_dim..(i + 1) * kv_dim], &s.v[i * kv_dim..(i + 1) * kv_dim]);
         }
 
+        // prefill chunks: convert the live K/V rows to f32 once per layer
+        // (n_live, kv_dim) each, O(n) memory, instead of once per query
+        let prefill = n > 1;
+        if prefill {
+            let (live_slots, _) = kv.live();
+            let n_live = live_slots.len();
+            s.kt.resize(n_live * kv_dim, 0.0);
+            s.vf.resize(n_live * kv_dim, 0.0);
+            let kvr = &*kv;
+            let vfo = SharedMut::new(&mut s.vf[..]);
+            let kto = SharedMut::new(&mut s.kt[..]);
+            pool.run(|ti| {
+                let (j0, j1) = split(n_live, ti, n_threads);
+                for j in j0..j1 {
+                    let sl = live_slots[j] as usize;
+                    // SAFETY: rows j0..j1 belong to this thread.
+                    let vd = unsafe { vfo.slice(j * kv_dim, kv_dim) };
+                    kvr.v_row(l, sl).convert_to_f32_slice(vd);
+                    // keys transposed: (kv_dim, n_live), column j
+                    for (d, x) in kvr.k_row(l, sl).iter().enumerate() {
+                        let x = x.to_f32();
+                        // SAFETY: column j belongs to this thread.
+                        unsafe { kto.write(d * n_live + j, x) };
+                    }
+                }
+            });
+        }
+
         // multi-head attention over live slots, causal by position:
         // att_out[i, h] = softmax(q[i,h]·K[j] * scale, pos_j ≤ pos_i) @ V[j]
         {
             let (live_slots, live_pos) = kv.live();
             let kvr = &*kv;
             let q = &s.q;
+            let (vf, kt) = (&s.vf, &s.kt);
             let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
             let att = SharedMut::new(&mut s.att[..n_threads * group * n_slots]);
             let mthr = SharedMut::new(&mut s.mass_thr[..]);
@@ -230,15 +276,25 @@ fn forward_chunk(
                     let n_vis = live_pos.partition_point(|&p| p <= pos);
                     // SAFETY: (i, g) pairs are disjoint between threads.
                     let o = unsafe { out.slice(i * q_dim + g * group * hd, group * hd) };
-                    let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                    let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                     let export_row = match mass_mode {
                         MassMode::None => false,
                         MassMode::LastRow => i + 1 == n,
                         MassMode::AllRows => true,
                     };
                     let scores = if export_row { Some(&mut sc[..group * n_vis]) } else { None };
-                    attend_group(qg, group, n_vis, key, val, scale, o, scores, &mut stats[..group]);
+                    if prefill {
+                        // rows pre-converted for this chunk (j indexes the live list):
+                        // keys transposed, values row-major
+                        let _ = scores;
+                        let n_live = live_slots.len();
+                        let kt_g = &kt[g * hd * n_live..];
+                        let val = |j: usize| &vf[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+                        attend_prefill_group(qg, group, n_vis, kt_g, n_live, val, scale, &mut sc[..group * n_vis], o, &mut stats[..group]);
+                    } else {
+                        let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
+                        let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
+                        attend_group(qg, group, n_vis, key, val, scale, o, scores, &mut stats[..group]);
+                    }
                     if export_row {
                         // SAFETY: each thread accumulates into its own row.
                         let acc = unsafe { mthr.slice(ti * n_slots, n_slots) };
@@ -262,8 +318,14 @@ fn forward_chunk(
 
         // SwiGLU ffn: down(silu(gate(x)) * up(x))                (n, ffn) -> (n, dim)
         let xb = &s.xb[..n * dim];
-        matmul(pool, &lw.w_gate, xb, n, &mut s.hb, &mut s.act);
-        matmul(pool, &lw.w_up, xb, n, &mut s.hb2, &mut s.act);
+        if same_act_format(&lw.w_gate, &lw.w_up) {
+            quantize_acts(pool, &lw.w_gate, xb, n, &mut s.act);
+            matmul_q(pool, &lw.w_gate, &s.act, n, &mut s.hb);
+            matmul_q(pool, &lw.w_up, &s.act, n, &mut s.hb2);
+        } else {
+            matmul(pool, &lw.w_gate, xb, n, &mut s.hb, &mut s.act);
+            matmul(pool, &lw.w_up, xb, n, &mut s.hb2, &mut s.act);
+        }
         swiglu(&mut s.hb[..n * ffn], &s.hb2[..n * ffn]);
         matmul(pool, &lw.w_down, &s.hb[..n * ffn], n, &mut s.xb, &mut s.act);
 
