@@ -84,7 +84,10 @@ fn attention_memory_is_linear_in_context() {
         let n = 1024usize;
         eprintln!("{policy:?}: largest allocation while feeding: n=512 -> {a1} B, n=1024 -> {a2} B");
         assert!(a2 <= a1 * 5 / 2, "allocations grew super-linearly: {a1} -> {a2}");
-        assert!(a2 < n * n * 4 / 8, "an allocation of {a2} B is O(n^2)-sized for n = {n}");
+        // An n×n f32 score matrix would be 4 MiB at n = 1024; the largest
+        // legitimate buffers are (n, kv_dim) = (1024, 192) f32 copies of the
+        // chunk's keys and values (768 KiB).
+        assert!(a2 < n * n * 4 / 4, "an allocation of {a2} B is O(n^2)-sized for n = {n}");
     }
 }
 
