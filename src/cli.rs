@@ -42,6 +42,8 @@ pub enum Cmd {
     },
     /// llama-bench-style table: kvrun vs llama.cpp (same file, same threads).
     Bench(crate::bench::BenchArgs),
+    /// Multi-turn chat REPL (the KV cache carries over between turns).
+    Chat(crate::chat_repl::ChatArgs),
     /// Fidelity evaluation of eviction policies.
     #[command(subcommand)]
     Eval(crate::eval::EvalCmd),
@@ -500,6 +502,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
         Some(Cmd::Inspect { model }) => run_inspect(model),
         Some(Cmd::Bench(b)) => crate::bench::run_bench(b),
+        Some(Cmd::Chat(c)) => crate::chat_repl::run_chat(c),
         Some(Cmd::Eval(crate::eval::EvalCmd::Ppl(p))) => crate::eval::run_ppl(p),
         Some(Cmd::Eval(crate::eval::EvalCmd::Sweep(s))) => crate::sweep::run_sweep(s),
         Some(Cmd::Eval(crate::eval::EvalCmd::Passkey(p))) => crate::passkey::run_passkey(p),

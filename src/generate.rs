@@ -108,6 +108,22 @@ impl<'w> Session<'w> {
         }
     }
 
+    /// Drop every cached token at position ≥ `n` and continue from `n`
+    /// (used by chat to rewind to the longest prefix shared with a new
+    /// rendering of the conversation). Frees slots through the cache's
+    /// single mutation point.
+    pub fn truncate(&mut self, n: usize) -> Result<()> {
+        if n >= self.n_past {
+            return Ok(());
+        }
+        let (slots, pos) = self.kv.live();
+        let victims: Vec<u32> = slots.iter().zip(pos).filter(|(_, &p)| p as usize >= n).map(|(&s, _)| s).collect();
+        let mut none = Vec::new();
+        self.kv.apply(&victims, &[], &mut none)?;
+        self.n_past = n;
+        Ok(())
+    }
+
     /// Mark positions below `n` as prompt (protected when the policy keeps the prompt).
     pub fn protect_prompt(&mut self, n: usize) {
         if let Some(p) = &mut self.policy {
@@ -317,8 +333,8 @@ pub fn generate(
             break;
         }
         if sess.n_past >= sess.n_ctx {
+            // sampled but not fed: `tokens` has one more entry than `n_gen`
             stats.stop = StopReason::ContextFull;
-            stats.n_gen += 1;
             break;
         }
         let te = Instant::now();

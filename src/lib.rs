@@ -17,6 +17,7 @@ pub mod backend;
 pub mod batch;
 pub mod bench;
 pub mod chat;
+pub mod chat_repl;
 pub mod cli;
 pub mod error;
 pub mod eval;

@@ -1,0 +1,237 @@
+//! `kvrun chat`: a multi-turn REPL over the model's chat template.
+//!
+//! The KV cache carries over between turns: each turn renders the whole
+//! conversation, tokenizes it, keeps the longest common token prefix with
+//! what the cache already holds, truncates the cache to it (freeing only the
+//! slots past the divergence, typically none) and feeds just the new tokens.
+//! With a budgeted policy, `--keep-prompt` protects the system prompt and
+//! earlier turns. `<think>…</think>` is shown dimmed (or hidden with
+//! `--hide-thinking`). Works with stdin from a pipe, for scripting.
+//!
+//! Commands: /exit, /clear, /regen, /save FILE, /stats.
+
+use crate::chat::{ChatTemplate, Message};
+use crate::cli::{resolve_model, resolve_threads, RunArgs};
+use crate::error::{Error, Result};
+use crate::generate::{generate, GenOptions, Session};
+use crate::load::Checkpoint;
+use crate::sample::{Sampler, SamplerConfig};
+use crate::tokenizer::Tokenizer;
+use clap::Args;
+use std::io::{BufRead, IsTerminal, Write};
+
+/// Flags of `kvrun chat`.
+#[derive(Args, Debug, Clone)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Do not print the model's <think>…</think> reasoning.
+    #[arg(long = "hide-thinking")]
+    pub hide_thinking: bool,
+}
+
+/// Streams a reply, rendering the reasoning part dimmed or hidden.
+struct ThinkFilter {
+    hide: bool,
+    color: bool,
+    in_think: bool,
+    pending: String,
+}
+
+impl ThinkFilter {
+    fn push(&mut self, piece: &str, out: &mut impl Write) {
+        self.pending.push_str(piece);
+        loop {
+            let tag = if self.in_think { "</think>" } else { "<think>" };
+            if let Some(at) = self.pending.find(tag) {
+                let before: String = self.pending[..at].to_owned();
+                self.emit(&before, out);
+                self.pending.drain(..at + tag.len());
+                self.in_think = !self.in_think;
+                if self.color && !self.hide {
+                    let _ = write!(out, "{}", if self.in_think { "\x1b[2m" } else { "\x1b[0m" });
+                }
+                continue;
+            }
+            // keep a possible partial tag back
+            let keep = (1..tag.len()).rev().find(|&k| self.pending.ends_with(&tag[..k])).unwrap_or(0);
+            let cut = self.pending.len() - keep;
+            let text: String = self.pending[..cut].to_owned();
+            self.emit(&text, out);
+            self.pending.drain(..cut);
+            break;
+        }
+        let _ = out.flush();
+    }
+    fn emit(&self, s: &str, out: &mut impl Write) {
+        if !(self.in_think && self.hide) {
+            let _ = write!(out, "{s}");
+        }
+    }
+    fn finish(&mut self, out: &mut impl Write) {
+        let rest = std::mem::take(&mut self.pending);
+        self.emit(&rest, out);
+        if self.color {
+            let _ = write!(out, "\x1b[0m");
+        }
+        let _ = out.flush();
+    }
+}
+
+/// Render `msgs` and tokenize (BOS added when the template does not emit it).
+fn conversation_tokens(tok: &Tokenizer, tmpl: &ChatTemplate, msgs: &[Message]) -> Result<Vec<u32>> {
+    let text = tmpl.render(msgs, true)?;
+    let mut ids = tok.encode(&text, false, true)?;
+    if tok.add_bos() {
+        if let Some(b) = tok.bos() {
+            if ids.first() != Some(&b) {
+                ids.insert(0, b);
+            }
+        }
+    }
+    Ok(ids)
+}
+
+/// `kvrun chat`.
+pub fn run_chat(a: &ChatArgs) -> Result<()> {
+    let r = &a.run;
+    let path = resolve_model(&r.model.model)?;
+    let n_threads = resolve_threads(r.model.threads)?;
+    let ck = Checkpoint::open(&path)?;
+    let w = ck.weights()?;
+    let tok = ck.tokenizer()?;
+    let tmpl = ck
+        .chat_template()?
+        .ok_or_else(|| Error::arg("-m/--model", format!("{}: the model has no chat template", path.display())))?;
+    let n_ctx = if r.ctx_size <= 0 { w.config.n_ctx_train } else { r.ctx_size as usize };
+    let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
+    let mut sess = match r.kv.build(seed)? {
+        None => Session::new(&w, n_ctx, n_threads, r.batch_size.max(1)),
+        Some(p) => Session::with_policy(&w, n_ctx, n_threads, r.batch_size.max(1), p)?,
+    };
+    let mut sampler = Sampler::new(SamplerConfig {
+        temp: r.temp,
+        top_k: r.top_k,
+        top_p: r.top_p,
+        min_p: r.min_p,
+        repeat_penalty: r.repeat_penalty,
+        repeat_last_n: r.repeat_last_n,
+        seed,
+    });
+    let mut msgs: Vec<Message> = Vec::new();
+    if let Some(s) = &r.system {
+        msgs.push(Message { role: "system".into(), content: s.clone() });
+    }
+    // tokens currently in the cache, in position order
+    let mut cached: Vec<u32> = Vec::new();
+    let interactive = std::io::stdin().is_terminal();
+    let color = std::io::stdout().is_terminal();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut gen_tokens = 0usize;
+    let mut gen_ms = 0f64;
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    let mut first = r.prompt.clone();
+    loop {
+        if interactive {
+            let _ = write!(out, "\n> ");
+            let _ = out.flush();
+        }
+        let line = match first.take() {
+            Some(p) => p,
+            None => match lines.next() {
+                Some(Ok(l)) => l,
+                Some(Err(e)) => return Err(Error::Other(format!("stdin: {e}"))),
+                None => break,
+            },
+        };
+        let cmd = line.trim();
+        if cmd.is_empty() {
+            continue;
+        }
+        let mut regen = false;
+        if let Some(rest) = cmd.strip_prefix('/') {
+            let (name, arg) = rest.split_once(' ').unwrap_or((rest, ""));
+            match name {
+                "exit" | "quit" => break,
+                "clear" => {
+                    msgs.retain(|m| m.role == "system");
+                    sess.reset();
+                    cached.clear();
+                    let _ = writeln!(out, "[conversation cleared]");
+                    continue;
+                }
+                "stats" => {
+                    let _ = writeln!(
+                        out,
+                        "[kv: {} resident / {} slots, peak {}, evicted {}, position {} | generated {} tokens, {:.1} tok/s]",
+                        sess.kv.cells.n_live(),
+                        sess.kv.cells.n_slots(),
+                        sess.kv.peak_live,
+                        sess.n_evicted,
+                        sess.n_past,
+                        gen_tokens,
+                        if gen_ms > 0.0 { 1e3 * gen_tokens as f64 / gen_ms } else { 0.0 }
+                    );
+                    continue;
+                }
+                "save" => {
+                    let arg = arg.trim();
+                    if arg.is_empty() {
+                        let _ = writeln!(out, "[usage: /save FILE]");
+                        continue;
+                    }
+                    let json = serde_json::to_string_pretty(&msgs).map_err(|e| Error::Other(e.to_string()))?;
+                    match std::fs::write(arg, json) {
+                        Ok(()) => {
+                            let _ = writeln!(out, "[saved {} messages to {arg}]", msgs.len());
+                        }
+                        Err(e) => {
+                            let _ = writeln!(out, "[cannot save to {arg}: {e}]");
+                        }
+                    }
+                    continue;
+                }
+                "regen" => {
+                    if msgs.last().map(|m| m.role.as_str()) != Some("assistant") {
+                        let _ = writeln!(out, "[nothing to regenerate]");
+                        continue;
+                    }
+                    msgs.pop();
+                    regen = true;
+                }
+                other => {
+                    let _ = writeln!(out, "[unknown command /{other}; commands: /exit /clear /regen /save FILE /stats]");
+                    continue;
+                }
+            }
+        }
+        if !regen {
+            msgs.push(Message { role: "user".into(), content: line.clone() });
+        }
+        let ids = conversation_tokens(&tok, &tmpl, &msgs)?;
+        // keep the common prefix in the cache, feed the rest
+        let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len().saturating_sub(1));
+        sess.truncate(common)?;
+        cached.truncate(common);
+        let mut filter = ThinkFilter { hide: a.hide_thinking, color, in_think: false, pending: String::new() };
+        let mut reply = String::new();
+        let opts = GenOptions { n_predict: r.n_predict, ignore_eos: false };
+        let stats = generate(&mut sess, &tok, &mut sampler, &ids[common..], &opts, |piece| {
+            reply.push_str(piece);
+            filter.push(piece, &mut out);
+            true
+        })?;
+        filter.finish(&mut out);
+        let _ = writeln!(out);
+        cached.extend_from_slice(&ids[common..]);
+        // generated tokens that were fed back (all but the last sampled one)
+        let fed = stats.n_gen.min(stats.tokens.len());
+        cached.extend_from_slice(&stats.tokens[..fed]);
+        gen_tokens += stats.tokens.len();
+        gen_ms += stats.gen_ms;
+        msgs.push(Message { role: "assistant".into(), content: reply });
+    }
+    Ok(())
+}
