@@ -67,6 +67,14 @@ fn chat_in_a_terminal() {
         model.display()
     );
     let tmux = |args: &[&str]| Command::new("tmux").args(["-L", &sock]).args(args).output().unwrap();
+    // kill the tmux server (and kvrun in it) even when an assertion fails
+    struct Kill(String);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = Command::new("tmux").args(["-L", &self.0, "kill-server"]).output();
+        }
+    }
+    let _kill = Kill(sock.clone());
     let o = tmux(&["new-session", "-d", "-x", "200", "-y", "50", &cmd]);
     assert!(o.status.success(), "tmux new-session failed");
     let screen = |t: &dyn Fn(&[&str]) -> std::process::Output| {

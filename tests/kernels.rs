@@ -4,7 +4,7 @@
 //! fresh random data each run (seed printed).
 
 use half::f16;
-use kvrun::backend::cpu::{attend_group, attend_head, attend_prefill_group};
+use kvrun::backend::cpu::{attend_group, attend_group_probs, attend_head, attend_prefill_group};
 use kvrun::sample::Rng;
 
 fn randn(r: &mut Rng) -> f32 {
@@ -84,15 +84,28 @@ fn attend_prefill_group_matches_online_kernel() {
         let (mut st1, mut st2) = (vec![(0f32, 0f32); g], vec![(0f32, 0f32); g]);
         attend_group(&q, g, n, |j| &k[j * hd..(j + 1) * hd], |j| &v[j * hd..(j + 1) * hd], scale, &mut o1, Some(&mut s1), &mut st1);
         attend_prefill_group(&q, g, n, &kt, stride, |j| &vf[j * hd..(j + 1) * hd], scale, &mut s2, &mut o2, &mut st2);
+        // the decode kernel that exports probabilities, on the f16 rows
+        let (mut o3, mut s3, mut st3) = (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+        attend_group_probs(&q, g, n, |j| &k[j * hd..(j + 1) * hd], |j| &v[j * hd..(j + 1) * hd], scale, &mut s3, &mut o3, &mut st3);
         for i in 0..g * hd {
             assert!((o1[i] - o2[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()), "g{g} hd{hd} n{n}: out {i}: {} vs {}", o1[i], o2[i]);
-        }
-        for i in 0..g * n {
-            assert!((s1[i] - s2[i]).abs() <= 1e-4 * (1.0 + s1[i].abs()), "score {i}");
+            assert!((o1[i] - o3[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()), "g{g} hd{hd} n{n}: probs kernel out {i}");
         }
         for h in 0..g {
-            assert!((st1[h].0 - st2[h].0).abs() <= 1e-4 * (1.0 + st1[h].0.abs()));
-            assert!((st1[h].1 - st2[h].1).abs() <= 1e-3 * st1[h].1);
+            let (m, sum) = st1[h];
+            let mut total = 0f32;
+            for j in 0..n {
+                // probabilities implied by the online kernel's raw scores and stats
+                let p = (s1[h * n + j] - m).exp() / sum;
+                assert!((p - s2[h * n + j]).abs() <= 1e-5 + 1e-4 * p, "prefill probability {h},{j}: {p} vs {}", s2[h * n + j]);
+                assert!((p - s3[h * n + j]).abs() <= 1e-5 + 1e-4 * p, "decode probability {h},{j}");
+                total += s3[h * n + j];
+            }
+            assert!((total - 1.0).abs() <= 1e-4, "probabilities sum to {total}");
+            for st in [st2[h], st3[h]] {
+                assert!((st.0 - m).abs() <= 1e-4 * (1.0 + m.abs()));
+                assert!((st.1 - sum).abs() <= 1e-3 * sum);
+            }
         }
     }
 }

@@ -400,7 +400,8 @@ pub fn attend_group<'k, R: KvRow + ?Sized + 'k>(
 /// `attend_group` (up to float summation order; tested in tests/kernels.rs).
 ///
 /// q: (g, head_dim); v(j): value row j (head_dim); `sc`: (g, n) scratch that
-/// holds the raw scaled scores on return; out: (g, head_dim); stats: (g,).
+/// holds the normalized attention probabilities on return; out: (g,
+/// head_dim); stats: (g,) (max score, sum of exp(s - max)).
 pub fn attend_prefill_group<'k>(
     q: &[f32],
     g: usize,
@@ -436,8 +437,9 @@ pub fn attend_prefill_group<'k>(
         let o = &mut out[h * hd..(h + 1) * hd];
         o.fill(0.0);
         let mut sum = 0f32;
-        for (j, &x) in s.iter().enumerate() {
-            let p = (x - m).exp();
+        for (j, x) in s.iter_mut().enumerate() {
+            let p = (*x - m).exp();
+            *x = p;
             sum += p;
             for (a, &v) in o.iter_mut().zip(val(j)) {
                 *a += p * v;
@@ -447,7 +449,76 @@ pub fn attend_prefill_group<'k>(
         for a in o.iter_mut() {
             *a *= inv;
         }
+        // leave the normalized probabilities for scorers that asked for them
+        for x in s.iter_mut() {
+            *x *= inv;
+        }
         stats[h] = (m, sum);
+    }
+}
+
+/// Decode attention for the `g` query heads of one KV head when a scorer
+/// wants the probabilities: two passes over the f16 rows (scores, then one
+/// exp per score shared by the value sum and the export) instead of the
+/// online pass plus a second exp per score. `sc` (g, n) holds the
+/// normalized probabilities on return. Same outputs as `attend_group`.
+pub fn attend_group_probs<'k>(
+    q: &[f32],
+    g: usize,
+    n: usize,
+    key: impl Fn(usize) -> &'k [f16],
+    val: impl Fn(usize) -> &'k [f16],
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let hd = q.len() / g;
+    assert!(g <= MAX_GROUP && hd <= 256 && q.len() == g * hd && out.len() == g * hd && sc.len() >= g * n);
+    let mut qr = [0f32; MAX_GROUP * 256];
+    for (d, &x) in qr.iter_mut().zip(q) {
+        *d = f16::from_f32(x).to_f32();
+    }
+    let mut k32 = [0f32; 256];
+    let mut m = [f32::NEG_INFINITY; MAX_GROUP];
+    // pass 1: scores (each key row converted once for the whole group)
+    for j in 0..n {
+        key(j).convert_to_f32_slice(&mut k32[..hd]);
+        for h in 0..g {
+            let x = dot_f32(&qr[h * hd..(h + 1) * hd], &k32[..hd]) * scale;
+            sc[h * n + j] = x;
+            m[h] = m[h].max(x);
+        }
+    }
+    // pass 2: weights
+    let mut sum = [0f32; MAX_GROUP];
+    for h in 0..g {
+        for x in sc[h * n..(h + 1) * n].iter_mut() {
+            *x = (*x - m[h]).exp();
+            sum[h] += *x;
+        }
+    }
+    // pass 3: value sum (each value row converted once)
+    out.fill(0.0);
+    let mut v32 = [0f32; 256];
+    for j in 0..n {
+        val(j).convert_to_f32_slice(&mut v32[..hd]);
+        for h in 0..g {
+            let p = sc[h * n + j];
+            for (a, &v) in out[h * hd..(h + 1) * hd].iter_mut().zip(&v32[..hd]) {
+                *a += p * v;
+            }
+        }
+    }
+    for h in 0..g {
+        let inv = if sum[h] == 0.0 { 0.0 } else { 1.0 / sum[h] };
+        for a in out[h * hd..(h + 1) * hd].iter_mut() {
+            *a *= inv;
+        }
+        for x in sc[h * n..(h + 1) * n].iter_mut() {
+            *x *= inv;
+        }
+        stats[h] = (m[h], sum[h]);
     }
 }
 

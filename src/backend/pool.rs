@@ -141,13 +141,15 @@ fn worker(s: Arc<Shared>, index: usize) {
                     std::hint::spin_loop();
                 }
             } else {
+                // Idle: sleep until woken. The timeout only guards against a
+                // missed wake-up; after it we sleep again without spinning,
+                // so an idle chat or server costs no CPU.
                 let g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::AcqRel);
                 if s.epoch.load(Ordering::Acquire) == seen && !s.stop.load(Ordering::Acquire) {
-                    let _ = s.wake.wait_timeout(g, std::time::Duration::from_millis(5));
+                    let _ = s.wake.wait_timeout(g, std::time::Duration::from_millis(50));
                 }
                 s.sleepers.fetch_sub(1, Ordering::AcqRel);
-                spins = 0;
             }
         }
         // SAFETY: the epoch was published after `job` was written (Release /

@@ -4,7 +4,7 @@
 //! chunk, or one token when decoding) against the KV cache.
 
 use crate::backend::cpu::{
-    add, attend_group, attend_prefill_group, matmul, matmul_q, quantize_acts, rmsnorm, same_act_format, swiglu, MAX_GROUP,
+    add, attend_group_probs, attend_prefill_group, matmul, matmul_q, quantize_acts, rmsnorm, same_act_format, swiglu, MAX_GROUP,
 };
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
@@ -281,11 +281,9 @@ fn forward_chunk(
                         MassMode::LastRow => i + 1 == n,
                         MassMode::AllRows => true,
                     };
-                    let scores = if export_row { Some(&mut sc[..group * n_vis]) } else { None };
                     if prefill {
                         // rows pre-converted for this chunk (j indexes the live list):
                         // keys transposed, values row-major
-                        let _ = scores;
                         let n_live = live_slots.len();
                         let kt_g = &kt[g * hd * n_live..];
                         let val = |j: usize| &vf[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
@@ -293,15 +291,17 @@ fn forward_chunk(
                     } else {
                         let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                         let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                        attend_group(qg, group, n_vis, key, val, scale, o, scores, &mut stats[..group]);
+                        // one kernel whether or not probabilities are exported, so a
+                        // policy that never evicts reproduces the full cache bit for bit
+                        attend_group_probs(qg, group, n_vis, key, val, scale, &mut sc[..group * n_vis], o, &mut stats[..group]);
                     }
                     if export_row {
                         // SAFETY: each thread accumulates into its own row.
                         let acc = unsafe { mthr.slice(ti * n_slots, n_slots) };
-                        for (h, &(m, sum)) in stats[..group].iter().enumerate() {
-                            let k = mass_w / sum;
+                        // sc holds each head's normalized probabilities
+                        for h in 0..group {
                             for j in 0..n_vis {
-                                acc[live_slots[j] as usize] += (sc[h * n_vis + j] - m).exp() * k;
+                                acc[live_slots[j] as usize] += sc[h * n_vis + j] * mass_w;
                             }
                         }
                     }
