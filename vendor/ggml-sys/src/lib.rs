@@ -45,6 +45,8 @@ pub struct CpuTraits {
         i32,
     ),
     vd_from_float: unsafe extern "C" fn(*const f32, *mut std::ffi::c_void, i64),
+    /// (weights per block, bytes per block) of `ty`, cached for the hot path.
+    geometry: (usize, usize),
 }
 
 /// Block geometry of a ggml type: (weights per block, bytes per block).
@@ -74,6 +76,7 @@ impl CpuTraits {
             from_float: t.from_float?,
             vec_dot: t.vec_dot?,
             vd_from_float: tv.from_float?,
+            geometry: block_geometry(ty),
         })
     }
 
@@ -107,9 +110,9 @@ impl CpuTraits {
     /// the partner type (`a`).
     #[inline]
     pub fn dot(&self, n: usize, w: &[u8], a: &[u8]) -> f32 {
-        let (bl, bb) = block_geometry(self.ty);
-        debug_assert!(w.len() >= n / bl * bb && a.len() >= self.act_bytes(n));
-        let _ = (bl, bb);
+        let (bl, bb) = self.geometry;
+        assert!(w.len() >= n / bl * bb, "dot: weight row too short");
+        debug_assert!(a.len() >= self.act_bytes(n));
         let mut s = 0f32;
         // SAFETY: w and a hold n elements of their types (debug-checked; the
         // callers size them with row_bytes/act_bytes), s is a valid out-pointer,
