@@ -80,16 +80,7 @@ impl ThinkFilter {
 
 /// Render `msgs` and tokenize (BOS added when the template does not emit it).
 fn conversation_tokens(tok: &Tokenizer, tmpl: &ChatTemplate, msgs: &[Message]) -> Result<Vec<u32>> {
-    let text = tmpl.render(msgs, true)?;
-    let mut ids = tok.encode(&text, false, true)?;
-    if tok.add_bos() {
-        if let Some(b) = tok.bos() {
-            if ids.first() != Some(&b) {
-                ids.insert(0, b);
-            }
-        }
-    }
-    Ok(ids)
+    crate::cli::encode_rendered(tok, &tmpl.render(msgs, true)?)
 }
 
 /// `kvrun chat`.

@@ -236,6 +236,20 @@ fn read_text(path: &Path, flag: &str) -> Result<String> {
     })
 }
 
+/// Tokenize a rendered chat: special tokens parsed, and BOS added only when
+/// the model wants one and the template did not already emit it.
+pub fn encode_rendered(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let mut ids = tok.encode(text, false, true)?;
+    if tok.add_bos() {
+        if let Some(b) = tok.bos() {
+            if ids.first() != Some(&b) {
+                ids.insert(0, b);
+            }
+        }
+    }
+    Ok(ids)
+}
+
 /// Build the prompt tokens: chat template unless `raw`, BOS per the model.
 pub fn prompt_tokens(
     tok: &Tokenizer,
@@ -251,17 +265,7 @@ pub fn prompt_tokens(
                 msgs.push(Message { role: "system".into(), content: s.into() });
             }
             msgs.push(Message { role: "user".into(), content: prompt.into() });
-            let text = t.render(&msgs, true)?;
-            // The template already emits BOS where the model wants one.
-            let mut ids = tok.encode(&text, false, true)?;
-            if tok.add_bos() {
-                if let Some(b) = tok.bos() {
-                    if ids.first() != Some(&b) {
-                        ids.insert(0, b);
-                    }
-                }
-            }
-            Ok(ids)
+            encode_rendered(tok, &t.render(&msgs, true)?)
         }
         _ => tok.encode(prompt, true, true),
     }
