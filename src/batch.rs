@@ -49,7 +49,8 @@ use std::time::Instant;
 pub const R1_TEMPLATE: &str = "<｜begin▁of▁sentence｜><｜User｜>You are given a math problem.\n\nProblem: {problem}\n\n You need to solve the problem step by step. First, you need to provide the chain-of-thought, then provide the final answer.\n\n Provide the final answer in the format: Final answer:  \\boxed{}<｜Assistant｜><think>\n";
 
 /// The `boxed` instruction (through the chat template).
-pub const BOXED_TEMPLATE: &str = "Solve the following problem step by step. Put the final answer in \\boxed{}.\n\n{problem}";
+pub const BOXED_TEMPLATE: &str =
+    "Solve the following problem step by step. Put the final answer in \\boxed{}.\n\n{problem}";
 
 /// `kvrun batch ...`: run (the flags) or `merge`.
 #[derive(Args, Debug)]
@@ -140,7 +141,12 @@ pub struct BatchArgs {
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
     /// RNG seed (-1 = random); record k uses seed + its line index.
-    #[arg(short = 's', long = "seed", default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(
+        short = 's',
+        long = "seed",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
     pub seed: i64,
     /// Temperature (0 = greedy).
     #[arg(long = "temp", alias = "temperature", default_value_t = 0.0)]
@@ -189,14 +195,25 @@ pub fn run_batch(cmd: &BatchCmd) -> Result<()> {
 }
 
 fn io_err(path: &str, source: std::io::Error) -> Error {
-    Error::Io { path: PathBuf::from(path), source }
+    Error::Io {
+        path: PathBuf::from(path),
+        source,
+    }
 }
 
 /// Parse `i/n`.
 pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
-    let bad = || Error::arg("--shard", format!("expected i/n with 0 <= i < n, got {s:?}"));
+    let bad = || {
+        Error::arg(
+            "--shard",
+            format!("expected i/n with 0 <= i < n, got {s:?}"),
+        )
+    };
     let (i, n) = s.split_once('/').ok_or_else(bad)?;
-    let (i, n): (usize, usize) = (i.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+    let (i, n): (usize, usize) = (
+        i.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    );
     if n == 0 || i >= n {
         return Err(bad());
     }
@@ -236,11 +253,17 @@ fn stop_name(s: StopReason) -> &'static str {
 fn read_lines(path: &str) -> Result<Vec<Vec<u8>>> {
     let mut buf = Vec::new();
     if path == "-" {
-        std::io::stdin().lock().read_to_end(&mut buf).map_err(|e| io_err("<stdin>", e))?;
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut buf)
+            .map_err(|e| io_err("<stdin>", e))?;
     } else {
         buf = std::fs::read(path).map_err(|e| io_err(path, e))?;
     }
-    let mut lines: Vec<Vec<u8>> = buf.split(|&b| b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l).to_vec()).collect();
+    let mut lines: Vec<Vec<u8>> = buf
+        .split(|&b| b == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l).to_vec())
+        .collect();
     if lines.last().is_some_and(|l| l.is_empty()) {
         lines.pop();
     }
@@ -286,7 +309,8 @@ struct Item {
 }
 
 fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<Item, String> {
-    let text = std::str::from_utf8(raw).map_err(|e| format!("not valid UTF-8 (byte {})", e.valid_up_to()))?;
+    let text = std::str::from_utf8(raw)
+        .map_err(|e| format!("not valid UTF-8 (byte {})", e.valid_up_to()))?;
     let v: Value = serde_json::from_str(text).map_err(|e| format!("bad JSON: {e}"))?;
     let Value::Object(obj) = v else {
         return Err("not a JSON object".into());
@@ -300,17 +324,29 @@ fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<Item
         None => ["problem", "question", "prompt"]
             .iter()
             .find_map(|k| obj.get(*k).and_then(|v| v.as_str()).map(str::to_owned))
-            .ok_or_else(|| "no prompt field (looked for problem, question, prompt; use --prompt-field)".to_string())?,
+            .ok_or_else(|| {
+                "no prompt field (looked for problem, question, prompt; use --prompt-field)"
+                    .to_string()
+            })?,
     };
     let id = match &a.id_field {
-        Some(f) => obj.get(f).filter(|v| !v.is_null()).cloned().ok_or_else(|| format!("no id field {f:?}"))?,
+        Some(f) => obj
+            .get(f)
+            .filter(|v| !v.is_null())
+            .cloned()
+            .ok_or_else(|| format!("no id field {f:?}"))?,
         None => ["id", "unique_id"]
             .iter()
             .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned())
             .unwrap_or_else(|| json!(idx + 1)),
     };
     let gold = str_field(&obj, a.answer_field.as_deref().unwrap_or("answer"));
-    Ok(Item { idx, id, prompt, gold })
+    Ok(Item {
+        idx,
+        id,
+        prompt,
+        gold,
+    })
 }
 
 /// Ids already present in an output file (unparseable lines are ignored),
@@ -333,8 +369,14 @@ fn done_ids(path: &str) -> Result<(HashSet<String>, bool)> {
 }
 
 fn run_records(a: &BatchArgs) -> Result<()> {
-    let input = a.input.as_deref().ok_or_else(|| Error::arg("-i/--input", "no input given (-i FILE.jsonl or -i -)"))?;
-    let output = a.output.as_deref().ok_or_else(|| Error::arg("-o/--output", "no output given (-o FILE.jsonl or -o -)"))?;
+    let input = a
+        .input
+        .as_deref()
+        .ok_or_else(|| Error::arg("-i/--input", "no input given (-i FILE.jsonl or -i -)"))?;
+    let output = a
+        .output
+        .as_deref()
+        .ok_or_else(|| Error::arg("-o/--output", "no output given (-o FILE.jsonl or -o -)"))?;
     if a.resume && output == "-" {
         return Err(Error::arg("--resume", "needs an output file, not stdout"));
     }
@@ -347,7 +389,10 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     let shard = a.shard.as_deref().map(parse_shard).transpose()?;
     let n_threads = resolve_threads(a.model.threads)?;
     let seed = if a.seed < 0 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
     } else {
         a.seed as u64
     };
@@ -355,14 +400,22 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     a.kv.build(seed)?;
     let path = resolve_model(&a.model.model)?;
     let lines = read_lines(input)?;
-    let (done, needs_nl) = if a.resume { done_ids(output)? } else { (HashSet::new(), false) };
+    let (done, needs_nl) = if a.resume {
+        done_ids(output)?
+    } else {
+        (HashSet::new(), false)
+    };
 
     let t_wall = Instant::now();
     let ck = Checkpoint::open(&path)?;
     let w = ck.weights()?;
     let tok = ck.tokenizer()?;
     let tmpl = if a.raw { None } else { ck.chat_template()? };
-    let n_ctx = if a.ctx_size == 0 { w.config.n_ctx_train } else { a.ctx_size };
+    let n_ctx = if a.ctx_size == 0 {
+        w.config.n_ctx_train
+    } else {
+        a.ctx_size
+    };
 
     let mut out: Box<dyn Write> = if output == "-" {
         Box::new(std::io::stdout())
@@ -424,20 +477,37 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             }
         };
         if progress {
-            eprint!("\r[{}/{}] line {} id {} ...", k + 1, n_todo, line_no, id_key(&item.id));
+            eprint!(
+                "\r[{}/{}] line {} id {} ...",
+                k + 1,
+                n_todo,
+                line_no,
+                id_key(&item.id)
+            );
         }
         let rec_seed = seed.wrapping_add(item.idx as u64);
         let res = (|| -> Result<Record> {
             let ids = match a.template {
-                Template::R1 => tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?,
-                Template::Plain => prompt_tokens(&tok, tmpl.as_ref(), &item.prompt, a.system.as_deref(), a.raw)?,
+                Template::R1 => {
+                    tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?
+                }
+                Template::Plain => prompt_tokens(
+                    &tok,
+                    tmpl.as_ref(),
+                    &item.prompt,
+                    a.system.as_deref(),
+                    a.raw,
+                )?,
                 Template::Boxed => {
                     let p = BOXED_TEMPLATE.replace("{problem}", &item.prompt);
                     prompt_tokens(&tok, tmpl.as_ref(), &p, a.system.as_deref(), a.raw)?
                 }
             };
             if ids.len() >= n_ctx {
-                return Err(Error::ContextTooSmall { n_prompt: ids.len(), n_ctx });
+                return Err(Error::ContextTooSmall {
+                    n_prompt: ids.len(),
+                    n_ctx,
+                });
             }
             let mut sampler = Sampler::new(SamplerConfig {
                 temp: a.temp,
@@ -463,7 +533,10 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 }
             };
             let mut text = String::new();
-            let opts = GenOptions { n_predict: a.max_tokens as i64, ignore_eos: a.ignore_eos };
+            let opts = GenOptions {
+                n_predict: a.max_tokens as i64,
+                ignore_eos: a.ignore_eos,
+            };
             let st = generate(&mut sess, &tok, &mut sampler, &ids, &opts, |piece| {
                 text.push_str(piece);
                 true
@@ -478,7 +551,9 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             let pred = kind.and_then(|k| extract_answer(&text, k));
             // GSM8K references are reduced to their final number
             let gold = match (kind, &item.gold) {
-                (Some(Kind::Gsm8k), Some(g)) if g.contains("####") => crate::grade::extract_gsm8k(g).or_else(|| item.gold.clone()),
+                (Some(Kind::Gsm8k), Some(g)) if g.contains("####") => {
+                    crate::grade::extract_gsm8k(g).or_else(|| item.gold.clone())
+                }
                 _ => item.gold.clone(),
             };
             let correct = match (kind, &item.gold) {
@@ -486,7 +561,11 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 _ => None,
             };
             let peak = sess.kv.peak_live * sess.kv.bytes_per_token();
-            let tok_s = if st.gen_ms > 0.0 { st.n_gen as f64 * 1e3 / st.gen_ms } else { 0.0 };
+            let tok_s = if st.gen_ms > 0.0 {
+                st.n_gen as f64 * 1e3 / st.gen_ms
+            } else {
+                0.0
+            };
             n_ok += 1;
             if let Some(c) = correct {
                 n_graded += 1;
@@ -520,7 +599,9 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             Ok(rec) => {
                 let mut s = serde_json::to_string(&rec).map_err(|e| Error::Other(e.to_string()))?;
                 s.push('\n');
-                out.write_all(s.as_bytes()).and_then(|_| out.flush()).map_err(|e| io_err(output, e))?;
+                out.write_all(s.as_bytes())
+                    .and_then(|_| out.flush())
+                    .map_err(|e| io_err(output, e))?;
             }
             Err(e) => {
                 if progress {
@@ -535,8 +616,16 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         eprint!("\r\x1b[K");
     }
     let wall_s = t_wall.elapsed().as_secs_f64();
-    let tok_s = if tot_gen_ms > 0.0 { tot_gen as f64 * 1e3 / tot_gen_ms } else { 0.0 };
-    let acc = if n_graded > 0 { n_correct as f64 / n_graded as f64 } else { 0.0 };
+    let tok_s = if tot_gen_ms > 0.0 {
+        tot_gen as f64 * 1e3 / tot_gen_ms
+    } else {
+        0.0
+    };
+    let acc = if n_graded > 0 {
+        n_correct as f64 / n_graded as f64
+    } else {
+        0.0
+    };
     eprintln!(
         "kvrun batch: {n_ok} done, {} errors, {n_resumed} skipped (resume) | accuracy {n_correct}/{n_graded} ({:.1}%) | tokens {tot_prompt} prompt + {tot_gen} gen | time {:.2} s (wall {wall_s:.2} s) | {tok_s:.2} tok/s | peak KV {peak_kv} bytes | evicted {tot_evicted} | policy {} budget {}",
         err_lines.len(),
@@ -567,11 +656,18 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             "budget": kv_budget,
             "peak_rss_bytes": crate::bench::peak_rss_bytes(),
         });
-        let text = serde_json::to_string_pretty(&s).map_err(|e| Error::Other(e.to_string()))? + "\n";
-        std::fs::write(p, text).map_err(|source| Error::Io { path: p.clone(), source })?;
+        let text =
+            serde_json::to_string_pretty(&s).map_err(|e| Error::Other(e.to_string()))? + "\n";
+        std::fs::write(p, text).map_err(|source| Error::Io {
+            path: p.clone(),
+            source,
+        })?;
     }
     if n_ok == 0 && !err_lines.is_empty() {
-        return Err(Error::Other(format!("no line could be processed ({} errors)", err_lines.len())));
+        return Err(Error::Other(format!(
+            "no line could be processed ({} errors)",
+            err_lines.len()
+        )));
     }
     Ok(())
 }
@@ -582,14 +678,20 @@ fn run_merge(m: &MergeArgs) -> Result<()> {
     let mut recs: Vec<(usize, usize, Value)> = Vec::new();
     for p in &m.inputs {
         let ps = p.display().to_string();
-        let bytes = std::fs::read(p).map_err(|source| Error::Io { path: p.clone(), source })?;
+        let bytes = std::fs::read(p).map_err(|source| Error::Io {
+            path: p.clone(),
+            source,
+        })?;
         for (i, l) in bytes.split(|&b| b == b'\n').enumerate() {
             if l.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
             match serde_json::from_slice::<Value>(l) {
                 Ok(v) => {
-                    let line = v.get("line").and_then(|x| x.as_u64()).map_or(usize::MAX, |x| x as usize);
+                    let line = v
+                        .get("line")
+                        .and_then(|x| x.as_u64())
+                        .map_or(usize::MAX, |x| x as usize);
                     let n = recs.len();
                     recs.push((line, n, v));
                 }
@@ -614,10 +716,16 @@ fn run_merge(m: &MergeArgs) -> Result<()> {
     if m.output == "-" {
         let so = std::io::stdout();
         let mut o = so.lock();
-        o.write_all(text.as_bytes()).and_then(|_| o.flush()).map_err(|e| io_err("<stdout>", e))?;
+        o.write_all(text.as_bytes())
+            .and_then(|_| o.flush())
+            .map_err(|e| io_err("<stdout>", e))?;
     } else {
         std::fs::write(Path::new(&m.output), text).map_err(|e| io_err(&m.output, e))?;
     }
-    eprintln!("kvrun batch merge: {} records ({} duplicate ids dropped)", recs.len() - n_dup, n_dup);
+    eprintln!(
+        "kvrun batch merge: {} records ({} duplicate ids dropped)",
+        recs.len() - n_dup,
+        n_dup
+    );
     Ok(())
 }

@@ -56,7 +56,11 @@ fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
 
 fn mean_sd(v: &[f64]) -> (f64, f64) {
     let m = v.iter().sum::<f64>() / v.len() as f64;
-    let var = if v.len() > 1 { v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64 } else { 0.0 };
+    let var = if v.len() > 1 {
+        v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64
+    } else {
+        0.0
+    };
     (m, var.sqrt())
 }
 
@@ -99,12 +103,20 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let g = Gguf::open(&path)?;
     let w = Weights::from_gguf(&g)?;
     let c = &w.config;
-    let name = g.get("general.name").and_then(|v| v.as_str()).unwrap_or("model").to_owned();
+    let name = g
+        .get("general.name")
+        .and_then(|v| v.as_str())
+        .unwrap_or("model")
+        .to_owned();
     let size_mib = g.bytes().len() as f64 / (1 << 20) as f64;
     let n_ctx = (a.depth + a.n_prompt.max(a.n_gen) + 16).max(64);
     let toks = bench_tokens(a.depth + a.n_prompt.max(a.n_gen), c.vocab);
     let (ctx_toks, toks) = toks.split_at(a.depth);
-    let at = if a.depth > 0 { format!(" @ d{}", a.depth) } else { String::new() };
+    let at = if a.depth > 0 {
+        format!(" @ d{}", a.depth)
+    } else {
+        String::new()
+    };
     let mut tests: Vec<(String, usize)> = Vec::new();
     if a.n_prompt > 0 {
         tests.push((format!("pp{}{at}", a.n_prompt), a.n_prompt));
@@ -123,27 +135,41 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         };
         for (t, n) in &tests {
             let r = if t.starts_with("pp") {
-                measure_with_setup(a.reps, *n, &mut sess, |s| {
-                    s.reset();
-                    s.feed(ctx_toks, Logits::Last).map(|_| ())
-                }, |s| s.feed(&toks[..*n], Logits::Last).map(|_| ()))?
+                measure_with_setup(
+                    a.reps,
+                    *n,
+                    &mut sess,
+                    |s| {
+                        s.reset();
+                        s.feed(ctx_toks, Logits::Last).map(|_| ())
+                    },
+                    |s| s.feed(&toks[..*n], Logits::Last).map(|_| ()),
+                )?
             } else {
-                measure_with_setup(a.reps, *n, &mut sess, |s| {
-                    s.reset();
-                    s.feed(ctx_toks, Logits::Last).map(|_| ())
-                }, |s| {
-                    for &tk in &toks[..*n] {
-                        s.feed(&[tk], Logits::Last)?;
-                    }
-                    Ok(())
-                })?
+                measure_with_setup(
+                    a.reps,
+                    *n,
+                    &mut sess,
+                    |s| {
+                        s.reset();
+                        s.feed(ctx_toks, Logits::Last).map(|_| ())
+                    },
+                    |s| {
+                        for &tk in &toks[..*n] {
+                            s.feed(&[tk], Logits::Last)?;
+                        }
+                        Ok(())
+                    },
+                )?
             };
             ours.push(r);
         }
         kv_line = format!(
             "kvrun KV: policy {} budget {} peak resident {} tokens ({:.1} MiB), evicted {}",
             a.kv.policy,
-            a.kv.kv_budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+            a.kv.kv_budget
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "none".into()),
             sess.kv.peak_live,
             (sess.kv.peak_live * sess.kv.bytes_per_token()) as f64 / (1 << 20) as f64,
             sess.n_evicted
@@ -156,7 +182,8 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     if !a.no_llama {
         let path_s = path.to_string_lossy().into_owned();
         let lm = ggml_sys::LlamaModel::load(&path_s, false).map_err(Error::Other)?;
-        let mut ctx = ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32).map_err(Error::Other)?;
+        let mut ctx = ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32)
+            .map_err(Error::Other)?;
         let ltoks: Vec<i32> = toks.iter().map(|&t| t as i32).collect();
         let lctx: Vec<i32> = ctx_toks.iter().map(|&t| t as i32).collect();
         let d = a.depth as i32;
@@ -170,12 +197,15 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         for (i, (t, n)) in tests.iter().enumerate() {
             let r = if t.starts_with("pp") {
                 measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
-                    ctx.decode(&ltoks[..*n], d, false).map(|_| ()).map_err(Error::Other)
+                    ctx.decode(&ltoks[..*n], d, false)
+                        .map(|_| ())
+                        .map_err(Error::Other)
                 })?
             } else {
                 measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
                     for (p, &tk) in ltoks[..*n].iter().enumerate() {
-                        ctx.decode(&[tk], d + p as i32, false).map_err(Error::Other)?;
+                        ctx.decode(&[tk], d + p as i32, false)
+                            .map_err(Error::Other)?;
                     }
                     Ok(())
                 })?
@@ -191,7 +221,9 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         let ratio = theirs[i].as_ref().map(|r| m / mean_sd(r).0);
         println!(
             "| {name} | {size_mib:.2} MiB | {n_threads} | kvrun | {t} | {m:.2} ± {sd:.2} | {} |",
-            ratio.map(|r| format!("{r:.2}x")).unwrap_or_else(|| "-".into())
+            ratio
+                .map(|r| format!("{r:.2}x"))
+                .unwrap_or_else(|| "-".into())
         );
         if let Some(r) = &theirs[i] {
             let (m, sd) = mean_sd(r);
@@ -200,10 +232,16 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     }
     println!("{kv_line}");
     if let Some(b) = rss_kvrun {
-        println!("peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB", b as f64 / (1 << 20) as f64);
+        println!(
+            "peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB",
+            b as f64 / (1 << 20) as f64
+        );
     }
     if let Some(b) = peak_rss_bytes() {
-        println!("peak RSS of the whole run: {:.1} MiB", b as f64 / (1 << 20) as f64);
+        println!(
+            "peak RSS of the whole run: {:.1} MiB",
+            b as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }

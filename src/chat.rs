@@ -31,7 +31,10 @@ pub struct Message {
 impl Message {
     /// Shorthand constructor.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
-        Message { role: role.into(), content: content.into() }
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -69,9 +72,11 @@ fn token_text(g: &Gguf, key: &str) -> String {
     let id = g.get(key).and_then(|v| v.as_i64());
     let tokens = g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array());
     match (id, tokens) {
-        (Some(id), Some(toks)) if id >= 0 => {
-            toks.get(id as usize).and_then(|v| v.as_str()).unwrap_or("").to_owned()
-        }
+        (Some(id), Some(toks)) if id >= 0 => toks
+            .get(id as usize)
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_owned(),
         _ => String::new(),
     }
 }
@@ -102,12 +107,26 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("template raised: {msg}")))
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("template raised: {msg}"),
+                ))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| -> String {
+            strftime_now(&fmt)
         });
-        env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
-        env.add_template_owned(NAME, src.to_owned()).map_err(tmpl_err)?;
-        Ok(ChatTemplate { env, source: src.to_owned(), bos: bos.to_owned(), eos: eos.to_owned() })
+        env.add_template_owned(NAME, src.to_owned())
+            .map_err(tmpl_err)?;
+        Ok(ChatTemplate {
+            env,
+            source: src.to_owned(),
+            bos: bos.to_owned(),
+            eos: eos.to_owned(),
+        })
     }
 
     /// Render a conversation. With `add_generation_prompt` the template
@@ -155,7 +174,15 @@ fn strftime_utc(secs: i64, fmt: &str) -> String {
         "November",
         "December",
     ];
-    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
     let (h, mi, s) = (rem / 3600, rem % 3600 / 60, rem % 60);

@@ -54,7 +54,10 @@ impl ThinkFilter {
                 continue;
             }
             // keep a possible partial tag back
-            let keep = (1..tag.len()).rev().find(|&k| self.pending.ends_with(&tag[..k])).unwrap_or(0);
+            let keep = (1..tag.len())
+                .rev()
+                .find(|&k| self.pending.ends_with(&tag[..k]))
+                .unwrap_or(0);
             let cut = self.pending.len() - keep;
             let text: String = self.pending[..cut].to_owned();
             self.emit(&text, out);
@@ -91,10 +94,17 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let ck = Checkpoint::open(&path)?;
     let w = ck.weights()?;
     let tok = ck.tokenizer()?;
-    let tmpl = ck
-        .chat_template()?
-        .ok_or_else(|| Error::arg("-m/--model", format!("{}: the model has no chat template", path.display())))?;
-    let n_ctx = if r.ctx_size <= 0 { w.config.n_ctx_train } else { r.ctx_size as usize };
+    let tmpl = ck.chat_template()?.ok_or_else(|| {
+        Error::arg(
+            "-m/--model",
+            format!("{}: the model has no chat template", path.display()),
+        )
+    })?;
+    let n_ctx = if r.ctx_size <= 0 {
+        w.config.n_ctx_train
+    } else {
+        r.ctx_size as usize
+    };
     let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
     let mut sess = match r.kv.build(seed)? {
         None => Session::new(&w, n_ctx, n_threads, r.batch_size.max(1)),
@@ -111,7 +121,10 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     });
     let mut msgs: Vec<Message> = Vec::new();
     if let Some(s) = &r.system {
-        msgs.push(Message { role: "system".into(), content: s.clone() });
+        msgs.push(Message {
+            role: "system".into(),
+            content: s.clone(),
+        });
     }
     // tokens currently in the cache, in position order
     let mut cached: Vec<u32> = Vec::new();
@@ -173,7 +186,8 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
                         let _ = writeln!(out, "[usage: /save FILE]");
                         continue;
                     }
-                    let json = serde_json::to_string_pretty(&msgs).map_err(|e| Error::Other(e.to_string()))?;
+                    let json = serde_json::to_string_pretty(&msgs)
+                        .map_err(|e| Error::Other(e.to_string()))?;
                     match std::fs::write(arg, json) {
                         Ok(()) => {
                             let _ = writeln!(out, "[saved {} messages to {arg}]", msgs.len());
@@ -199,21 +213,44 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
             }
         }
         if !regen {
-            msgs.push(Message { role: "user".into(), content: line.clone() });
+            msgs.push(Message {
+                role: "user".into(),
+                content: line.clone(),
+            });
         }
         let ids = conversation_tokens(&tok, &tmpl, &msgs)?;
         // keep the common prefix in the cache, feed the rest
-        let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len().saturating_sub(1));
+        let common = cached
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ids.len().saturating_sub(1));
         sess.truncate(common)?;
         cached.truncate(common);
-        let mut filter = ThinkFilter { hide: a.hide_thinking, color, in_think: false, pending: String::new() };
+        let mut filter = ThinkFilter {
+            hide: a.hide_thinking,
+            color,
+            in_think: false,
+            pending: String::new(),
+        };
         let mut reply = String::new();
-        let opts = GenOptions { n_predict: r.n_predict, ignore_eos: false };
-        let stats = generate(&mut sess, &tok, &mut sampler, &ids[common..], &opts, |piece| {
-            reply.push_str(piece);
-            filter.push(piece, &mut out);
-            true
-        })?;
+        let opts = GenOptions {
+            n_predict: r.n_predict,
+            ignore_eos: false,
+        };
+        let stats = generate(
+            &mut sess,
+            &tok,
+            &mut sampler,
+            &ids[common..],
+            &opts,
+            |piece| {
+                reply.push_str(piece);
+                filter.push(piece, &mut out);
+                true
+            },
+        )?;
         filter.finish(&mut out);
         let _ = writeln!(out);
         cached.extend_from_slice(&ids[common..]);
@@ -222,7 +259,10 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         cached.extend_from_slice(&stats.tokens[..fed]);
         gen_tokens += stats.tokens.len();
         gen_ms += stats.gen_ms;
-        msgs.push(Message { role: "assistant".into(), content: reply });
+        msgs.push(Message {
+            role: "assistant".into(),
+            content: reply,
+        });
     }
     Ok(())
 }

@@ -90,7 +90,12 @@ impl KvArgs {
     pub fn build(&self, seed: u64) -> Result<Option<crate::generate::KvPolicy>> {
         let Some(scorer_budget) = (match (self.policy.as_str(), self.kv_budget) {
             ("full", _) => None,
-            (_, None) => return Err(Error::arg("--kv-budget", format!("--policy {} needs --kv-budget N", self.policy))),
+            (_, None) => {
+                return Err(Error::arg(
+                    "--kv-budget",
+                    format!("--policy {} needs --kv-budget N", self.policy),
+                ))
+            }
             (_, Some(b)) => Some(b),
         }) else {
             return Ok(None);
@@ -99,8 +104,9 @@ impl KvArgs {
         if self.evict_every == 0 {
             return Err(Error::arg("--evict-every", "must be at least 1"));
         }
-        let scorer = crate::policy::by_name(&self.policy, budget, &crate::policy::PolicyArgs { seed })?
-            .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
+        let scorer =
+            crate::policy::by_name(&self.policy, budget, &crate::policy::PolicyArgs { seed })?
+                .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
         let evictor = crate::policy::Evictor {
             budget,
             n_sink: self.kv_sink,
@@ -204,7 +210,10 @@ pub fn normalize_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
 pub fn resolve_model(m: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(p) = m {
         if !p.exists() {
-            return Err(Error::arg("-m/--model", format!("{}: no such file", p.display())));
+            return Err(Error::arg(
+                "-m/--model",
+                format!("{}: no such file", p.display()),
+            ));
         }
         return Ok(p.clone());
     }
@@ -214,7 +223,11 @@ pub fn resolve_model(m: &Option<PathBuf>) -> Result<PathBuf> {
             cands.push(dir.join("models").join(DEFAULT_MODEL));
         }
     }
-    cands.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(DEFAULT_MODEL));
+    cands.push(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models")
+            .join(DEFAULT_MODEL),
+    );
     cands.into_iter().find(|p| p.exists()).ok_or_else(|| {
         Error::arg("-m/--model", format!("no model given and the default {DEFAULT_MODEL} is missing (run: bash models/fetch.sh)"))
     })
@@ -223,16 +236,31 @@ pub fn resolve_model(m: &Option<PathBuf>) -> Result<PathBuf> {
 /// Thread count from -t (default: available parallelism).
 pub fn resolve_threads(t: Option<i64>) -> Result<usize> {
     match t {
-        None | Some(-1) => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+        None | Some(-1) => Ok(std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)),
         Some(n) if n >= 1 && n <= 1024 => Ok(n as usize),
-        Some(n) => Err(Error::arg("-t/--threads", format!("must be between 1 and 1024 (got {n})"))),
+        Some(n) => Err(Error::arg(
+            "-t/--threads",
+            format!("must be between 1 and 1024 (got {n})"),
+        )),
     }
 }
 
 fn read_text(path: &Path, flag: &str) -> Result<String> {
-    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })?;
     String::from_utf8(bytes).map_err(|e| {
-        Error::arg(flag, format!("{}: not valid UTF-8 (byte {})", path.display(), e.utf8_error().valid_up_to()))
+        Error::arg(
+            flag,
+            format!(
+                "{}: not valid UTF-8 (byte {})",
+                path.display(),
+                e.utf8_error().valid_up_to()
+            ),
+        )
     })
 }
 
@@ -262,9 +290,15 @@ pub fn prompt_tokens(
         (false, Some(t)) => {
             let mut msgs = Vec::new();
             if let Some(s) = system {
-                msgs.push(Message { role: "system".into(), content: s.into() });
+                msgs.push(Message {
+                    role: "system".into(),
+                    content: s.into(),
+                });
             }
-            msgs.push(Message { role: "user".into(), content: prompt.into() });
+            msgs.push(Message {
+                role: "user".into(),
+                content: prompt.into(),
+            });
             encode_rendered(tok, &t.render(&msgs, true)?)
         }
         _ => tok.encode(prompt, true, true),
@@ -275,27 +309,36 @@ pub fn prompt_tokens(
 /// cannot be allocated (a huge -c would otherwise abort in the allocator).
 fn check_ctx_alloc(c: &crate::model::Config, n_ctx: usize, n_threads: usize) -> Result<()> {
     let per_slot = (2 * c.n_layers * c.kv_dim() * 2).checked_add(4 * (n_threads + 1));
-    let bytes = per_slot.and_then(|b| b.checked_mul(n_ctx)).filter(|&b| b <= isize::MAX as usize);
+    let bytes = per_slot
+        .and_then(|b| b.checked_mul(n_ctx))
+        .filter(|&b| b <= isize::MAX as usize);
     if bytes.is_some_and(|b| Vec::<u8>::new().try_reserve_exact(b).is_ok()) {
         return Ok(());
     }
-    let gib = per_slot.map_or(f64::INFINITY, |b| b as f64 * n_ctx as f64 / (1u64 << 30) as f64);
+    let gib = per_slot.map_or(f64::INFINITY, |b| {
+        b as f64 * n_ctx as f64 / (1u64 << 30) as f64
+    });
     Err(Error::arg(
         "-c/--ctx-size",
         format!("a context of {n_ctx} tokens needs {gib:.1} GiB of KV cache, which cannot be allocated (the model was trained with {})", c.n_ctx_train),
     ))
 }
 
-
 /// One-shot generation (the default command).
 pub fn run_generate(a: &RunArgs) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     if a.n_predict < -1 {
-        return Err(Error::arg("-n/--n-predict", format!("must be -1 (unlimited) or ≥ 0, got {}", a.n_predict)));
+        return Err(Error::arg(
+            "-n/--n-predict",
+            format!("must be -1 (unlimited) or ≥ 0, got {}", a.n_predict),
+        ));
     }
     if a.ctx_size < 0 {
-        return Err(Error::arg("-c/--ctx-size", format!("must be ≥ 0, got {}", a.ctx_size)));
+        return Err(Error::arg(
+            "-c/--ctx-size",
+            format!("must be ≥ 0, got {}", a.ctx_size),
+        ));
     }
     if a.batch_size == 0 {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
@@ -306,8 +349,18 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
         (None, Some(f)) => read_text(f, "-f/--file")?,
-        (Some(_), Some(_)) => return Err(Error::arg("-p/-f", "give either a prompt or a prompt file, not both")),
-        (None, None) => return Err(Error::arg("-p/--prompt", "no prompt given (use -p TEXT or -f FILE)")),
+        (Some(_), Some(_)) => {
+            return Err(Error::arg(
+                "-p/-f",
+                "give either a prompt or a prompt file, not both",
+            ))
+        }
+        (None, None) => {
+            return Err(Error::arg(
+                "-p/--prompt",
+                "no prompt given (use -p TEXT or -f FILE)",
+            ))
+        }
     };
     let system = match (&a.system, &a.system_file) {
         (Some(s), _) => Some(s.clone()),
@@ -321,19 +374,31 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     if tok.n_vocab() > w.config.vocab {
         return Err(Error::Other(format!(
             "{}: the tokenizer has {} tokens but token_embd.weight has only {} rows",
-            path.display(), tok.n_vocab(), w.config.vocab
+            path.display(),
+            tok.n_vocab(),
+            w.config.vocab
         )));
     }
     let tmpl = if a.raw { None } else { ck.chat_template()? };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let ids = prompt_tokens(&tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
-    let n_ctx = if a.ctx_size == 0 { w.config.n_ctx_train } else { a.ctx_size as usize };
+    let n_ctx = if a.ctx_size == 0 {
+        w.config.n_ctx_train
+    } else {
+        a.ctx_size as usize
+    };
     if ids.len() > n_ctx {
-        return Err(Error::ContextTooSmall { n_prompt: ids.len(), n_ctx });
+        return Err(Error::ContextTooSmall {
+            n_prompt: ids.len(),
+            n_ctx,
+        });
     }
     check_ctx_alloc(&w.config, n_ctx, n_threads)?;
     let seed = if a.seed < 0 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
     } else {
         a.seed as u64
     };
@@ -365,10 +430,15 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     if a.display_prompt {
         let _ = write!(out, "{}", tok.decode(&ids, true));
     }
-    let opts = GenOptions { n_predict: a.n_predict, ignore_eos: a.ignore_eos };
+    let opts = GenOptions {
+        n_predict: a.n_predict,
+        ignore_eos: a.ignore_eos,
+    };
     let stats = generate(&mut sess, &tok, &mut sampler, &ids, &opts, |piece| {
         // A closed pipe (e.g. `| head`) ends generation quietly.
-        out.write_all(piece.as_bytes()).and_then(|_| out.flush()).is_ok()
+        out.write_all(piece.as_bytes())
+            .and_then(|_| out.flush())
+            .is_ok()
     })?;
     let _ = writeln!(out);
     if !a.no_perf {
@@ -377,7 +447,9 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         eprintln!(
             "kvrun: kv: policy={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak)",
             a.kv.policy,
-            a.kv.kv_budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+            a.kv.kv_budget
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "none".into()),
             sess.n_evicted,
             sess.kv.cells.n_live(),
             sess.kv.peak_live,
@@ -392,9 +464,27 @@ pub fn run_inspect(path: &Path) -> Result<()> {
     let g = Gguf::open(path)?;
     let mut o = String::new();
     use std::fmt::Write as _;
-    let _ = writeln!(o, "file: {} (GGUF v{}, {} bytes)", path.display(), g.version, g.bytes().len());
-    let _ = writeln!(o, "metadata: {} keys, tensors: {}, data offset {}, alignment {}", g.metadata.len(), g.tensors.len(), g.data_offset, g.alignment);
-    for key in ["general.name", "general.architecture", "general.file_type", "general.size_label"] {
+    let _ = writeln!(
+        o,
+        "file: {} (GGUF v{}, {} bytes)",
+        path.display(),
+        g.version,
+        g.bytes().len()
+    );
+    let _ = writeln!(
+        o,
+        "metadata: {} keys, tensors: {}, data offset {}, alignment {}",
+        g.metadata.len(),
+        g.tensors.len(),
+        g.data_offset,
+        g.alignment
+    );
+    for key in [
+        "general.name",
+        "general.architecture",
+        "general.file_type",
+        "general.size_label",
+    ] {
         if let Some(v) = g.get(key) {
             let _ = writeln!(o, "  {key} = {}", short_value(v));
         }
@@ -409,7 +499,11 @@ pub fn run_inspect(path: &Path) -> Result<()> {
                 if c.tied_output { "tied to token_embd" } else { "separate" }
             );
             let kv_tok = 2 * c.n_layers * c.kv_dim() * 2;
-            let _ = writeln!(o, "kv cache (f16): {kv_tok} bytes per token ({:.1} KiB)", kv_tok as f64 / 1024.0);
+            let _ = writeln!(
+                o,
+                "kv cache (f16): {kv_tok} bytes per token ({:.1} KiB)",
+                kv_tok as f64 / 1024.0
+            );
         }
         Err(e) => {
             let _ = writeln!(o, "architecture: not loadable ({e})");
@@ -418,19 +512,40 @@ pub fn run_inspect(path: &Path) -> Result<()> {
     // tensor type summary
     let mut by_type: std::collections::BTreeMap<String, (usize, u64, u64)> = Default::default();
     for t in &g.tensors {
-        let e = by_type.entry(crate::tensor::ggml_type_name(t.type_id)).or_default();
+        let e = by_type
+            .entry(crate::tensor::ggml_type_name(t.type_id))
+            .or_default();
         e.0 += 1;
         e.1 += t.n_elements();
         e.2 += t.n_bytes().unwrap_or(0);
     }
     let total_params: u64 = g.tensors.iter().map(|t| t.n_elements()).sum();
     let total_bytes: u64 = g.tensors.iter().filter_map(|t| t.n_bytes()).sum();
-    let _ = writeln!(o, "tensors: {} params, {:.2} MiB", total_params, total_bytes as f64 / (1 << 20) as f64);
+    let _ = writeln!(
+        o,
+        "tensors: {} params, {:.2} MiB",
+        total_params,
+        total_bytes as f64 / (1 << 20) as f64
+    );
     for (ty, (n, el, by)) in &by_type {
-        let _ = writeln!(o, "  {ty:8} {n:5} tensors {el:12} params {:10.2} MiB", *by as f64 / (1 << 20) as f64);
+        let _ = writeln!(
+            o,
+            "  {ty:8} {n:5} tensors {el:12} params {:10.2} MiB",
+            *by as f64 / (1 << 20) as f64
+        );
     }
-    for t in g.tensors.iter().filter(|t| !t.name.starts_with("blk.") || t.name.starts_with("blk.0.")) {
-        let _ = writeln!(o, "  {:32} {:8} {:?}", t.name, crate::tensor::ggml_type_name(t.type_id), t.dims);
+    for t in g
+        .tensors
+        .iter()
+        .filter(|t| !t.name.starts_with("blk.") || t.name.starts_with("blk.0."))
+    {
+        let _ = writeln!(
+            o,
+            "  {:32} {:8} {:?}",
+            t.name,
+            crate::tensor::ggml_type_name(t.type_id),
+            t.dims
+        );
     }
     match g.check_data() {
         Ok(()) => {
@@ -445,7 +560,12 @@ pub fn run_inspect(path: &Path) -> Result<()> {
             let _ = writeln!(
                 o,
                 "tokenizer: {} / pre {} | {} tokens | bos {:?} eos {:?} add_bos {}",
-                t.model_type(), t.pre_type(), t.n_vocab(), t.bos(), t.eos(), t.add_bos()
+                t.model_type(),
+                t.pre_type(),
+                t.n_vocab(),
+                t.bos(),
+                t.eos(),
+                t.add_bos()
             );
         }
         Err(e) => {
@@ -455,7 +575,13 @@ pub fn run_inspect(path: &Path) -> Result<()> {
     match g.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
         Some(src) => {
             let status = match ChatTemplate::from_gguf(&g) {
-                Ok(Some(t)) => match t.render(&[Message { role: "user".into(), content: "Hi".into() }], true) {
+                Ok(Some(t)) => match t.render(
+                    &[Message {
+                        role: "user".into(),
+                        content: "Hi".into(),
+                    }],
+                    true,
+                ) {
                     Ok(s) => format!("renders; sample: {:?}", s),
                     Err(e) => format!("does not render: {e}"),
                 },
@@ -497,7 +623,9 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> std::result::Result<Cli,
          Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv.",
         policies_help()
     );
-    let m = Cli::command().after_help(help).try_get_matches_from(normalize_args(args))?;
+    let m = Cli::command()
+        .after_help(help)
+        .try_get_matches_from(normalize_args(args))?;
     Cli::from_arg_matches(&m)
 }
 

@@ -14,19 +14,36 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// An OS-level I/O failure on a named file.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 
     /// The file is not a GGUF file or its structure is corrupt.
     #[error("{path}: invalid GGUF at byte {offset}: {what}")]
-    BadGguf { path: PathBuf, offset: u64, what: String },
+    BadGguf {
+        path: PathBuf,
+        offset: u64,
+        what: String,
+    },
 
     /// The tensor table points past the end of the file.
     #[error("{path}: tensor data missing: tensor '{tensor}' needs bytes {start}..{end} but the file has {file_len} bytes (truncated or header-only file)")]
-    TensorDataMissing { path: PathBuf, tensor: String, start: u64, end: u64, file_len: u64 },
+    TensorDataMissing {
+        path: PathBuf,
+        tensor: String,
+        start: u64,
+        end: u64,
+        file_len: u64,
+    },
 
     /// A tensor type id kvrun cannot compute with.
     #[error("{path}: tensor '{tensor}' has unsupported type {ty}")]
-    UnsupportedTensorType { path: PathBuf, tensor: String, ty: String },
+    UnsupportedTensorType {
+        path: PathBuf,
+        tensor: String,
+        ty: String,
+    },
 
     /// `general.architecture` names a model family kvrun does not implement.
     #[error("{path}: unknown architecture '{arch}' (supported: llama, qwen2)")]
@@ -34,7 +51,11 @@ pub enum Error {
 
     /// A required metadata key is absent or has the wrong type.
     #[error("{path}: metadata key '{key}': {what}")]
-    BadMetadata { path: PathBuf, key: String, what: String },
+    BadMetadata {
+        path: PathBuf,
+        key: String,
+        what: String,
+    },
 
     /// A tensor the architecture needs is not in the file.
     #[error("{path}: missing tensor '{tensor}'")]
@@ -42,7 +63,12 @@ pub enum Error {
 
     /// A tensor has a shape that disagrees with the hyperparameters.
     #[error("{path}: tensor '{tensor}' has shape {got:?}, expected {want:?}")]
-    ShapeMismatch { path: PathBuf, tensor: String, got: Vec<u64>, want: Vec<u64> },
+    ShapeMismatch {
+        path: PathBuf,
+        tensor: String,
+        got: Vec<u64>,
+        want: Vec<u64>,
+    },
 
     /// The tokenizer described by the file cannot be built faithfully.
     #[error("tokenizer: {0}")]
@@ -72,6 +98,9 @@ pub enum Error {
 impl Error {
     /// Shorthand for a command-line argument error.
     pub fn arg(flag: &str, what: impl Into<String>) -> Self {
-        Error::BadArg { flag: flag.to_owned(), what: what.into() }
+        Error::BadArg {
+            flag: flag.to_owned(),
+            what: what.into(),
+        }
     }
 }

@@ -53,21 +53,54 @@ impl TextArgs {
     pub fn load(&self) -> Result<String> {
         match (&self.file, &self.jsonl) {
             (Some(f), None) => {
-                let b = std::fs::read(f).map_err(|source| Error::Io { path: f.clone(), source })?;
-                String::from_utf8(b).map_err(|_| Error::arg("-f/--file", format!("{}: not valid UTF-8", f.display())))
-            }
-            (None, Some(j)) => {
-                let s = std::fs::read_to_string(j).map_err(|source| Error::Io { path: j.clone(), source })?;
-                let line = s.lines().filter(|l| !l.trim().is_empty()).nth(self.record).ok_or_else(|| {
-                    Error::arg("--record", format!("{} has no record {}", j.display(), self.record))
+                let b = std::fs::read(f).map_err(|source| Error::Io {
+                    path: f.clone(),
+                    source,
                 })?;
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .map_err(|e| Error::arg("--jsonl", format!("{} record {}: {e}", j.display(), self.record)))?;
-                v.get(&self.field).and_then(|x| x.as_str()).map(str::to_owned).ok_or_else(|| {
-                    Error::arg("--field", format!("{} record {} has no string field '{}'", j.display(), self.record, self.field))
+                String::from_utf8(b).map_err(|_| {
+                    Error::arg("-f/--file", format!("{}: not valid UTF-8", f.display()))
                 })
             }
-            _ => Err(Error::arg("-f/--jsonl", "give exactly one of -f TEXT or --jsonl FILE")),
+            (None, Some(j)) => {
+                let s = std::fs::read_to_string(j).map_err(|source| Error::Io {
+                    path: j.clone(),
+                    source,
+                })?;
+                let line = s
+                    .lines()
+                    .filter(|l| !l.trim().is_empty())
+                    .nth(self.record)
+                    .ok_or_else(|| {
+                        Error::arg(
+                            "--record",
+                            format!("{} has no record {}", j.display(), self.record),
+                        )
+                    })?;
+                let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+                    Error::arg(
+                        "--jsonl",
+                        format!("{} record {}: {e}", j.display(), self.record),
+                    )
+                })?;
+                v.get(&self.field)
+                    .and_then(|x| x.as_str())
+                    .map(str::to_owned)
+                    .ok_or_else(|| {
+                        Error::arg(
+                            "--field",
+                            format!(
+                                "{} record {} has no string field '{}'",
+                                j.display(),
+                                self.record,
+                                self.field
+                            ),
+                        )
+                    })
+            }
+            _ => Err(Error::arg(
+                "-f/--jsonl",
+                "give exactly one of -f TEXT or --jsonl FILE",
+            )),
         }
     }
 }
@@ -199,7 +232,9 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
     // segment start (index of the first predicted token inside the segment)
     let mut seg_start = None;
     if let Some(m) = &a.segment_after {
-        let at = text.find(m.as_str()).ok_or_else(|| Error::arg("--segment-after", format!("marker {m:?} not in the text")))?;
+        let at = text.find(m.as_str()).ok_or_else(|| {
+            Error::arg("--segment-after", format!("marker {m:?} not in the text"))
+        })?;
         let prefix = tok.encode(&text[..at + m.len()], true, false)?;
         seg_start = Some(prefix.len().min(n - 1));
     }
@@ -231,7 +266,11 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
             log_softmax(&f[i * vocab..(i + 1) * vocab], &mut lf);
             log_softmax(&p[i * vocab..(i + 1) * vocab], &mut lp);
             let kl: f64 = lf.iter().zip(&lp).map(|(&x, &y)| x.exp() * (x - y)).sum();
-            let am = |v: &[f64]| v.iter().enumerate().fold(0, |b, (j, &x)| if x > v[b] { j } else { b });
+            let am = |v: &[f64]| {
+                v.iter()
+                    .enumerate()
+                    .fold(0, |b, (j, &x)| if x > v[b] { j } else { b })
+            };
             let agree = am(&lf) == am(&lp);
             all.add(-lp[next], -lf[next], kl.max(0.0), agree);
             if seg_start.is_some_and(|s| pos + 1 >= s) {
@@ -240,7 +279,11 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
         }
         done += c;
         if progress && (done % 64 < c || done == n - 1) {
-            eprint!("\r[{done}/{}] {:.1} tok/s", n - 1, done as f64 / t0.elapsed().as_secs_f64());
+            eprint!(
+                "\r[{done}/{}] {:.1} tok/s",
+                n - 1,
+                done as f64 / t0.elapsed().as_secs_f64()
+            );
         }
     }
     if progress {
@@ -265,7 +308,10 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
 pub fn run_ppl(a: &PplArgs) -> Result<()> {
     let r = eval_ppl(a)?;
     if a.json {
-        println!("{}", serde_json::to_string(&r).map_err(|e| Error::Other(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string(&r).map_err(|e| Error::Other(e.to_string()))?
+        );
         return Ok(());
     }
     let row = |name: &str, f: &Fidelity| {
@@ -288,6 +334,9 @@ pub fn run_ppl(a: &PplArgs) -> Result<()> {
     if let (Some(s), Some(st)) = (&r.segment, r.segment_start) {
         row(&format!("seg@{st}"), s);
     }
-    println!("Final estimate: PPL = {:.4} +/- {:.5}", r.all.ppl, r.all.ppl_err);
+    println!(
+        "Final estimate: PPL = {:.4} +/- {:.5}",
+        r.all.ppl, r.all.ppl_err
+    );
     Ok(())
 }

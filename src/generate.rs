@@ -6,8 +6,8 @@ use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::llama::{forward, Logits, MassMode, RunState, StepIo};
-use crate::policy::{Evictor, Scorer};
 use crate::model::Weights;
+use crate::policy::{Evictor, Scorer};
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
@@ -76,10 +76,24 @@ impl<'w> Session<'w> {
         let room = e.budget - e.n_sink - e.n_recent;
         let n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
         let budget = e.budget;
-        Ok(Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy)))
+        Ok(Self::build(
+            w,
+            n_ctx,
+            budget,
+            n_threads,
+            n_batch,
+            Some(policy),
+        ))
     }
 
-    fn build(w: &'w Weights<'w>, n_ctx: usize, n_slots: usize, n_threads: usize, n_batch: usize, policy: Option<KvPolicy>) -> Session<'w> {
+    fn build(
+        w: &'w Weights<'w>,
+        n_ctx: usize,
+        n_slots: usize,
+        n_threads: usize,
+        n_batch: usize,
+        policy: Option<KvPolicy>,
+    ) -> Session<'w> {
         let c = &w.config;
         let pool = ThreadPool::new(n_threads);
         Session {
@@ -117,7 +131,12 @@ impl<'w> Session<'w> {
             return Ok(());
         }
         let (slots, pos) = self.kv.live();
-        let victims: Vec<u32> = slots.iter().zip(pos).filter(|(_, &p)| p as usize >= n).map(|(&s, _)| s).collect();
+        let victims: Vec<u32> = slots
+            .iter()
+            .zip(pos)
+            .filter(|(_, &p)| p as usize >= n)
+            .map(|(&s, _)| s)
+            .collect();
         let mut none = Vec::new();
         self.kv.apply(&victims, &[], &mut none)?;
         self.n_past = n;
@@ -137,7 +156,10 @@ impl<'w> Session<'w> {
     /// `n_batch`, evicting between chunks); returns the requested logits.
     pub fn feed(&mut self, tokens: &[u32], want: Logits) -> Result<&[f32]> {
         if self.n_past + tokens.len() > self.n_ctx {
-            return Err(Error::ContextTooSmall { n_prompt: self.n_past + tokens.len(), n_ctx: self.n_ctx });
+            return Err(Error::ContextTooSmall {
+                n_prompt: self.n_past + tokens.len(),
+                n_ctx: self.n_ctx,
+            });
         }
         self.logits.clear();
         let nb = self.state.n_batch;
@@ -161,7 +183,8 @@ impl<'w> Session<'w> {
                         self.scores.resize(slots.len(), 0.0);
                         p.scorer.score(&self.kv, slots, pos, &mut self.scores);
                         let newest = (pos0 + n - 1) as i64;
-                        p.evictor.select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
+                        p.evictor
+                            .select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
                     }
                     p.scorer.mass_mode()
                 }
@@ -170,15 +193,29 @@ impl<'w> Session<'w> {
             let io = StepIo {
                 victims: &self.victims,
                 mass_mode,
-                mass: if mass_mode != MassMode::None { Some(&mut self.mass) } else { None },
+                mass: if mass_mode != MassMode::None {
+                    Some(&mut self.mass)
+                } else {
+                    None
+                },
             };
-            let out = forward(self.w, &mut self.state, &mut self.kv, &self.pool, chunk, pos0, n_out, io)?;
+            let out = forward(
+                self.w,
+                &mut self.state,
+                &mut self.kv,
+                &self.pool,
+                chunk,
+                pos0,
+                n_out,
+                io,
+            )?;
             self.logits.extend_from_slice(out);
             self.n_evicted += self.victims.len();
             self.n_past += n;
             if let Some(p) = &mut self.policy {
                 let new_slots = self.state.step_slots();
-                p.scorer.on_write(&self.kv, new_slots, &self.state.step_positions());
+                p.scorer
+                    .on_write(&self.kv, new_slots, &self.state.step_positions());
                 if mass_mode != MassMode::None {
                     p.scorer.observe(&self.mass);
                 }
@@ -262,7 +299,11 @@ impl Utf8Stream {
             Err(e) => {
                 let good = e.valid_up_to();
                 // An invalid (not merely incomplete) sequence is emitted lossily.
-                let cut = if e.error_len().is_some() { self.pending.len() } else { good };
+                let cut = if e.error_len().is_some() {
+                    self.pending.len()
+                } else {
+                    good
+                };
                 let out = String::from_utf8_lossy(&self.pending[..cut]).into_owned();
                 self.pending.drain(..cut);
                 out
@@ -292,7 +333,10 @@ pub fn generate(
         return Err(Error::arg("-p/--prompt", "the prompt is empty (no tokens)"));
     }
     if sess.n_past + prompt.len() > sess.n_ctx {
-        return Err(Error::ContextTooSmall { n_prompt: sess.n_past + prompt.len(), n_ctx: sess.n_ctx });
+        return Err(Error::ContextTooSmall {
+            n_prompt: sess.n_past + prompt.len(),
+            n_ctx: sess.n_ctx,
+        });
     }
     for &t in prompt {
         sampler.accept(t);

@@ -80,7 +80,10 @@ pub fn extract_boxed(text: &str) -> Option<String> {
         return braced(text, open).map(|(c, _)| c.trim().to_owned());
     }
     // `\boxed 5`: up to whitespace or `$`
-    let tok: String = trimmed.chars().take_while(|c| !c.is_whitespace() && *c != '$').collect();
+    let tok: String = trimmed
+        .chars()
+        .take_while(|c| !c.is_whitespace() && *c != '$')
+        .collect();
     if tok.is_empty() {
         None
     } else {
@@ -95,7 +98,9 @@ fn numbers(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < b.len() {
-        if b[i].is_ascii_digit() || (b[i] == b'.' && b.get(i + 1).is_some_and(|c| c.is_ascii_digit())) {
+        if b[i].is_ascii_digit()
+            || (b[i] == b'.' && b.get(i + 1).is_some_and(|c| c.is_ascii_digit()))
+        {
             let neg = i > 0 && b[i - 1] == b'-' && !(i > 1 && b[i - 2].is_ascii_alphanumeric());
             let mut s = String::new();
             if neg {
@@ -114,7 +119,10 @@ fn numbers(text: &str) -> Vec<String> {
                     && !s.contains('.')
                 {
                     j += 1; // thousands separator
-                } else if c == b'.' && b.get(j + 1).is_some_and(|d| d.is_ascii_digit()) && !s.contains('.') {
+                } else if c == b'.'
+                    && b.get(j + 1).is_some_and(|d| d.is_ascii_digit())
+                    && !s.contains('.')
+                {
                     s.push('.');
                     j += 1;
                 } else {
@@ -177,7 +185,10 @@ fn replace_cmd(s: &str, name: &str, with: &str) -> String {
     while let Some(p) = rest.find(&pat) {
         let after = &rest[p + pat.len()..];
         let whole = !name.chars().last().is_some_and(|c| c.is_ascii_alphabetic())
-            || !after.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
+            || !after
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic());
         out.push_str(&rest[..p]);
         if whole {
             out.push_str(with);
@@ -192,13 +203,94 @@ fn replace_cmd(s: &str, name: &str, with: &str) -> String {
 
 /// Unit words dropped from answers (inside `\text{}` or trailing).
 const UNITS: &[&str] = &[
-    "cm", "m", "km", "mm", "in", "inch", "inches", "ft", "foot", "feet", "yd", "yard", "yards", "mile", "miles",
-    "meter", "meters", "metre", "metres", "centimeter", "centimeters", "kilometer", "kilometers", "unit", "units",
-    "square", "sq", "cubic", "degree", "degrees", "deg", "radian", "radians", "dollar", "dollars", "cent", "cents",
-    "hour", "hours", "hr", "hrs", "minute", "minutes", "min", "mins", "second", "seconds", "sec", "secs", "day", "days",
-    "week", "weeks", "month", "months", "year", "years", "mph", "pound", "pounds", "lb", "lbs", "ounce", "ounces",
-    "oz", "gram", "grams", "g", "kg", "kilogram", "kilograms", "liter", "liters", "l", "ml", "gallon", "gallons",
-    "people", "students", "times", "percent", "points", "point", "ways", "p.m.", "a.m.", "pm", "am",
+    "cm",
+    "m",
+    "km",
+    "mm",
+    "in",
+    "inch",
+    "inches",
+    "ft",
+    "foot",
+    "feet",
+    "yd",
+    "yard",
+    "yards",
+    "mile",
+    "miles",
+    "meter",
+    "meters",
+    "metre",
+    "metres",
+    "centimeter",
+    "centimeters",
+    "kilometer",
+    "kilometers",
+    "unit",
+    "units",
+    "square",
+    "sq",
+    "cubic",
+    "degree",
+    "degrees",
+    "deg",
+    "radian",
+    "radians",
+    "dollar",
+    "dollars",
+    "cent",
+    "cents",
+    "hour",
+    "hours",
+    "hr",
+    "hrs",
+    "minute",
+    "minutes",
+    "min",
+    "mins",
+    "second",
+    "seconds",
+    "sec",
+    "secs",
+    "day",
+    "days",
+    "week",
+    "weeks",
+    "month",
+    "months",
+    "year",
+    "years",
+    "mph",
+    "pound",
+    "pounds",
+    "lb",
+    "lbs",
+    "ounce",
+    "ounces",
+    "oz",
+    "gram",
+    "grams",
+    "g",
+    "kg",
+    "kilogram",
+    "kilograms",
+    "liter",
+    "liters",
+    "l",
+    "ml",
+    "gallon",
+    "gallons",
+    "people",
+    "students",
+    "times",
+    "percent",
+    "points",
+    "point",
+    "ways",
+    "p.m.",
+    "a.m.",
+    "pm",
+    "am",
 ];
 
 fn is_unit_phrase(s: &str) -> bool {
@@ -206,7 +298,10 @@ fn is_unit_phrase(s: &str) -> bool {
         .split(|c: char| c.is_whitespace() || c == '^' || c == '{' || c == '}' || c == '~')
         .filter(|w| !w.is_empty() && !w.chars().all(|c| c.is_ascii_digit()))
         .collect();
-    !words.is_empty() && words.iter().all(|w| UNITS.contains(&w.to_ascii_lowercase().trim_end_matches('.')))
+    !words.is_empty()
+        && words
+            .iter()
+            .all(|w| UNITS.contains(&w.to_ascii_lowercase().trim_end_matches('.')))
 }
 
 /// Unwrap `\name{X}` to `X` (or drop it when `X` is a unit phrase and
@@ -228,7 +323,11 @@ fn unwrap_cmd(s: &str, name: &str, units: bool) -> String {
             from = after;
             continue;
         };
-        let repl = if units && is_unit_phrase(inner) { String::new() } else { inner.to_owned() };
+        let repl = if units && is_unit_phrase(inner) {
+            String::new()
+        } else {
+            inner.to_owned()
+        };
         s = format!("{}{}{}", &s[..p], repl, &s[end..]);
         from = p;
     }
@@ -264,7 +363,11 @@ fn brace_args(s: &str, cmd: &str, n_args: usize) -> String {
             }
             if r.starts_with('\\') {
                 // a command argument: \frac\pi2 → {\pi}
-                let len = 1 + r[1..].chars().take_while(|c| c.is_ascii_alphabetic()).count().max(1);
+                let len = 1 + r[1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphabetic())
+                    .count()
+                    .max(1);
                 let len = r.char_indices().nth(len).map_or(r.len(), |(i, _)| i);
                 out.push('{');
                 out.push_str(&r[..len]);
@@ -303,7 +406,9 @@ fn strip_thousands(s: &str) -> String {
     let groups: Vec<&str> = int.split(',').collect();
     let ok = groups.len() > 1
         && (1..=3).contains(&groups[0].len())
-        && groups.iter().all(|g| !g.is_empty() && g.chars().all(|c| c.is_ascii_digit()))
+        && groups
+            .iter()
+            .all(|g| !g.is_empty() && g.chars().all(|c| c.is_ascii_digit()))
         && groups[1..].iter().all(|g| g.len() == 3)
         && frac.is_none_or(|f| !f.is_empty() && f.chars().all(|c| c.is_ascii_digit()));
     if ok {
@@ -324,7 +429,11 @@ fn is_variable(s: &str) -> bool {
         }
         let r: String = cs.collect();
         r.is_empty()
-            || r.starts_with('_') && r[1..].trim_matches(|c| c == '{' || c == '}').chars().all(|c| c.is_ascii_alphanumeric())
+            || r.starts_with('_')
+                && r[1..]
+                    .trim_matches(|c| c == '{' || c == '}')
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric())
             || r.starts_with('(') && r.ends_with(')') && r.len() <= 6
             || r.chars().all(|c| c.is_ascii_digit())
     };
@@ -336,11 +445,35 @@ fn is_variable(s: &str) -> bool {
 pub fn normalize_answer(s: &str) -> String {
     let mut s = s.trim().to_owned();
     // units and words inside \text{} / \mbox{} (before spaces go)
-    for c in ["text", "textbf", "textrm", "textit", "mathrm", "mathbf", "mathit", "mbox", "textnormal", "operatorname", "boxed"] {
+    for c in [
+        "text",
+        "textbf",
+        "textrm",
+        "textit",
+        "mathrm",
+        "mathbf",
+        "mathit",
+        "mbox",
+        "textnormal",
+        "operatorname",
+        "boxed",
+    ] {
         s = unwrap_cmd(&s, c, true);
     }
     s = s.replace("\\$", "").replace('$', "");
-    for c in ["left", "right", "displaystyle", "!", ",", ";", ":", " ", "quad", "qquad", "limits"] {
+    for c in [
+        "left",
+        "right",
+        "displaystyle",
+        "!",
+        ",",
+        ";",
+        ":",
+        " ",
+        "quad",
+        "qquad",
+        "limits",
+    ] {
         s = remove_cmd(&s, c);
     }
     s = replace_cmd(&s, "dfrac", "\\frac");
@@ -350,7 +483,16 @@ pub fn normalize_answer(s: &str) -> String {
     s = replace_cmd(&s, "le", "\\leq");
     s = replace_cmd(&s, "ge", "\\geq");
     // degrees and percent
-    for pat in ["^{\\circ}", "^\\circ", "^{\\circ }", "\\circ", "°", "\\%", "%", "\\$"] {
+    for pat in [
+        "^{\\circ}",
+        "^\\circ",
+        "^{\\circ }",
+        "\\circ",
+        "°",
+        "\\%",
+        "%",
+        "\\$",
+    ] {
         s = s.replace(pat, "");
     }
     s = s.replace("^{ \\circ}", "");
@@ -358,7 +500,9 @@ pub fn normalize_answer(s: &str) -> String {
     loop {
         let t = s.trim_end();
         match t.rsplit_once(char::is_whitespace) {
-            Some((head, last)) if !head.trim().is_empty() && is_unit_phrase(last) => s = head.to_owned(),
+            Some((head, last)) if !head.trim().is_empty() && is_unit_phrase(last) => {
+                s = head.to_owned()
+            }
             _ => break,
         }
     }
@@ -381,7 +525,10 @@ pub fn normalize_answer(s: &str) -> String {
     // \{a\} → a for single elements is not done (sets stay sets)
     // outer parentheses around a single number or letter: "(C)" → "C"
     if let Some(inner) = s.strip_prefix('(').and_then(|t| t.strip_suffix(')')) {
-        if is_int(inner) || inner.parse::<f64>().is_ok() || (inner.chars().count() == 1 && inner.chars().all(|c| c.is_ascii_alphabetic())) {
+        if is_int(inner)
+            || inner.parse::<f64>().is_ok()
+            || (inner.chars().count() == 1 && inner.chars().all(|c| c.is_ascii_alphabetic()))
+        {
             s = inner.to_owned();
         }
     }
@@ -396,12 +543,20 @@ pub fn normalize_answer(s: &str) -> String {
         let neg = s.starts_with('-');
         let d = s.trim_start_matches('-').trim_start_matches('0');
         let d = if d.is_empty() { "0" } else { d };
-        s = if neg && d != "0" { format!("-{d}") } else { d.to_owned() };
+        s = if neg && d != "0" {
+            format!("-{d}")
+        } else {
+            d.to_owned()
+        };
     }
     // 2.50 → 2.5, 3.0 → 3
     if s.contains('.') && s.parse::<f64>().is_ok() && !s.contains(['e', 'E']) {
         let t = s.trim_end_matches('0').trim_end_matches('.');
-        s = if t.is_empty() || t == "-" { "0".into() } else { t.to_owned() };
+        s = if t.is_empty() || t == "-" {
+            "0".into()
+        } else {
+            t.to_owned()
+        };
     }
     s
 }
@@ -410,7 +565,11 @@ pub fn normalize_answer(s: &str) -> String {
 /// `12`, `-0.5`, `\frac{1}{2}`, `-\frac{3}{4}`, `3/4`.
 pub fn numeric_value(s: &str) -> Option<f64> {
     let plain = |t: &str| -> Option<f64> {
-        if t.is_empty() || !t.chars().all(|c| c.is_ascii_digit() || c == '.' || c == '-') {
+        if t.is_empty()
+            || !t
+                .chars()
+                .all(|c| c.is_ascii_digit() || c == '.' || c == '-')
+        {
             return None;
         }
         t.parse::<f64>().ok().filter(|v| v.is_finite())
@@ -463,7 +622,8 @@ pub fn grade(pred: &str, gold: &str, kind: Kind) -> bool {
             if is_int(&p) && is_int(&g) {
                 return p == g;
             }
-            p == g || matches!((numeric_value(&p), numeric_value(&g)), (Some(a), Some(b)) if numbers_equal(a, b))
+            p == g
+                || matches!((numeric_value(&p), numeric_value(&g)), (Some(a), Some(b)) if numbers_equal(a, b))
         }
         Kind::Gsm8k | Kind::Math => {
             if p == g {

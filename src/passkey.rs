@@ -28,7 +28,11 @@ pub struct PasskeyArgs {
     #[arg(long = "ctx", default_value_t = 1024)]
     pub ctx: usize,
     /// Relative depths of the needle, comma-separated (0 = start, 1 = end).
-    #[arg(long = "depths", default_value = "0.1,0.3,0.5,0.7,0.9", value_delimiter = ',')]
+    #[arg(
+        long = "depths",
+        default_value = "0.1,0.3,0.5,0.7,0.9",
+        value_delimiter = ','
+    )]
     pub depths: Vec<f64>,
     /// Trials per depth (different keys).
     #[arg(long = "trials", default_value_t = 3)]
@@ -53,24 +57,32 @@ pub struct DepthResult {
     pub trials: usize,
 }
 
-const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
+const FILLER: &str =
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
 
 fn haystack(a: &PasskeyArgs) -> Result<String> {
     match &a.trace {
         None => Ok(FILLER.to_owned()),
         Some(p) => {
-            let s = std::fs::read_to_string(p).map_err(|source| Error::Io { path: p.clone(), source })?;
+            let s = std::fs::read_to_string(p).map_err(|source| Error::Io {
+                path: p.clone(),
+                source,
+            })?;
             let mut out = String::new();
             for (i, line) in s.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .map_err(|e| Error::arg("--trace", format!("{} line {}: {e}", p.display(), i + 1)))?;
+                let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+                    Error::arg("--trace", format!("{} line {}: {e}", p.display(), i + 1))
+                })?;
                 if let Some(t) = v.get("output").and_then(|x| x.as_str()) {
                     out.push_str(t);
                     out.push('\n');
                 }
             }
             if out.is_empty() {
-                return Err(Error::arg("--trace", format!("{}: no `output` text found", p.display())));
+                return Err(Error::arg(
+                    "--trace",
+                    format!("{}: no `output` text found", p.display()),
+                ));
             }
             Ok(out)
         }
@@ -82,7 +94,10 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     if a.trials == 0 || a.depths.iter().any(|d| !(0.0..=1.0).contains(d)) {
-        return Err(Error::arg("--depths/--trials", "depths must lie in [0, 1] and trials ≥ 1"));
+        return Err(Error::arg(
+            "--depths/--trials",
+            "depths must lie in [0, 1] and trials ≥ 1",
+        ));
     }
     let ck = Checkpoint::open(&path)?;
     let w = ck.weights()?;
@@ -90,7 +105,8 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
     let tmpl = ck.chat_template()?;
     let hay = haystack(a)?;
     // Build a haystack of about `ctx` tokens as a list of sentence-sized pieces.
-    let per_char = tok.encode(&hay[..hay.len().min(4000)], false, false)?.len() as f64 / hay.len().min(4000) as f64;
+    let per_char = tok.encode(&hay[..hay.len().min(4000)], false, false)?.len() as f64
+        / hay.len().min(4000) as f64;
     let want_chars = (a.ctx as f64 / per_char.max(1e-3)) as usize;
     let mut text = String::new();
     while text.len() < want_chars {
@@ -104,7 +120,12 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
     let mut rng = Rng::new(a.seed);
     let mut results = Vec::new();
     for &d in &a.depths {
-        let mut r = DepthResult { depth: d, correct: 0, correct_full: 0, trials: a.trials };
+        let mut r = DepthResult {
+            depth: d,
+            correct: 0,
+            correct_full: 0,
+            trials: a.trials,
+        };
         for _ in 0..a.trials {
             let key = 10000 + rng.next_u64() % 90000;
             let mut at = (text.len() as f64 * d) as usize;
@@ -127,12 +148,25 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                         Some(p) => Session::with_policy(&w, n_ctx, n_threads, 256, p)?,
                     }
                 };
-                let mut sampler = Sampler::new(SamplerConfig { temp: 0.0, ..Default::default() });
+                let mut sampler = Sampler::new(SamplerConfig {
+                    temp: 0.0,
+                    ..Default::default()
+                });
                 let mut out = String::new();
-                generate(&mut sess, &tok, &mut sampler, &ids, &GenOptions { n_predict: 12, ignore_eos: false }, |s| {
-                    out.push_str(s);
-                    true
-                })?;
+                generate(
+                    &mut sess,
+                    &tok,
+                    &mut sampler,
+                    &ids,
+                    &GenOptions {
+                        n_predict: 12,
+                        ignore_eos: false,
+                    },
+                    |s| {
+                        out.push_str(s);
+                        true
+                    },
+                )?;
                 let ok = out.contains(&key.to_string());
                 if full {
                     r.correct_full += ok as usize;
@@ -150,14 +184,23 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
 pub fn run_passkey(a: &PasskeyArgs) -> Result<()> {
     let rs = eval_passkey(a)?;
     if a.json {
-        println!("{}", serde_json::to_string(&rs).map_err(|e| Error::Other(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string(&rs).map_err(|e| Error::Other(e.to_string()))?
+        );
         return Ok(());
     }
-    let budget = a.kv.kv_budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into());
+    let budget =
+        a.kv.kv_budget
+            .map(|b| b.to_string())
+            .unwrap_or_else(|| "none".into());
     println!("| depth | {} @ {budget} | full cache |", a.kv.policy);
     println!("| ---: | ---: | ---: |");
     for r in &rs {
-        println!("| {:.2} | {}/{} | {}/{} |", r.depth, r.correct, r.trials, r.correct_full, r.trials);
+        println!(
+            "| {:.2} | {}/{} | {}/{} |",
+            r.depth, r.correct, r.trials, r.correct_full, r.trials
+        );
     }
     Ok(())
 }

@@ -53,7 +53,9 @@ impl Rng {
             x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             x ^ (x >> 31)
         };
-        Rng { s: [next(), next(), next(), next()] }
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
     }
     /// Next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
@@ -97,7 +99,12 @@ impl Sampler {
     /// A sampler with its own RNG seeded from `cfg.seed`.
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let rng = Rng::new(cfg.seed);
-        Sampler { cfg, rng, recent: Vec::new(), cand: Vec::new() }
+        Sampler {
+            cfg,
+            rng,
+            recent: Vec::new(),
+            cand: Vec::new(),
+        }
     }
 
     /// Record a token that entered the context (prompt or generated).
@@ -121,7 +128,11 @@ impl Sampler {
             seen.dedup();
             for t in seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / self.cfg.repeat_penalty } else { *l * self.cfg.repeat_penalty };
+                    *l = if *l > 0.0 {
+                        *l / self.cfg.repeat_penalty
+                    } else {
+                        *l * self.cfg.repeat_penalty
+                    };
                 }
             }
         }
@@ -132,7 +143,11 @@ impl Sampler {
         let c = &mut self.cand;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        let k = if self.cfg.top_k == 0 { c.len() } else { self.cfg.top_k.min(c.len()) };
+        let k = if self.cfg.top_k == 0 {
+            c.len()
+        } else {
+            self.cfg.top_k.min(c.len())
+        };
         if k < c.len() {
             c.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             c.truncate(k);
@@ -141,7 +156,10 @@ impl Sampler {
         // softmax of the survivors (temperature 1 for the filters, as llama.cpp)
         let probs = |c: &[(u32, f32)], t: f32| -> Vec<f64> {
             let mx = c[0].1 as f64;
-            let e: Vec<f64> = c.iter().map(|&(_, l)| ((l as f64 - mx) / t as f64).exp()).collect();
+            let e: Vec<f64> = c
+                .iter()
+                .map(|&(_, l)| ((l as f64 - mx) / t as f64).exp())
+                .collect();
             let s: f64 = e.iter().sum();
             e.into_iter().map(|x| x / s).collect()
         };

@@ -74,7 +74,11 @@ pub struct SweepArgs {
     #[arg(long = "policies", value_delimiter = ',')]
     pub policies: Vec<String>,
     /// Comma-separated KV budgets (tokens per layer per KV head).
-    #[arg(long = "budgets", value_delimiter = ',', default_value = "256,512,1024,2048")]
+    #[arg(
+        long = "budgets",
+        value_delimiter = ',',
+        default_value = "256,512,1024,2048"
+    )]
     pub budgets: Vec<usize>,
     /// Tokens of the text to evaluate (0 = all).
     #[arg(long = "ctx", default_value_t = 2048)]
@@ -113,16 +117,27 @@ impl SweepArgs {
     pub fn policy_list(&self) -> Result<Vec<String>> {
         let known = crate::policy::names();
         let list: Vec<String> = if self.policies.is_empty() {
-            known.iter().filter(|&&n| n != "full").map(|s| s.to_string()).collect()
+            known
+                .iter()
+                .filter(|&&n| n != "full")
+                .map(|s| s.to_string())
+                .collect()
         } else {
-            self.policies.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect()
+            self.policies
+                .iter()
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .collect()
         };
         if list.is_empty() {
             return Err(Error::arg("--policies", "no policy given"));
         }
         for p in &list {
             if !known.contains(&p.as_str()) {
-                return Err(Error::arg("--policies", format!("unknown policy '{p}' (known: {})", known.join(", "))));
+                return Err(Error::arg(
+                    "--policies",
+                    format!("unknown policy '{p}' (known: {})", known.join(", ")),
+                ));
             }
         }
         let mut seen = Vec::new();
@@ -146,7 +161,10 @@ impl SweepArgs {
                 keep_prompt: false,
                 evict_every: self.evict_every,
             },
-            text: TextArgs { record, ..self.text.clone() },
+            text: TextArgs {
+                record,
+                ..self.text.clone()
+            },
             ctx: self.ctx,
             chunk: self.chunk,
             segment_after: self.segment_after.clone(),
@@ -167,11 +185,20 @@ impl SweepArgs {
 
     /// Where the text comes from, for titles.
     pub fn source(&self) -> String {
-        let name = |p: &Path| p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string());
+        let name = |p: &Path| {
+            p.file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string())
+        };
         match (&self.text.file, &self.text.jsonl) {
             (Some(f), _) => name(f),
             (None, Some(j)) => match self.records {
-                Some(n) if n > 1 => format!("{} records {}–{}", name(j), self.text.record, self.text.record + n - 1),
+                Some(n) if n > 1 => format!(
+                    "{} records {}–{}",
+                    name(j),
+                    self.text.record,
+                    self.text.record + n - 1
+                ),
                 _ => format!("{} record {}", name(j), self.text.record),
             },
             _ => "?".into(),
@@ -186,7 +213,8 @@ fn merge_fidelity(fs: &[&Fidelity]) -> Fidelity {
     if n == 0 {
         return Fidelity::default();
     }
-    let (mut nll, mut nll2, mut nll_full, mut dn, mut kl, mut agree) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let (mut nll, mut nll2, mut nll_full, mut dn, mut kl, mut agree) =
+        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
     for f in fs {
         let k = f.n as f64;
         let mean = f.ppl.ln();
@@ -221,19 +249,30 @@ pub fn merge_reports(rs: &[PplReport]) -> PplReport {
     }
     let all = merge_fidelity(&rs.iter().map(|r| &r.all).collect::<Vec<_>>());
     let segs: Vec<&Fidelity> = rs.iter().filter_map(|r| r.segment.as_ref()).collect();
-    let secs: f64 = rs.iter().map(|r| (r.n_tokens.saturating_sub(1)) as f64 / r.tokens_per_second.max(1e-12)).sum();
+    let secs: f64 = rs
+        .iter()
+        .map(|r| (r.n_tokens.saturating_sub(1)) as f64 / r.tokens_per_second.max(1e-12))
+        .sum();
     let n_pred: usize = rs.iter().map(|r| r.n_tokens.saturating_sub(1)).sum();
     PplReport {
         policy: rs[0].policy.clone(),
         budget: rs[0].budget,
         n_tokens: rs.iter().map(|r| r.n_tokens).sum(),
         all,
-        segment: if segs.is_empty() { None } else { Some(merge_fidelity(&segs)) },
+        segment: if segs.is_empty() {
+            None
+        } else {
+            Some(merge_fidelity(&segs))
+        },
         segment_start: None,
         peak_kv_entries: rs.iter().map(|r| r.peak_kv_entries).max().unwrap_or(0),
         peak_kv_bytes: rs.iter().map(|r| r.peak_kv_bytes).max().unwrap_or(0),
         evicted: rs.iter().map(|r| r.evicted).sum(),
-        tokens_per_second: if secs > 0.0 { n_pred as f64 / secs } else { 0.0 },
+        tokens_per_second: if secs > 0.0 {
+            n_pred as f64 / secs
+        } else {
+            0.0
+        },
     }
 }
 
@@ -261,29 +300,44 @@ pub fn to_csv(rs: &[PplReport]) -> String {
         );
         match &r.segment {
             Some(g) => {
-                let _ = write!(s, "{},{},{},{},{},", g.n, g.ppl, g.delta_nll, g.kl, g.top1_agree);
+                let _ = write!(
+                    s,
+                    "{},{},{},{},{},",
+                    g.n, g.ppl, g.delta_nll, g.kl, g.top1_agree
+                );
             }
             None => s.push_str(",,,,,"),
         }
-        let _ = writeln!(s, "{},{},{},{:.3}", r.peak_kv_entries, r.peak_kv_bytes, r.evicted, r.tokens_per_second);
+        let _ = writeln!(
+            s,
+            "{},{},{},{:.3}",
+            r.peak_kv_entries, r.peak_kv_bytes, r.evicted, r.tokens_per_second
+        );
     }
     s
 }
 
 /// The markdown table of `rs`.
 pub fn to_markdown(rs: &[PplReport]) -> String {
-    let mut s = String::from("| policy | budget | ppl | ΔNLL | KL | top1 | seg KL | seg top1 | peak KV |\n");
+    let mut s = String::from(
+        "| policy | budget | ppl | ΔNLL | KL | top1 | seg KL | seg top1 | peak KV |\n",
+    );
     s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in rs {
         let (sk, st) = match &r.segment {
-            Some(g) => (format!("{:.5}", g.kl), format!("{:.2}%", 100.0 * g.top1_agree)),
+            Some(g) => (
+                format!("{:.5}", g.kl),
+                format!("{:.2}%", 100.0 * g.top1_agree),
+            ),
             None => ("–".into(), "–".into()),
         };
         let _ = writeln!(
             s,
             "| {} | {} | {:.4} | {:+.5} | {:.5} | {:.2}% | {} | {} | {} ({:.2} MiB) |",
             r.policy,
-            r.budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
+            r.budget
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "none".into()),
             r.all.ppl,
             r.all.delta_nll,
             r.all.kl,
@@ -317,14 +371,26 @@ fn nice_ticks(lo: f64, hi: f64, target: usize) -> (f64, f64, f64) {
     let span = (hi - lo).max(1e-12);
     let raw = span / target.max(1) as f64;
     let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0].iter().map(|m| m * mag).find(|&s| s >= raw).unwrap_or(10.0 * mag);
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|&s| s >= raw)
+        .unwrap_or(10.0 * mag);
     ((lo / step).floor() * step, (hi / step).ceil() * step, step)
 }
 
 fn fmt_tick(v: f64, step: f64) -> String {
-    let dec = if step >= 1.0 { 0 } else { (-step.log10()).ceil().max(0.0) as usize + 1 };
+    let dec = if step >= 1.0 {
+        0
+    } else {
+        (-step.log10()).ceil().max(0.0) as usize + 1
+    };
     let s = format!("{v:.dec$}");
-    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_owned() } else { s };
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        s
+    };
     if s == "-0" {
         "0".into()
     } else {
@@ -332,7 +398,10 @@ fn fmt_tick(v: f64, step: f64) -> String {
     }
 }
 
-const PALETTE: &[&str] = &["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
+const PALETTE: &[&str] = &[
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    "#7f7f7f", "#bcbd22",
+];
 
 /// The SVG line plot: x = budget (log2), y = `metric`, one line per policy,
 /// dashed lines for the segment when present; `text_len` (tokens of a single
@@ -346,7 +415,11 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
             policies.push(&x.policy);
         }
     }
-    let mut budgets: Vec<usize> = rs.iter().filter_map(|x| x.budget).filter(|&b| b > 0).collect();
+    let mut budgets: Vec<usize> = rs
+        .iter()
+        .filter_map(|x| x.budget)
+        .filter(|&b| b > 0)
+        .collect();
     budgets.sort_unstable();
     budgets.dedup();
     let has_seg = rs.iter().any(|x| x.segment.is_some());
@@ -359,7 +432,11 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         }
     }
     ys.retain(|v| v.is_finite());
-    let (mut ylo, mut yhi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+    let (mut ylo, mut yhi) = ys
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
     if !ylo.is_finite() {
         (ylo, yhi) = (0.0, 1.0);
     }
@@ -372,7 +449,11 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         Metric::Ppl => {}
     }
     if yhi - ylo < 1e-9 {
-        let pad = if yhi.abs() > 1e-9 { yhi.abs() * 0.1 } else { 0.1 };
+        let pad = if yhi.abs() > 1e-9 {
+            yhi.abs() * 0.1
+        } else {
+            0.1
+        };
         ylo -= pad;
         yhi += pad;
     }
@@ -393,9 +474,17 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
     );
-    let _ = writeln!(s, r#"<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>"#
+    );
     let title = format!("{} vs KV budget — {}", metric.short(), source);
-    let _ = writeln!(s, r#"<text x="{}" y="28" text-anchor="middle" font-size="16" font-weight="bold">{}</text>"#, (l + r) / 2.0, xml_escape(&title));
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="28" text-anchor="middle" font-size="16" font-weight="bold">{}</text>"#,
+        (l + r) / 2.0,
+        xml_escape(&title)
+    );
     if let Some(x) = rs.first() {
         let mut sub = format!("{} tokens", x.n_tokens);
         if let (true, Some(st)) = (has_seg, x.segment_start) {
@@ -403,37 +492,85 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         } else if has_seg {
             sub.push_str("; segment dashed");
         }
-        let _ = writeln!(s, r##"<text x="{}" y="46" text-anchor="middle" fill="#555">{}</text>"##, (l + r) / 2.0, xml_escape(&sub));
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="46" text-anchor="middle" fill="#555">{}</text>"##,
+            (l + r) / 2.0,
+            xml_escape(&sub)
+        );
     }
     // grid + y ticks
     let n_yt = ((yhi - ylo) / ystep).round() as usize;
     for i in 0..=n_yt {
         let v = ylo + i as f64 * ystep;
         let y = py(v);
-        let _ = writeln!(s, r##"<line x1="{l}" y1="{y:.2}" x2="{r}" y2="{y:.2}" stroke="#e5e5e5"/>"##);
-        let _ = writeln!(s, r#"<line x1="{}" y1="{y:.2}" x2="{l}" y2="{y:.2}" stroke="black"/>"#, l - 5.0);
-        let _ = writeln!(s, r#"<text x="{}" y="{:.2}" text-anchor="end">{}</text>"#, l - 8.0, y + 4.0, fmt_tick(v, ystep));
+        let _ = writeln!(
+            s,
+            r##"<line x1="{l}" y1="{y:.2}" x2="{r}" y2="{y:.2}" stroke="#e5e5e5"/>"##
+        );
+        let _ = writeln!(
+            s,
+            r#"<line x1="{}" y1="{y:.2}" x2="{l}" y2="{y:.2}" stroke="black"/>"#,
+            l - 5.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{:.2}" text-anchor="end">{}</text>"#,
+            l - 8.0,
+            y + 4.0,
+            fmt_tick(v, ystep)
+        );
     }
     // x ticks at each budget
     for &bud in &budgets {
         let x = px(bud);
-        let _ = writeln!(s, r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#e5e5e5"/>"##);
-        let _ = writeln!(s, r#"<line x1="{x:.2}" y1="{b}" x2="{x:.2}" y2="{}" stroke="black"/>"#, b + 5.0);
-        let _ = writeln!(s, r#"<text x="{x:.2}" y="{}" text-anchor="middle">{bud}</text>"#, b + 20.0);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#e5e5e5"/>"##
+        );
+        let _ = writeln!(
+            s,
+            r#"<line x1="{x:.2}" y1="{b}" x2="{x:.2}" y2="{}" stroke="black"/>"#,
+            b + 5.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{x:.2}" y="{}" text-anchor="middle">{bud}</text>"#,
+            b + 20.0
+        );
     }
     // text length marker: budgets at or above it evict nothing
     if let Some(n) = text_len {
         let lx = (n as f64).log2();
         if n > 0 && lx > xlo && lx < xhi {
             let x = l + (lx - xlo) / (xhi - xlo) * (r - l);
-            let _ = writeln!(s, r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#999" stroke-dasharray="2,3"/>"##);
-            let _ = writeln!(s, r##"<text x="{:.2}" y="{}" fill="#777" font-size="10">text length {n}</text>"##, x + 3.0, t + 12.0);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#999" stroke-dasharray="2,3"/>"##
+            );
+            let _ = writeln!(
+                s,
+                r##"<text x="{:.2}" y="{}" fill="#777" font-size="10">text length {n}</text>"##,
+                x + 3.0,
+                t + 12.0
+            );
         }
     }
     // axes
-    let _ = writeln!(s, r#"<line x1="{l}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/>"#);
-    let _ = writeln!(s, r#"<line x1="{l}" y1="{t}" x2="{l}" y2="{b}" stroke="black"/>"#);
-    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle" font-size="13">KV budget (tokens, log2 scale)</text>"#, (l + r) / 2.0, b + 42.0);
+    let _ = writeln!(
+        s,
+        r#"<line x1="{l}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/>"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{l}" y1="{t}" x2="{l}" y2="{b}" stroke="black"/>"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle" font-size="13">KV budget (tokens, log2 scale)</text>"#,
+        (l + r) / 2.0,
+        b + 42.0
+    );
     let _ = writeln!(
         s,
         r#"<text x="22" y="{}" text-anchor="middle" font-size="13" transform="rotate(-90 22 {})">{}</text>"#,
@@ -448,12 +585,28 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         let mut pts: Vec<(usize, f64, Option<f64>)> = rs
             .iter()
             .filter(|x| x.policy == *p)
-            .filter_map(|x| x.budget.filter(|&b| b > 0).map(|bud| (bud, metric.of(&x.all), x.segment.as_ref().map(|g| metric.of(g)))))
+            .filter_map(|x| {
+                x.budget.filter(|&b| b > 0).map(|bud| {
+                    (
+                        bud,
+                        metric.of(&x.all),
+                        x.segment.as_ref().map(|g| metric.of(g)),
+                    )
+                })
+            })
             .collect();
         pts.sort_by_key(|q| q.0);
         let _ = writeln!(s, r#"<g class="policy" data-policy="{}">"#, xml_escape(p));
-        let main: Vec<String> = pts.iter().filter(|q| q.1.is_finite()).map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1))).collect();
-        let _ = writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, main.join(" "));
+        let main: Vec<String> = pts
+            .iter()
+            .filter(|q| q.1.is_finite())
+            .map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1)))
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
+            main.join(" ")
+        );
         for q in pts.iter().filter(|q| q.1.is_finite()) {
             let _ = writeln!(
                 s,
@@ -467,10 +620,20 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
             );
         }
         legend.push((p.to_string(), color, false));
-        let seg: Vec<(usize, f64)> = pts.iter().filter_map(|q| q.2.filter(|v| v.is_finite()).map(|v| (q.0, v))).collect();
+        let seg: Vec<(usize, f64)> = pts
+            .iter()
+            .filter_map(|q| q.2.filter(|v| v.is_finite()).map(|v| (q.0, v)))
+            .collect();
         if !seg.is_empty() {
-            let sp: Vec<String> = seg.iter().map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1))).collect();
-            let _ = writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="6,4" points="{}"/>"#, sp.join(" "));
+            let sp: Vec<String> = seg
+                .iter()
+                .map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1)))
+                .collect();
+            let _ = writeln!(
+                s,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="6,4" points="{}"/>"#,
+                sp.join(" ")
+            );
             for q in &seg {
                 let _ = writeln!(
                     s,
@@ -499,11 +662,29 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
     );
     for (i, (name, color, dashed)) in legend.iter().enumerate() {
         let y = t + 8.0 + i as f64 * 20.0;
-        let dash = if *dashed { r#" stroke-dasharray="6,4""# } else { "" };
-        let _ = writeln!(s, r#"<line x1="{lx}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="2"{dash}/>"#, lx + 28.0);
+        let dash = if *dashed {
+            r#" stroke-dasharray="6,4""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="2"{dash}/>"#,
+            lx + 28.0
+        );
         let fill = if *dashed { "white" } else { color };
-        let _ = writeln!(s, r#"<circle cx="{}" cy="{y}" r="3" fill="{fill}" stroke="{color}"/>"#, lx + 14.0);
-        let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, lx + 36.0, y + 4.0, xml_escape(name));
+        let _ = writeln!(
+            s,
+            r#"<circle cx="{}" cy="{y}" r="3" fill="{fill}" stroke="{color}"/>"#,
+            lx + 14.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}">{}</text>"#,
+            lx + 36.0,
+            y + 4.0,
+            xml_escape(name)
+        );
     }
     s.push_str("</svg>\n");
     s
@@ -517,15 +698,31 @@ fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
 }
 
 fn write_file(path: &Path, text: &str) -> Result<()> {
-    std::fs::write(path, text).map_err(|source| Error::Io { path: path.to_owned(), source })
+    std::fs::write(path, text).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// Write PREFIX.csv, PREFIX.json and PREFIX.svg; returns their paths.
-pub fn write_outputs(prefix: &Path, rs: &[PplReport], metric: Metric, source: &str, text_len: Option<usize>) -> Result<[PathBuf; 3]> {
+pub fn write_outputs(
+    prefix: &Path,
+    rs: &[PplReport],
+    metric: Metric,
+    source: &str,
+    text_len: Option<usize>,
+) -> Result<[PathBuf; 3]> {
     if let Some(dir) = prefix.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| Error::Io { path: dir.to_owned(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
     }
-    let paths = [with_ext(prefix, "csv"), with_ext(prefix, "json"), with_ext(prefix, "svg")];
+    let paths = [
+        with_ext(prefix, "csv"),
+        with_ext(prefix, "json"),
+        with_ext(prefix, "svg"),
+    ];
     write_file(&paths[0], &to_csv(rs))?;
     let json = serde_json::to_string_pretty(rs).map_err(|e| Error::Other(e.to_string()))?;
     write_file(&paths[1], &(json + "\n"))?;
@@ -566,7 +763,11 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
         }
     }
     for r in 0..n_rec {
-        TextArgs { record: a.text.record + r, ..a.text.clone() }.load()?;
+        TextArgs {
+            record: a.text.record + r,
+            ..a.text.clone()
+        }
+        .load()?;
     }
     let source = a.source();
     let total = policies.len() * budgets.len();
@@ -590,18 +791,24 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
             let t0 = Instant::now();
             let mut recs = Vec::with_capacity(n_rec);
             for r in 0..n_rec {
-                recs.push(eval_ppl(&a.ppl_args(p, bud, a.text.record + r)).inspect_err(|_| {
-                    if tty {
-                        eprintln!();
-                    }
-                })?);
+                recs.push(
+                    eval_ppl(&a.ppl_args(p, bud, a.text.record + r)).inspect_err(|_| {
+                        if tty {
+                            eprintln!();
+                        }
+                    })?,
+                );
             }
             let rep = merge_reports(&recs);
             let secs = t0.elapsed().as_secs_f64();
             if tty {
                 eprint!("\r\x1b[2K");
             }
-            let seg = rep.segment.as_ref().map(|g| format!(" seg_kl={:.5} seg_top1={:.4}", g.kl, g.top1_agree)).unwrap_or_default();
+            let seg = rep
+                .segment
+                .as_ref()
+                .map(|g| format!(" seg_kl={:.5} seg_top1={:.4}", g.kl, g.top1_agree))
+                .unwrap_or_default();
             eprintln!(
                 "[{i}/{total}] {p} {bud}: kl={:.5} top1={:.4} dnll={:+.5}{seg} evicted={} ({secs:.1}s)",
                 rep.all.kl, rep.all.top1_agree, rep.all.delta_nll, rep.evicted
@@ -618,6 +825,11 @@ pub fn run_sweep(a: &SweepArgs) -> Result<()> {
     let rs = sweep(a)?;
     let [csv, json, svg] = write_outputs(&a.out, &rs, a.metric, &a.source(), a.text_len(&rs))?;
     print!("{}", to_markdown(&rs));
-    eprintln!("kvrun: wrote {}, {}, {}", csv.display(), json.display(), svg.display());
+    eprintln!(
+        "kvrun: wrote {}, {}, {}",
+        csv.display(),
+        json.display(),
+        svg.display()
+    );
     Ok(())
 }

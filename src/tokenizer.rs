@@ -126,7 +126,13 @@ const FIM_MID_TEXTS: &[&str] = &[
     "<|middle|>",
 ];
 const FIM_PAD_TEXTS: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"];
-const FIM_REP_TEXTS: &[&str] = &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"];
+const FIM_REP_TEXTS: &[&str] = &[
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+];
 const FIM_SEP_TEXTS: &[&str] = &["<|file_sep|>"];
 
 /// What a `tokenizer.ggml.pre` name selects (llama.cpp `load()` + the BPE
@@ -156,16 +162,15 @@ fn pre_spec(name: &str) -> Option<PreSpec> {
         clean_spaces,
     };
     Some(match name {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
-        | "jina-v5-nano" => s(L3, true, true, true),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" | "jina-v5-nano" => s(L3, true, true, true),
         "dbrx" | "smaug-bpe" => s(L3, false, false, true),
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "hunyuan" | "solar-open" => {
             s(Q2, false, false, false)
         }
         "megrez" | "stablelm2" => s(Q2, false, false, true),
-        "gpt-2" | "phi-2" | "gigachat" | "a.x-4.0" | "mellum" | "exaone4" | "mpt" | "olmo" | "jais" => {
-            s(G2, false, false, true)
-        }
+        "gpt-2" | "phi-2" | "gigachat" | "a.x-4.0" | "mellum" | "exaone4" | "mpt" | "olmo"
+        | "jais" => s(G2, false, false, true),
         "trillion" | "granite-docling" => s(G2, false, false, false),
         "smollm" | "command-r" => s(SM, false, false, false),
         "starcoder" | "refact" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => {
@@ -243,7 +248,9 @@ struct Meta<'a> {
 
 impl<'a> Meta<'a> {
     fn new(kv: &'a [(String, Value)]) -> Meta<'a> {
-        Meta { map: kv.iter().map(|(k, v)| (k.as_str(), v)).collect() }
+        Meta {
+            map: kv.iter().map(|(k, v)| (k.as_str(), v)).collect(),
+        }
     }
     fn get(&self, key: &str) -> Option<&'a Value> {
         self.map.get(key).copied()
@@ -252,7 +259,10 @@ impl<'a> Meta<'a> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v.as_str().map(Some).ok_or_else(|| {
-                tok_err(format!("metadata key '{key}' must be a string, found {}", v.type_name()))
+                tok_err(format!(
+                    "metadata key '{key}' must be a string, found {}",
+                    v.type_name()
+                ))
             }),
         }
     }
@@ -260,14 +270,20 @@ impl<'a> Meta<'a> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(tok_err(format!("metadata key '{key}' must be a bool, found {}", v.type_name()))),
+            Some(v) => Err(tok_err(format!(
+                "metadata key '{key}' must be a bool, found {}",
+                v.type_name()
+            ))),
         }
     }
     fn int_opt(&self, key: &str) -> Result<Option<i64>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v.as_i64().map(Some).ok_or_else(|| {
-                tok_err(format!("metadata key '{key}' must be an integer, found {}", v.type_name()))
+                tok_err(format!(
+                    "metadata key '{key}' must be an integer, found {}",
+                    v.type_name()
+                ))
             }),
         }
     }
@@ -275,7 +291,10 @@ impl<'a> Meta<'a> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v.as_array().map(Some).ok_or_else(|| {
-                tok_err(format!("metadata key '{key}' must be an array, found {}", v.type_name()))
+                tok_err(format!(
+                    "metadata key '{key}' must be an array, found {}",
+                    v.type_name()
+                ))
             }),
         }
     }
@@ -286,7 +305,8 @@ fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let direct = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let direct =
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let cp = if direct {
             b
         } else {
@@ -370,10 +390,15 @@ impl Tokenizer {
         let ids = SpecialIds::read(&meta, tokens.len(), is_bpe)?;
 
         // BOS/EOS flags: SPM and the Llama-3 family add BOS; the file decides last.
-        let add_bos =
-            meta.bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(spec.as_ref().is_none_or(|s| s.add_bos));
-        let add_eos = meta.bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-        let add_space_prefix = meta.bool_opt("tokenizer.ggml.add_space_prefix")?.unwrap_or(!is_bpe);
+        let add_bos = meta
+            .bool_opt("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(spec.as_ref().is_none_or(|s| s.add_bos));
+        let add_eos = meta
+            .bool_opt("tokenizer.ggml.add_eos_token")?
+            .unwrap_or(false);
+        let add_space_prefix = meta
+            .bool_opt("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(!is_bpe);
         let clean_spaces = spec.as_ref().is_some_and(|s| s.clean_spaces);
 
         let eog = end_of_generation(&token_to_id, &mut attrs, ids);
@@ -415,10 +440,14 @@ impl Tokenizer {
 
     /// Byte-level BPE: HF pre-tokenizer sequence and BPE model.
     fn build_bpe(meta: &Meta<'_>, tokens: &[String], spec: &PreSpec) -> Result<Engine> {
-        let merge_vals = meta
-            .array("tokenizer.ggml.merges")?
-            .ok_or_else(|| tok_err("metadata key 'tokenizer.ggml.merges' is missing (needed by gpt2 BPE)"))?;
-        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let merge_vals = meta.array("tokenizer.ggml.merges")?.ok_or_else(|| {
+            tok_err("metadata key 'tokenizer.ggml.merges' is missing (needed by gpt2 BPE)")
+        })?;
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
         // llama.cpp keeps the first rank of a repeated pair. HF needs both
         // halves and their concatenation in the vocabulary, so a merge that
         // breaks this is dropped (llama.cpp would still apply it and then
@@ -427,16 +456,26 @@ impl Tokenizer {
         let mut seen: HashSet<(&str, &str)> = HashSet::with_capacity(merge_vals.len());
         let mut merges = Vec::with_capacity(merge_vals.len());
         for (i, v) in merge_vals.iter().enumerate() {
-            let m =
-                v.as_str().ok_or_else(|| tok_err(format!("tokenizer.ggml.merges[{i}] is not a string")))?;
-            let Some(pos) = m.as_bytes().iter().skip(1).position(|&b| b == b' ').map(|p| p + 1) else {
+            let m = v
+                .as_str()
+                .ok_or_else(|| tok_err(format!("tokenizer.ggml.merges[{i}] is not a string")))?;
+            let Some(pos) = m
+                .as_bytes()
+                .iter()
+                .skip(1)
+                .position(|&b| b == b' ')
+                .map(|p| p + 1)
+            else {
                 continue;
             };
             let (a, b) = (&m[..pos], &m[pos + 1..]);
             if !seen.insert((a, b)) {
                 continue;
             }
-            if !vocab.contains_key(a) || !vocab.contains_key(b) || !vocab.contains_key(&format!("{a}{b}")) {
+            if !vocab.contains_key(a)
+                || !vocab.contains_key(b)
+                || !vocab.contains_key(&format!("{a}{b}"))
+            {
                 continue;
             }
             merges.push((a.to_owned(), b.to_owned()));
@@ -448,42 +487,63 @@ impl Tokenizer {
             .map_err(|e| tok_err(format!("building the BPE model: {e}")))?;
         let mut steps: Vec<PreTokenizerWrapper> = Vec::with_capacity(spec.regexes.len() + 1);
         for re in spec.regexes {
-            let split =
-                Split::new(SplitPattern::Regex((*re).to_owned()), SplitDelimiterBehavior::Isolated, false)
-                    .map_err(|e| tok_err(format!("pre-tokenizer regex {re:?}: {e}")))?;
+            let split = Split::new(
+                SplitPattern::Regex((*re).to_owned()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| tok_err(format!("pre-tokenizer regex {re:?}: {e}")))?;
             steps.push(split.into());
         }
         steps.push(ByteLevel::new(false, true, false).into());
-        Ok(Engine::Bpe { pre: Sequence::new(steps), model: Box::new(model) })
+        Ok(Engine::Bpe {
+            pre: Sequence::new(steps),
+            model: Box::new(model),
+        })
     }
 
     /// SentencePiece BPE: scores and byte-fallback tokens.
-    fn build_spm(meta: &Meta<'_>, tokens: &[String], token_to_id: &HashMap<String, u32>) -> Result<Engine> {
+    fn build_spm(
+        meta: &Meta<'_>,
+        tokens: &[String],
+        token_to_id: &HashMap<String, u32>,
+    ) -> Result<Engine> {
         let n = tokens.len();
         let scores = match meta.array("tokenizer.ggml.scores")? {
             None => vec![0.0; n],
             Some(s) if s.len() < n => {
-                return Err(tok_err(format!("tokenizer.ggml.scores has {} entries for {n} tokens", s.len())))
+                return Err(tok_err(format!(
+                    "tokenizer.ggml.scores has {} entries for {n} tokens",
+                    s.len()
+                )))
             }
             Some(s) => s
                 .iter()
                 .take(n)
                 .enumerate()
                 .map(|(i, v)| {
-                    v.as_f64()
-                        .map(|x| x as f32)
-                        .ok_or_else(|| tok_err(format!("tokenizer.ggml.scores[{i}] is not a number")))
+                    v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                        tok_err(format!("tokenizer.ggml.scores[{i}] is not a number"))
+                    })
                 })
                 .collect::<Result<Vec<f32>>>()?,
         };
         let mut byte_tokens = Box::new([None; 256]);
         for (b, slot) in byte_tokens.iter_mut().enumerate() {
-            *slot = token_to_id.get(&format!("<0x{b:02X}>")).copied().or_else(|| {
-                // llama.cpp falls back to the one-byte text (ASCII only here).
-                (b < 0x80).then(|| token_to_id.get(&(b as u8 as char).to_string()).copied()).flatten()
-            });
+            *slot = token_to_id
+                .get(&format!("<0x{b:02X}>"))
+                .copied()
+                .or_else(|| {
+                    // llama.cpp falls back to the one-byte text (ASCII only here).
+                    (b < 0x80)
+                        .then(|| token_to_id.get(&(b as u8 as char).to_string()).copied())
+                        .flatten()
+                });
         }
-        Ok(Engine::Spm { scores, byte_tokens })
+        Ok(Engine::Spm {
+            scores,
+            byte_tokens,
+        })
     }
 
     /// Tokenize `text`. `add_special` adds BOS (and EOS) per the model's
@@ -493,7 +553,10 @@ impl Tokenizer {
         let frags = self.partition(text, parse_special);
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
         if add_special && self.add_bos {
-            out.push(self.bos.ok_or_else(|| tok_err("the model asks for a BOS token but has none"))?);
+            out.push(
+                self.bos
+                    .ok_or_else(|| tok_err("the model asks for a BOS token but has none"))?,
+            );
         }
         match &self.engine {
             Engine::Bpe { pre, model } => {
@@ -504,7 +567,10 @@ impl Tokenizer {
                     }
                 }
             }
-            Engine::Spm { scores, byte_tokens } => {
+            Engine::Spm {
+                scores,
+                byte_tokens,
+            } => {
                 let mut prev_special = true;
                 for f in &frags {
                     match *f {
@@ -527,7 +593,10 @@ impl Tokenizer {
             }
         }
         if add_special && self.add_eos {
-            out.push(self.eos.ok_or_else(|| tok_err("the model asks for an EOS token but has none"))?);
+            out.push(
+                self.eos
+                    .ok_or_else(|| tok_err("the model asks for an EOS token but has none"))?,
+            );
         }
         Ok(out)
     }
@@ -535,7 +604,11 @@ impl Tokenizer {
     /// Cut `text` at special-token texts (llama.cpp `tokenizer_st_partition`):
     /// each special token, longest first, splits every remaining raw piece.
     fn partition(&self, text: &str, parse_special: bool) -> Vec<Frag> {
-        let mut frags = if text.is_empty() { Vec::new() } else { vec![Frag::Raw(0, text.len())] };
+        let mut frags = if text.is_empty() {
+            Vec::new()
+        } else {
+            vec![Frag::Raw(0, text.len())]
+        };
         let bytes = text.as_bytes();
         for &id in &self.specials {
             let attr = self.attrs[id as usize];
@@ -590,9 +663,12 @@ impl Tokenizer {
             )));
         }
         let mut pts = PreTokenizedString::from(text);
-        pre.pre_tokenize(&mut pts).map_err(|e| tok_err(format!("pre-tokenizing: {e}")))?;
+        pre.pre_tokenize(&mut pts)
+            .map_err(|e| tok_err(format!("pre-tokenizing: {e}")))?;
         for (piece, _, _) in pts.get_splits(OffsetReferential::Original, OffsetType::None) {
-            let toks = model.tokenize(piece).map_err(|e| tok_err(format!("BPE: {e}")))?;
+            let toks = model
+                .tokenize(piece)
+                .map_err(|e| tok_err(format!("BPE: {e}")))?;
             out.extend(toks.iter().map(|t| t.id));
         }
         Ok(())
@@ -656,15 +732,24 @@ impl Tokenizer {
             });
         }
         let mut queue = BinaryHeap::new();
-        let try_add =
-            |syms: &[Sym], queue: &mut BinaryHeap<Bigram>, left: Option<usize>, right: Option<usize>| {
-                let (Some(l), Some(r)) = (left, right) else { return };
-                let (a, b) = (&syms[l], &syms[r]);
-                let piece = &text[a.start..a.start + a.len + b.len];
-                if let Some(&id) = self.token_to_id.get(piece) {
-                    queue.push(Bigram { score: scores[id as usize], left: l, right: r, size: piece.len() });
-                }
+        let try_add = |syms: &[Sym],
+                       queue: &mut BinaryHeap<Bigram>,
+                       left: Option<usize>,
+                       right: Option<usize>| {
+            let (Some(l), Some(r)) = (left, right) else {
+                return;
             };
+            let (a, b) = (&syms[l], &syms[r]);
+            let piece = &text[a.start..a.start + a.len + b.len];
+            if let Some(&id) = self.token_to_id.get(piece) {
+                queue.push(Bigram {
+                    score: scores[id as usize],
+                    left: l,
+                    right: r,
+                    size: piece.len(),
+                });
+            }
+        };
         for i in 1..syms.len() {
             try_add(&syms, &mut queue, Some(i - 1), Some(i));
         }
@@ -712,11 +797,16 @@ impl Tokenizer {
     /// set; user-defined tokens always as their text; unused tokens and
     /// out-of-range ids as nothing.
     pub fn token_bytes(&self, id: u32, special: bool) -> Vec<u8> {
-        let (Some(text), Some(&attr)) = (self.tokens.get(id as usize), self.attrs.get(id as usize)) else {
+        let (Some(text), Some(&attr)) = (self.tokens.get(id as usize), self.attrs.get(id as usize))
+        else {
             return Vec::new();
         };
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL) != 0 {
-            return if special { text.as_bytes().to_vec() } else { Vec::new() };
+            return if special {
+                text.as_bytes().to_vec()
+            } else {
+                Vec::new()
+            };
         }
         if attr & ATTR_USER_DEFINED != 0 {
             return text.as_bytes().to_vec();
@@ -810,7 +900,10 @@ impl Tokenizer {
 
     /// Raw vocabulary string of a token (empty for an out-of-range id).
     pub fn token_text(&self, id: u32) -> &str {
-        self.tokens.get(id as usize).map(String::as_str).unwrap_or("")
+        self.tokens
+            .get(id as usize)
+            .map(String::as_str)
+            .unwrap_or("")
     }
 
     /// Id of the token whose vocabulary string is exactly `text`.
@@ -859,11 +952,17 @@ fn read_vocab(meta: &Meta<'_>) -> Result<(Vec<String>, Vec<u16>)> {
     }
     let mut tokens = Vec::with_capacity(n);
     for (i, v) in vals.iter().enumerate() {
-        let s = v.as_str().ok_or_else(|| tok_err(format!("tokenizer.ggml.tokens[{i}] is not a string")))?;
+        let s = v
+            .as_str()
+            .ok_or_else(|| tok_err(format!("tokenizer.ggml.tokens[{i}] is not a string")))?;
         // llama.cpp reads token strings as C strings (cut at the first NUL)
         // and renames empty ones so they can never match text.
         let s = s.split('\0').next().unwrap_or_default();
-        tokens.push(if s.is_empty() { format!("[EMPTY_{i}]") } else { s.to_owned() });
+        tokens.push(if s.is_empty() {
+            format!("[EMPTY_{i}]")
+        } else {
+            s.to_owned()
+        });
     }
     let mut attrs = vec![ATTR_NORMAL; n];
     if let Some(types) = meta.array("tokenizer.ggml.token_type")? {
@@ -882,7 +981,11 @@ fn read_vocab(meta: &Meta<'_>) -> Result<(Vec<String>, Vec<u16>)> {
                 Some(5) => ATTR_UNUSED,
                 Some(6) => ATTR_BYTE,
                 Some(_) => ATTR_UNDEFINED,
-                None => return Err(tok_err(format!("tokenizer.ggml.token_type[{i}] is not an integer"))),
+                None => {
+                    return Err(tok_err(format!(
+                        "tokenizer.ggml.token_type[{i}] is not an integer"
+                    )))
+                }
             };
         }
     }
@@ -908,13 +1011,25 @@ impl SpecialIds {
             Ok(meta.int_opt(key)?.and_then(in_range).or(default))
         };
         // llama.cpp's defaults: BOS = EOS = 11 for BPE, BOS 1 / EOS 2 for SPM.
-        let (def_bos, def_eos) =
-            if is_bpe { (in_range(11), in_range(11)) } else { (in_range(1), in_range(2)) };
+        let (def_bos, def_eos) = if is_bpe {
+            (in_range(11), in_range(11))
+        } else {
+            (in_range(1), in_range(2))
+        };
         let mut fim = [None; 6];
         let fim_keys = [
-            ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
-            ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
-            ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+            (
+                "tokenizer.ggml.fim_pre_token_id",
+                "tokenizer.ggml.prefix_token_id",
+            ),
+            (
+                "tokenizer.ggml.fim_suf_token_id",
+                "tokenizer.ggml.suffix_token_id",
+            ),
+            (
+                "tokenizer.ggml.fim_mid_token_id",
+                "tokenizer.ggml.middle_token_id",
+            ),
             ("tokenizer.ggml.fim_pad_token_id", ""),
             ("tokenizer.ggml.fim_rep_token_id", ""),
             ("tokenizer.ggml.fim_sep_token_id", ""),
@@ -942,7 +1057,11 @@ impl SpecialIds {
 /// not name an EOT/EOM/FIM token; kvrun takes the lowest id and marks every
 /// match as control, which only differs for vocabularies with several such
 /// texts.
-fn end_of_generation(token_to_id: &HashMap<String, u32>, attrs: &mut [u16], ids: SpecialIds) -> Vec<bool> {
+fn end_of_generation(
+    token_to_id: &HashMap<String, u32>,
+    attrs: &mut [u16],
+    ids: SpecialIds,
+) -> Vec<bool> {
     let find = |t: &str| token_to_id.get(t).copied();
     let detect = |slot: Option<u32>, texts: &[&str], attrs: &mut [u16]| -> Option<u32> {
         if slot.is_some() {
@@ -957,8 +1076,14 @@ fn end_of_generation(token_to_id: &HashMap<String, u32>, attrs: &mut [u16], ids:
     };
     let eot = detect(ids.eot, EOT_TEXTS, attrs);
     let eom = detect(ids.eom, EOM_TEXTS, attrs);
-    let fim_texts =
-        [FIM_PRE_TEXTS, FIM_SUF_TEXTS, FIM_MID_TEXTS, FIM_PAD_TEXTS, FIM_REP_TEXTS, FIM_SEP_TEXTS];
+    let fim_texts = [
+        FIM_PRE_TEXTS,
+        FIM_SUF_TEXTS,
+        FIM_MID_TEXTS,
+        FIM_PAD_TEXTS,
+        FIM_REP_TEXTS,
+        FIM_SEP_TEXTS,
+    ];
     let mut fim = ids.fim;
     for (slot, texts) in fim.iter_mut().zip(fim_texts) {
         *slot = detect(*slot, texts, attrs);
@@ -1008,7 +1133,12 @@ fn special_tokens(tokens: &[String], attrs: &[u16]) -> Vec<u32> {
     let mut specials: Vec<u32> = (0..tokens.len() as u32)
         .filter(|&i| attrs[i as usize] & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN) != 0)
         .collect();
-    specials.sort_by(|&a, &b| tokens[b as usize].len().cmp(&tokens[a as usize].len()).then(a.cmp(&b)));
+    specials.sort_by(|&a, &b| {
+        tokens[b as usize]
+            .len()
+            .cmp(&tokens[a as usize].len())
+            .then(a.cmp(&b))
+    });
     specials
 }
 

@@ -16,7 +16,8 @@ struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(case: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("kvrun-bad-input-{}-{case}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("kvrun-bad-input-{}-{case}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         Scratch(dir)
     }
@@ -47,7 +48,10 @@ fn run(args: &[&str]) -> Output {
 fn expect_error(args: &[&str], must_contain: &[&str]) -> String {
     let out = run(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let ctx = format!("kvrun {args:?}\nstatus: {:?}\nstderr:\n{stderr}", out.status);
+    let ctx = format!(
+        "kvrun {args:?}\nstatus: {:?}\nstderr:\n{stderr}",
+        out.status
+    );
     assert!(!out.status.success(), "expected failure: {ctx}");
     assert!(out.status.code().is_some(), "killed by a signal: {ctx}");
     for bad in ["panicked", "RUST_BACKTRACE", "backtrace", "internal error"] {
@@ -56,7 +60,10 @@ fn expect_error(args: &[&str], must_contain: &[&str]) -> String {
     let lines: Vec<&str> = stderr.trim().lines().collect();
     assert_eq!(lines.len(), 1, "expected exactly one stderr line: {ctx}");
     let line = lines[0].trim();
-    assert!(line.starts_with("error:") && line.len() > "error:".len() + 3, "not an error line: {ctx}");
+    assert!(
+        line.starts_with("error:") && line.len() > "error:".len() + 3,
+        "not an error line: {ctx}"
+    );
     for want in must_contain {
         assert!(line.contains(want), "error line lacks {want:?}: {ctx}");
     }
@@ -111,8 +118,15 @@ impl GgufWriter {
     /// An F32 tensor filled with small deterministic values.
     fn f32(&mut self, name: &str, dims: &[u64]) -> &mut Self {
         let n: u64 = dims.iter().product();
-        let data = (0..n).flat_map(|i| (((i % 7) as f32 - 3.0) * 0.01).to_le_bytes()).collect();
-        self.tensors.push(Tensor { name: name.to_owned(), dims: dims.to_vec(), ty: F32, data });
+        let data = (0..n)
+            .flat_map(|i| (((i % 7) as f32 - 3.0) * 0.01).to_le_bytes())
+            .collect();
+        self.tensors.push(Tensor {
+            name: name.to_owned(),
+            dims: dims.to_vec(),
+            ty: F32,
+            data,
+        });
         self
     }
     fn remove(&mut self, name: &str) -> &mut Self {
@@ -248,7 +262,19 @@ fn tiny_llama() -> GgufWriter {
 }
 
 fn gen_args(model: &str) -> Vec<&str> {
-    vec!["-m", model, "-p", "hi", "-n", "1", "-t", "1", "-c", "64", "--no-perf"]
+    vec![
+        "-m",
+        model,
+        "-p",
+        "hi",
+        "-n",
+        "1",
+        "-t",
+        "1",
+        "-c",
+        "64",
+        "--no-perf",
+    ]
 }
 
 // ---------------------------------------------------------------- positive controls
@@ -275,7 +301,10 @@ fn inspect_header_only_fixture_succeeds() {
     assert!(out.status.success(), "inspect failed: {stderr}\n{stdout}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(stdout.contains("qwen2"), "{stdout}");
-    let data_line = stdout.lines().find(|l| l.starts_with("tensor data: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let data_line = stdout
+        .lines()
+        .find(|l| l.starts_with("tensor data: "))
+        .unwrap_or_else(|| panic!("{stdout}"));
     assert!(data_line.contains("tensor data missing"), "{data_line}");
     assert!(stdout.contains("deepseek-r1-qwen"), "{stdout}");
 }
@@ -284,13 +313,17 @@ fn inspect_header_only_fixture_succeeds() {
 
 #[test]
 fn c01_missing_model_file() {
-    expect_error(&["-m", "/nonexistent.gguf", "-p", "hi", "-n", "1"], &["/nonexistent.gguf", "no such file"]);
+    expect_error(
+        &["-m", "/nonexistent.gguf", "-p", "hi", "-n", "1"],
+        &["/nonexistent.gguf", "no such file"],
+    );
 }
 
 #[test]
 fn c02_not_a_gguf() {
     let tmp = Scratch::new("c02");
-    let text = "Hello, this is not a model at all.\nJust some text: 12345 qwerty zxcv.\n".repeat(20);
+    let text =
+        "Hello, this is not a model at all.\nJust some text: 12345 qwerty zxcv.\n".repeat(20);
     let p = tmp.write("not_a_model.gguf", text.as_bytes());
     let m = s(&p);
     expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "bad magic"]);
@@ -300,7 +333,14 @@ fn c02_not_a_gguf() {
 fn c03_header_only_fixture_as_model() {
     let fixture = util::shared("r1-distill-qwen-7b.header.gguf");
     let m = s(&fixture);
-    let line = expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &["r1-distill-qwen-7b.header.gguf", "tensor data missing", "needs bytes"]);
+    let line = expect_error(
+        &["-m", &m, "-p", "hi", "-n", "1"],
+        &[
+            "r1-distill-qwen-7b.header.gguf",
+            "tensor data missing",
+            "needs bytes",
+        ],
+    );
     let len = std::fs::metadata(&fixture).unwrap().len();
     assert!(line.contains(&format!("file has {len} bytes")), "{line}");
 }
@@ -311,8 +351,14 @@ fn c04_truncated_default_model() {
     let src = std::fs::read(util::default_model()).unwrap();
     let p = tmp.write("truncated.gguf", &src[..50 << 20]);
     let m = s(&p);
-    let line = expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "tensor data missing"]);
-    assert!(line.contains(&format!("file has {} bytes", 50 << 20)), "{line}");
+    let line = expect_error(
+        &["-m", &m, "-p", "hi", "-n", "1"],
+        &[&m, "tensor data missing"],
+    );
+    assert!(
+        line.contains(&format!("file has {} bytes", 50 << 20)),
+        "{line}"
+    );
 }
 
 #[test]
@@ -324,17 +370,26 @@ fn c05_corrupt_metadata_length() {
     head[24..32].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
     let p = tmp.write("corrupt_len.gguf", &head);
     let m = s(&p);
-    expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[&m, "invalid GGUF", "byte 24", "string length"]);
+    expect_error(
+        &["-m", &m, "-p", "hi", "-n", "1"],
+        &[&m, "invalid GGUF", "byte 24", "string length"],
+    );
 
     // A huge array length deeper in the header (tokenizer.ggml.tokens) too.
     let needle = b"tokenizer.ggml.tokens";
-    let at = head.windows(needle.len()).position(|w| w == needle).expect("tokens key in the header");
+    let at = head
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("tokens key in the header");
     let len_at = at + needle.len() + 4 + 4; // type (array), element type (string)
     let mut head2 = src[..64 << 10].to_vec();
     head2[len_at..len_at + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
     let p2 = tmp.write("corrupt_arr.gguf", &head2);
     let m2 = s(&p2);
-    expect_error(&["-m", &m2, "-p", "hi", "-n", "1"], &[&m2, "invalid GGUF", "array length"]);
+    expect_error(
+        &["-m", &m2, "-p", "hi", "-n", "1"],
+        &[&m2, "invalid GGUF", "array length"],
+    );
 }
 
 // ---------------------------------------------------------------- 6–10: model structure
@@ -357,7 +412,10 @@ fn c07_unsupported_tensor_type() {
     t.dims = vec![256, DIM];
     t.data = vec![0u8; 66 * DIM as usize];
     let m = s(&w.write(&tmp, "iq2.gguf"));
-    expect_error(&gen_args(&m), &[&m, "blk.0.attn_q.weight", "unsupported type", "IQ2_XXS"]);
+    expect_error(
+        &gen_args(&m),
+        &[&m, "blk.0.attn_q.weight", "unsupported type", "IQ2_XXS"],
+    );
 }
 
 #[test]
@@ -366,16 +424,23 @@ fn c08_missing_tensor() {
     let mut w = tiny_llama();
     w.remove("blk.0.attn_q.weight");
     let m = s(&w.write(&tmp, "missing.gguf"));
-    expect_error(&gen_args(&m), &[&m, "missing tensor", "blk.0.attn_q.weight"]);
+    expect_error(
+        &gen_args(&m),
+        &[&m, "missing tensor", "blk.0.attn_q.weight"],
+    );
 }
 
 #[test]
 fn c09_shape_mismatch() {
     let tmp = Scratch::new("c09");
     let mut w = tiny_llama();
-    w.remove("blk.0.ffn_down.weight").f32("blk.0.ffn_down.weight", &[DIM, FFN]);
+    w.remove("blk.0.ffn_down.weight")
+        .f32("blk.0.ffn_down.weight", &[DIM, FFN]);
     let m = s(&w.write(&tmp, "shape.gguf"));
-    expect_error(&gen_args(&m), &[&m, "blk.0.ffn_down.weight", "shape", "[32, 64]", "[64, 32]"]);
+    expect_error(
+        &gen_args(&m),
+        &[&m, "blk.0.ffn_down.weight", "shape", "[32, 64]", "[64, 32]"],
+    );
 }
 
 #[test]
@@ -384,7 +449,10 @@ fn c10_unknown_pre_tokenizer() {
     let mut w = tiny_llama();
     w.kv("tokenizer.ggml.pre", V::Str("nonesuch"));
     let m = s(&w.write(&tmp, "pre.gguf"));
-    expect_error(&gen_args(&m), &[&m, "tokenizer", "pre-tokenizer", "nonesuch"]);
+    expect_error(
+        &gen_args(&m),
+        &[&m, "tokenizer", "pre-tokenizer", "nonesuch"],
+    );
 }
 
 // ---------------------------------------------------------------- 11–14: flags
@@ -402,7 +470,18 @@ fn c11_prompt_file_not_utf8() {
 fn c12_context_smaller_than_prompt() {
     let m = model();
     expect_error(
-        &["-m", &m, "-p", "Tell me a long story about a dragon and a knight.", "-c", "4", "-n", "1", "-t", "1"],
+        &[
+            "-m",
+            &m,
+            "-p",
+            "Tell me a long story about a dragon and a knight.",
+            "-c",
+            "4",
+            "-n",
+            "1",
+            "-t",
+            "1",
+        ],
         &["-c/--ctx-size", "context holds 4"],
     );
 }
@@ -410,13 +489,19 @@ fn c12_context_smaller_than_prompt() {
 #[test]
 fn c13_negative_n_predict() {
     let m = model();
-    expect_error(&["-m", &m, "-p", "hi", "-n", "-5"], &["-n/--n-predict", "-5"]);
+    expect_error(
+        &["-m", &m, "-p", "hi", "-n", "-5"],
+        &["-n/--n-predict", "-5"],
+    );
 }
 
 #[test]
 fn c14_zero_threads() {
     let m = model();
-    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "0"], &["-t/--threads", "got 0"]);
+    expect_error(
+        &["-m", &m, "-p", "hi", "-n", "1", "-t", "0"],
+        &["-t/--threads", "got 0"],
+    );
 }
 
 // ---------------------------------------------------------------- found while writing these
@@ -426,15 +511,46 @@ fn c14_zero_threads() {
 #[test]
 fn c15_huge_context() {
     let m = model();
-    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "1", "-c", "99999999999"], &["-c/--ctx-size", "99999999999", "cannot be allocated"]);
-    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "1", "-c", &i64::MAX.to_string()], &["-c/--ctx-size", "cannot be allocated"]);
+    expect_error(
+        &[
+            "-m",
+            &m,
+            "-p",
+            "hi",
+            "-n",
+            "1",
+            "-t",
+            "1",
+            "-c",
+            "99999999999",
+        ],
+        &["-c/--ctx-size", "99999999999", "cannot be allocated"],
+    );
+    expect_error(
+        &[
+            "-m",
+            &m,
+            "-p",
+            "hi",
+            "-n",
+            "1",
+            "-t",
+            "1",
+            "-c",
+            &i64::MAX.to_string(),
+        ],
+        &["-c/--ctx-size", "cannot be allocated"],
+    );
 }
 
 /// The -t upper bound is named in the message (it used to say "at least 1").
 #[test]
 fn c16_too_many_threads() {
     let m = model();
-    expect_error(&["-m", &m, "-p", "hi", "-n", "1", "-t", "100000"], &["-t/--threads", "1024", "got 100000"]);
+    expect_error(
+        &["-m", &m, "-p", "hi", "-n", "1", "-t", "100000"],
+        &["-t/--threads", "1024", "got 100000"],
+    );
 }
 
 /// A tokenizer larger than the embedding matrix is refused at load (it used
@@ -443,10 +559,14 @@ fn c16_too_many_threads() {
 fn c17_vocab_larger_than_embedding() {
     let tmp = Scratch::new("c17");
     let mut w = tiny_llama();
-    w.remove("token_embd.weight").f32("token_embd.weight", &[DIM, 10]);
+    w.remove("token_embd.weight")
+        .f32("token_embd.weight", &[DIM, 10]);
     let m = s(&w.write(&tmp, "small_embd.gguf"));
     let n = format!("{} tokens", vocab().len());
-    expect_error(&gen_args(&m), &[&m, "token_embd.weight", &n, "only 10 rows"]);
+    expect_error(
+        &gen_args(&m),
+        &[&m, "token_embd.weight", &n, "only 10 rows"],
+    );
 }
 
 /// A tensor whose byte size overflows u64 is reported as too large (it used
@@ -458,7 +578,10 @@ fn c18_tensor_too_large() {
     let mut w = tiny_llama();
     w.tensor_mut("blk.0.attn_q.weight").dims = vec![DIM, 1 << 58];
     let m = s(&w.write(&tmp, "huge_tensor.gguf"));
-    expect_error(&gen_args(&m), &[&m, "invalid GGUF", "blk.0.attn_q.weight", "too large"]);
+    expect_error(
+        &gen_args(&m),
+        &[&m, "invalid GGUF", "blk.0.attn_q.weight", "too large"],
+    );
 }
 
 /// A quantized row that is not a whole number of blocks, at an offset near
@@ -470,12 +593,28 @@ fn c19_partial_block_at_huge_offset() {
     // A Q4_0 tensor (32-element blocks of 18 bytes) whose row is half a block,
     // first in the table; then its offset is patched to u64::MAX - 31.
     w.remove("blk.0.attn_q.weight");
-    w.tensors.insert(0, Tensor { name: "blk.0.attn_q.weight".into(), dims: vec![16, DIM], ty: 2, data: vec![0; 18 * 16] });
+    w.tensors.insert(
+        0,
+        Tensor {
+            name: "blk.0.attn_q.weight".into(),
+            dims: vec![16, DIM],
+            ty: 2,
+            data: vec![0; 18 * 16],
+        },
+    );
     let mut b = w.bytes();
     let name = b"blk.0.attn_q.weight";
     let at = b.windows(name.len()).position(|x| x == name).unwrap() + name.len();
     let off_at = at + 4 + 2 * 8 + 4; // n_dims, two dims, type
     b[off_at..off_at + 8].copy_from_slice(&(u64::MAX - 31).to_le_bytes());
     let m = s(&tmp.write("partial_block.gguf", &b));
-    expect_error(&gen_args(&m), &[&m, "invalid GGUF", "blk.0.attn_q.weight", "not a multiple of the Q4_0 block size 32"]);
+    expect_error(
+        &gen_args(&m),
+        &[
+            &m,
+            "invalid GGUF",
+            "blk.0.attn_q.weight",
+            "not a multiple of the Q4_0 block size 32",
+        ],
+    );
 }

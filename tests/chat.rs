@@ -12,12 +12,18 @@ fn root() -> PathBuf {
 }
 
 fn smollm() -> Gguf {
-    let p = root().join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = root()
+        .join("models")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
     Gguf::open(&p).expect("default model (run `bash models/fetch.sh`)")
 }
 
 fn r1() -> Gguf {
-    let p = root().join("..").join("shared").join("data").join("r1-distill-qwen-7b.header.gguf");
+    let p = root()
+        .join("..")
+        .join("shared")
+        .join("data")
+        .join("r1-distill-qwen-7b.header.gguf");
     Gguf::open(&p).expect("R1 header")
 }
 
@@ -27,9 +33,17 @@ fn msg(role: &str, content: &str) -> Message {
 
 #[test]
 fn smollm_chatml_system_user_with_generation_prompt() {
-    let t = ChatTemplate::from_gguf(&smollm()).expect("template").expect("SmolLM2 has a template");
+    let t = ChatTemplate::from_gguf(&smollm())
+        .expect("template")
+        .expect("SmolLM2 has a template");
     let out = t
-        .render(&[msg("system", "You are a terse assistant."), msg("user", "What is 2+2?")], true)
+        .render(
+            &[
+                msg("system", "You are a terse assistant."),
+                msg("user", "What is 2+2?"),
+            ],
+            true,
+        )
         .expect("render");
     assert_eq!(
         out,
@@ -41,8 +55,12 @@ fn smollm_chatml_system_user_with_generation_prompt() {
 
 #[test]
 fn smollm_default_system_prompt_and_no_generation_prompt() {
-    let t = ChatTemplate::from_gguf(&smollm()).expect("template").expect("template present");
-    let out = t.render(&[msg("user", "Hi"), msg("assistant", "Hello!")], false).expect("render");
+    let t = ChatTemplate::from_gguf(&smollm())
+        .expect("template")
+        .expect("template present");
+    let out = t
+        .render(&[msg("user", "Hi"), msg("assistant", "Hello!")], false)
+        .expect("render");
     assert_eq!(
         out,
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
@@ -53,13 +71,23 @@ fn smollm_default_system_prompt_and_no_generation_prompt() {
 #[test]
 fn smollm_render_tokenizes_to_chatml_control_tokens() {
     let g = smollm();
-    let t = ChatTemplate::from_gguf(&g).expect("template").expect("template present");
+    let t = ChatTemplate::from_gguf(&g)
+        .expect("template")
+        .expect("template present");
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
-    let text = t.render(&[msg("system", "S"), msg("user", "U")], true).expect("render");
+    let text = t
+        .render(&[msg("system", "S"), msg("user", "U")], true)
+        .expect("render");
     let ids = tok.encode(&text, false, true).expect("encode");
-    let (start, end) =
-        (tok.token_id("<|im_start|>").expect("im_start"), tok.token_id("<|im_end|>").expect("im_end"));
-    let specials: Vec<u32> = ids.iter().copied().filter(|&i| i == start || i == end).collect();
+    let (start, end) = (
+        tok.token_id("<|im_start|>").expect("im_start"),
+        tok.token_id("<|im_end|>").expect("im_end"),
+    );
+    let specials: Vec<u32> = ids
+        .iter()
+        .copied()
+        .filter(|&i| i == start || i == end)
+        .collect();
     assert_eq!(specials, vec![start, end, start, end, start]);
     assert_eq!(tok.decode(&ids, true), text);
 }
@@ -67,10 +95,15 @@ fn smollm_render_tokenizes_to_chatml_control_tokens() {
 #[test]
 fn r1_multi_turn_strips_think_and_tokenizes_to_special_ids() {
     let g = r1();
-    let t = ChatTemplate::from_gguf(&g).expect("template").expect("R1 has a template");
+    let t = ChatTemplate::from_gguf(&g)
+        .expect("template")
+        .expect("R1 has a template");
     let conv = [
         msg("user", "What is 1+1?"),
-        msg("assistant", "<think>\nOne plus one is two.\n</think>\n\nThe answer is 2."),
+        msg(
+            "assistant",
+            "<think>\nOne plus one is two.\n</think>\n\nThe answer is 2.",
+        ),
         msg("user", "And 2+2?"),
     ];
     let out = t.render(&conv, true).expect("render");
@@ -84,7 +117,10 @@ fn r1_multi_turn_strips_think_and_tokenizes_to_special_ids() {
     // The template already emits BOS, so tokenize without add_special.
     let ids = tok.encode(&out, false, true).expect("encode");
     let specials: Vec<u32> = ids.iter().copied().filter(|&i| i >= 151643).collect();
-    assert_eq!(specials, vec![151646, 151644, 151645, 151643, 151644, 151645]);
+    assert_eq!(
+        specials,
+        vec![151646, 151644, 151645, 151643, 151644, 151645]
+    );
     assert_eq!(ids[0], 151646);
     assert_eq!(ids[1], 151644);
     assert_eq!(*ids.last().expect("non-empty"), 151645);
@@ -96,8 +132,12 @@ fn r1_multi_turn_strips_think_and_tokenizes_to_special_ids() {
 
 #[test]
 fn r1_system_prompt_and_no_generation_prompt() {
-    let t = ChatTemplate::from_gguf(&r1()).expect("template").expect("template present");
-    let out = t.render(&[msg("system", "Be brief."), msg("user", "Hi")], false).expect("render");
+    let t = ChatTemplate::from_gguf(&r1())
+        .expect("template")
+        .expect("template present");
+    let out = t
+        .render(&[msg("system", "Be brief."), msg("user", "Hi")], false)
+        .expect("render");
     assert_eq!(out, "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi");
 }
 

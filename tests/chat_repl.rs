@@ -10,16 +10,34 @@ fn chat_pipe(args: &[&str], input: &str) -> (String, String, bool) {
     let model = util::default_model();
     let mut child = Command::new(util::kvrun_bin())
         .arg("chat")
-        .args(["-m", model.to_str().unwrap(), "--temp", "0", "-n", "24", "-t", "2"])
+        .args([
+            "-m",
+            model.to_str().unwrap(),
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "-t",
+            "2",
+        ])
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn kvrun chat");
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
-    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned(), out.status.success())
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.success(),
+    )
 }
 
 /// Two turns over a pipe: the cache carries over (the second turn feeds only
@@ -40,15 +58,32 @@ fn chat_over_a_pipe_carries_the_cache() {
     let stats: Vec<&str> = out.lines().filter(|l| l.starts_with("[kv:")).collect();
     assert_eq!(stats.len(), 3, "expected three /stats lines in:\n{out}");
     let pos = |l: &str| -> usize {
-        l.split("position ").nth(1).unwrap().split_whitespace().next().unwrap().trim_end_matches(',').parse().unwrap()
+        l.split("position ")
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .trim_end_matches(',')
+            .parse()
+            .unwrap()
     };
     let (p1, p2, p3) = (pos(stats[0]), pos(stats[1]), pos(stats[2]));
     assert!(p1 > 20 && p2 > p1, "positions {p1} -> {p2}");
     // the second turn appended to the first instead of re-prefilling it
-    assert!(p2 - p1 < p1 + 30, "second turn re-fed the history: {p1} -> {p2}");
+    assert!(
+        p2 - p1 < p1 + 30,
+        "second turn re-fed the history: {p1} -> {p2}"
+    );
     assert_eq!(p3, 0, "/clear did not reset the cache");
-    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&save).unwrap()).unwrap();
-    let roles: Vec<&str> = saved.as_array().unwrap().iter().map(|m| m["role"].as_str().unwrap()).collect();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&save).unwrap()).unwrap();
+    let roles: Vec<&str> = saved
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
     assert_eq!(roles, ["user", "assistant", "user", "assistant"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -57,8 +92,15 @@ fn chat_over_a_pipe_carries_the_cache() {
 /// screen. CI installs tmux (.ci/run).
 #[test]
 fn chat_in_a_terminal() {
-    let have_tmux = Command::new("tmux").arg("-V").output().map(|o| o.status.success()).unwrap_or(false);
-    assert!(have_tmux, "tmux is required for this test (apt-get install tmux)");
+    let have_tmux = Command::new("tmux")
+        .arg("-V")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    assert!(
+        have_tmux,
+        "tmux is required for this test (apt-get install tmux)"
+    );
     let model = util::default_model();
     let sock = format!("kvrun-test-{}", std::process::id());
     let cmd = format!(
@@ -66,12 +108,20 @@ fn chat_in_a_terminal() {
         util::kvrun_bin().display(),
         model.display()
     );
-    let tmux = |args: &[&str]| Command::new("tmux").args(["-L", &sock]).args(args).output().unwrap();
+    let tmux = |args: &[&str]| {
+        Command::new("tmux")
+            .args(["-L", &sock])
+            .args(args)
+            .output()
+            .unwrap()
+    };
     // kill the tmux server (and kvrun in it) even when an assertion fails
     struct Kill(String);
     impl Drop for Kill {
         fn drop(&mut self) {
-            let _ = Command::new("tmux").args(["-L", &self.0, "kill-server"]).output();
+            let _ = Command::new("tmux")
+                .args(["-L", &self.0, "kill-server"])
+                .output();
         }
     }
     let _kill = Kill(sock.clone());
@@ -91,7 +141,11 @@ fn chat_in_a_terminal() {
         screen(&tmux)
     };
     // capture-pane trims trailing spaces: a prompt line is ">" or "> ..."
-    let prompts = |s: &str| s.lines().filter(|l| l.trim_end() == ">" || l.starts_with("> ")).count();
+    let prompts = |s: &str| {
+        s.lines()
+            .filter(|l| l.trim_end() == ">" || l.starts_with("> "))
+            .count()
+    };
     let s = wait_for(&|s| prompts(s) >= 1);
     assert!(prompts(&s) >= 1, "no prompt on screen:\n{s}");
     tmux(&["send-keys", "Say hello.", "Enter"]);

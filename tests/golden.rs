@@ -23,8 +23,17 @@ fn golden_greedy_64_tokens() {
     let model = util::default_model();
     let want = std::fs::read_to_string(util::root().join("tests/data/golden_sky.txt")).unwrap();
     let (out, err, ok) = kvrun(&[
-        "-m", model.to_str().unwrap(), "-p", "Explain why the sky is blue in two sentences.",
-        "-n", "64", "--temp", "0", "-t", "2", "--no-perf",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "Explain why the sky is blue in two sentences.",
+        "-n",
+        "64",
+        "--temp",
+        "0",
+        "-t",
+        "2",
+        "--no-perf",
     ]);
     assert!(ok, "kvrun failed: {err}");
     assert_eq!(out, want, "golden output changed");
@@ -35,10 +44,29 @@ fn golden_greedy_64_tokens() {
 fn seeded_sampling_is_reproducible() {
     let model = util::default_model();
     let m = model.to_str().unwrap();
-    let run = |seed: &str, t: &str| kvrun(&["-m", m, "-p", "Write a short poem about rivers.", "-n", "48", "-s", seed, "-t", t, "--no-perf"]).0;
+    let run = |seed: &str, t: &str| {
+        kvrun(&[
+            "-m",
+            m,
+            "-p",
+            "Write a short poem about rivers.",
+            "-n",
+            "48",
+            "-s",
+            seed,
+            "-t",
+            t,
+            "--no-perf",
+        ])
+        .0
+    };
     let a = run("7", "2");
     assert!(!a.trim().is_empty());
-    assert_eq!(a, run("7", "1"), "same seed, different thread count, different text");
+    assert_eq!(
+        a,
+        run("7", "1"),
+        "same seed, different thread count, different text"
+    );
     assert_eq!(a, run("7", "2"), "same seed, different text");
     assert_ne!(a, run("8", "2"), "different seeds gave identical text");
 }
@@ -47,10 +75,31 @@ fn seeded_sampling_is_reproducible() {
 #[test]
 fn timing_lines_and_token_limit() {
     let model = util::default_model();
-    let (_out, err, ok) = kvrun(&["-m", model.to_str().unwrap(), "-p", "Count: 1, 2, 3,", "--raw", "-n", "10", "--temp", "0", "--ignore-eos"]);
+    let (_out, err, ok) = kvrun(&[
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "Count: 1, 2, 3,",
+        "--raw",
+        "-n",
+        "10",
+        "--temp",
+        "0",
+        "--ignore-eos",
+    ]);
     assert!(ok, "{err}");
-    let eval = err.lines().find(|l| l.contains("        eval time =")).expect("eval time line");
-    assert!(eval.contains("/    10 runs"), "expected 10 decode runs: {eval}");
-    assert!(err.lines().any(|l| l.starts_with("kvrun: prompt eval time =") && l.contains("tokens per second")));
-    assert!(err.lines().any(|l| l.starts_with("kvrun:       total time =")));
+    let eval = err
+        .lines()
+        .find(|l| l.contains("        eval time ="))
+        .expect("eval time line");
+    assert!(
+        eval.contains("/    10 runs"),
+        "expected 10 decode runs: {eval}"
+    );
+    assert!(err
+        .lines()
+        .any(|l| l.starts_with("kvrun: prompt eval time =") && l.contains("tokens per second")));
+    assert!(err
+        .lines()
+        .any(|l| l.starts_with("kvrun:       total time =")));
 }

@@ -6,11 +6,15 @@ use kvrun::grade::{extract_answer, extract_boxed, extract_gsm8k, grade, normaliz
 fn data(name: &str) -> Vec<serde_json::Value> {
     let p = format!("{}/../shared/data/{name}", env!("CARGO_MANIFEST_DIR"));
     let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"));
-    s.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).expect("valid JSON")).collect()
+    s.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("valid JSON"))
+        .collect()
 }
 
 fn field<'a>(r: &'a serde_json::Value, k: &str) -> &'a str {
-    r[k].as_str().unwrap_or_else(|| panic!("missing string field {k}"))
+    r[k].as_str()
+        .unwrap_or_else(|| panic!("missing string field {k}"))
 }
 
 #[test]
@@ -20,13 +24,29 @@ fn math500_reference_solutions_grade_100_percent() {
     let mut bad = Vec::new();
     for r in &recs {
         let pred = extract_boxed(field(r, "solution"));
-        let ok = pred.as_deref().is_some_and(|p| grade(p, field(r, "answer"), Kind::Math));
+        let ok = pred
+            .as_deref()
+            .is_some_and(|p| grade(p, field(r, "answer"), Kind::Math));
         if !ok {
-            bad.push(format!("{}: {:?} vs {:?}", field(r, "unique_id"), pred, field(r, "answer")));
+            bad.push(format!(
+                "{}: {:?} vs {:?}",
+                field(r, "unique_id"),
+                pred,
+                field(r, "answer")
+            ));
         }
     }
-    eprintln!("MATH-500: {}/{} reference solutions graded correct", recs.len() - bad.len(), recs.len());
-    assert!(bad.is_empty(), "{} failures:\n{}", bad.len(), bad.join("\n"));
+    eprintln!(
+        "MATH-500: {}/{} reference solutions graded correct",
+        recs.len() - bad.len(),
+        recs.len()
+    );
+    assert!(
+        bad.is_empty(),
+        "{} failures:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
 }
 
 #[test]
@@ -37,15 +57,30 @@ fn gsm8k_reference_answers_extract_100_percent() {
     for (i, r) in recs.iter().enumerate() {
         let ans = field(r, "answer");
         // gold: the text after "####", thousands separators dropped
-        let gold = ans.rsplit_once("####").expect("#### in reference").1.trim().replace(',', "");
+        let gold = ans
+            .rsplit_once("####")
+            .expect("#### in reference")
+            .1
+            .trim()
+            .replace(',', "");
         let got = extract_gsm8k(ans);
-        let ok = got.as_deref() == Some(gold.as_str()) && grade(got.as_deref().unwrap(), ans, Kind::Gsm8k);
+        let ok = got.as_deref() == Some(gold.as_str())
+            && grade(got.as_deref().unwrap(), ans, Kind::Gsm8k);
         if !ok {
             bad.push(format!("record {i}: {got:?} vs {gold:?}"));
         }
     }
-    eprintln!("GSM8K: {}/{} reference answers extracted and graded", recs.len() - bad.len(), recs.len());
-    assert!(bad.is_empty(), "{} failures:\n{}", bad.len(), bad.join("\n"));
+    eprintln!(
+        "GSM8K: {}/{} reference answers extracted and graded",
+        recs.len() - bad.len(),
+        recs.len()
+    );
+    assert!(
+        bad.is_empty(),
+        "{} failures:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
 }
 
 #[test]
@@ -60,9 +95,16 @@ fn aime24_reference_solutions_grade_100_percent() {
             no_box.push(r["id"].to_string());
         }
         let pred = extract_answer(sol, Kind::Aime);
-        let ok = pred.as_deref().is_some_and(|p| grade(p, field(r, "answer"), Kind::Aime));
+        let ok = pred
+            .as_deref()
+            .is_some_and(|p| grade(p, field(r, "answer"), Kind::Aime));
         if !ok {
-            bad.push(format!("id {}: {:?} vs {:?}", r["id"], pred, field(r, "answer")));
+            bad.push(format!(
+                "id {}: {:?} vs {:?}",
+                r["id"],
+                pred,
+                field(r, "answer")
+            ));
         }
     }
     eprintln!(
@@ -71,15 +113,32 @@ fn aime24_reference_solutions_grade_100_percent() {
         recs.len(),
         no_box
     );
-    assert!(bad.is_empty(), "{} failures:\n{}", bad.len(), bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{} failures:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
 }
 
 #[test]
 fn boxed_extraction() {
-    assert_eq!(extract_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}}.").as_deref(), Some("\\frac{1}{2}"));
-    assert_eq!(extract_boxed("\\fbox{x^{2}} done").as_deref(), Some("x^{2}"));
-    assert_eq!(extract_boxed("so $\\framebox{204}$ minutes").as_deref(), Some("204"));
-    assert_eq!(extract_boxed("\\boxed{\\{1,2\\}}").as_deref(), Some("\\{1,2\\}"));
+    assert_eq!(
+        extract_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}}.").as_deref(),
+        Some("\\frac{1}{2}")
+    );
+    assert_eq!(
+        extract_boxed("\\fbox{x^{2}} done").as_deref(),
+        Some("x^{2}")
+    );
+    assert_eq!(
+        extract_boxed("so $\\framebox{204}$ minutes").as_deref(),
+        Some("204")
+    );
+    assert_eq!(
+        extract_boxed("\\boxed{\\{1,2\\}}").as_deref(),
+        Some("\\{1,2\\}")
+    );
     assert_eq!(extract_boxed("$\\boxed 5$").as_deref(), Some("5"));
     assert_eq!(extract_boxed("no box here 42"), None);
     assert_eq!(extract_boxed("truncated \\boxed{\\frac{1}{"), None);
@@ -87,10 +146,22 @@ fn boxed_extraction() {
 
 #[test]
 fn gsm8k_extraction() {
-    assert_eq!(extract_gsm8k("so 3+4=7\n#### 1,200").as_deref(), Some("1200"));
-    assert_eq!(extract_gsm8k("The answer is \\boxed{18}.").as_deref(), Some("18"));
-    assert_eq!(extract_gsm8k("She pays $2 and then $1,000.50 in total.").as_deref(), Some("1000.50"));
-    assert_eq!(extract_gsm8k("the change is -5 dollars").as_deref(), Some("-5"));
+    assert_eq!(
+        extract_gsm8k("so 3+4=7\n#### 1,200").as_deref(),
+        Some("1200")
+    );
+    assert_eq!(
+        extract_gsm8k("The answer is \\boxed{18}.").as_deref(),
+        Some("18")
+    );
+    assert_eq!(
+        extract_gsm8k("She pays $2 and then $1,000.50 in total.").as_deref(),
+        Some("1000.50")
+    );
+    assert_eq!(
+        extract_gsm8k("the change is -5 dollars").as_deref(),
+        Some("-5")
+    );
     assert_eq!(extract_gsm8k("nothing"), None);
     assert!(grade("18.00", "bla\n#### 18", Kind::Gsm8k));
     assert!(!grade("19", "bla\n#### 18", Kind::Gsm8k));
@@ -98,7 +169,14 @@ fn gsm8k_extraction() {
 
 #[test]
 fn equivalences() {
-    let eq = |a: &str, b: &str| assert!(grade(a, b, Kind::Math), "{a:?} should equal {b:?} ({:?} vs {:?})", normalize_answer(a), normalize_answer(b));
+    let eq = |a: &str, b: &str| {
+        assert!(
+            grade(a, b, Kind::Math),
+            "{a:?} should equal {b:?} ({:?} vs {:?})",
+            normalize_answer(a),
+            normalize_answer(b)
+        )
+    };
     eq("\\frac{1}{2}", "0.5");
     eq("\\dfrac12", "\\frac{1}{2}");
     eq("\\tfrac{1}{2}", "0.5");

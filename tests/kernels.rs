@@ -15,13 +15,24 @@ fn randn(r: &mut Rng) -> f32 {
 
 #[test]
 fn attend_group_matches_per_head_reference_and_exact_softmax() {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     let f16dot = ggml_sys::CpuTraits::of(1).unwrap();
-    for &(g, hd, n) in &[(1usize, 64usize, 1usize), (3, 64, 37), (4, 128, 300), (7, 128, 129), (2, 32, 1000)] {
+    for &(g, hd, n) in &[
+        (1usize, 64usize, 1usize),
+        (3, 64, 37),
+        (4, 128, 300),
+        (7, 128, 129),
+        (2, 32, 1000),
+    ] {
         let q: Vec<f32> = (0..g * hd).map(|_| randn(&mut r) * 2.0).collect();
-        let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(randn(&mut r) * 2.0)).collect();
+        let k: Vec<f16> = (0..n * hd)
+            .map(|_| f16::from_f32(randn(&mut r) * 2.0))
+            .collect();
         let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(randn(&mut r))).collect();
         let key = |j: usize| &k[j * hd..(j + 1) * hd];
         let val = |j: usize| &v[j * hd..(j + 1) * hd];
@@ -29,32 +40,78 @@ fn attend_group_matches_per_head_reference_and_exact_softmax() {
         let mut out = vec![0f32; g * hd];
         let mut sc = vec![0f32; g * n];
         let mut stats = vec![(0f32, 0f32); g];
-        attend_group(&q, g, n, key, val, scale, &mut out, Some(&mut sc), &mut stats);
+        attend_group(
+            &q,
+            g,
+            n,
+            key,
+            val,
+            scale,
+            &mut out,
+            Some(&mut sc),
+            &mut stats,
+        );
         for h in 0..g {
             let qh = &q[h * hd..(h + 1) * hd];
             // per-head reference
             let mut o_ref = vec![0f32; hd];
             let mut sc_ref = vec![0f32; n];
-            let (m, s) = attend_head(&f16dot, qh, n, key, val, scale, &mut o_ref, Some(&mut sc_ref));
+            let (m, s) = attend_head(
+                &f16dot,
+                qh,
+                n,
+                key,
+                val,
+                scale,
+                &mut o_ref,
+                Some(&mut sc_ref),
+            );
             // exact two-pass softmax in f64 on the same f16-rounded query
-            let qr: Vec<f64> = qh.iter().map(|&x| f16::from_f32(x).to_f32() as f64).collect();
+            let qr: Vec<f64> = qh
+                .iter()
+                .map(|&x| f16::from_f32(x).to_f32() as f64)
+                .collect();
             let s64: Vec<f64> = (0..n)
-                .map(|j| key(j).iter().zip(&qr).map(|(a, b)| a.to_f32() as f64 * b).sum::<f64>() * scale as f64)
+                .map(|j| {
+                    key(j)
+                        .iter()
+                        .zip(&qr)
+                        .map(|(a, b)| a.to_f32() as f64 * b)
+                        .sum::<f64>()
+                        * scale as f64
+                })
                 .collect();
             let mx = s64.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = s64.iter().map(|x| (x - mx).exp()).sum();
             for d in 0..hd {
-                let exact: f64 = (0..n).map(|j| (s64[j] - mx).exp() / z * val(j)[d].to_f32() as f64).sum();
+                let exact: f64 = (0..n)
+                    .map(|j| (s64[j] - mx).exp() / z * val(j)[d].to_f32() as f64)
+                    .sum();
                 let got = out[h * hd + d] as f64;
-                assert!((got - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "g{g} hd{hd} n{n} head {h} dim {d}: {got} vs exact {exact}");
-                assert!((got - o_ref[d] as f64).abs() <= 1e-4 * (1.0 + exact.abs()), "grouped vs per-head reference differ");
+                assert!(
+                    (got - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                    "g{g} hd{hd} n{n} head {h} dim {d}: {got} vs exact {exact}"
+                );
+                assert!(
+                    (got - o_ref[d] as f64).abs() <= 1e-4 * (1.0 + exact.abs()),
+                    "grouped vs per-head reference differ"
+                );
             }
             for j in 0..n {
-                assert!((sc[h * n + j] as f64 - s64[j]).abs() <= 1e-4 * (1.0 + s64[j].abs()), "score {j}");
-                assert!((sc_ref[j] as f64 - s64[j]).abs() <= 1e-4 * (1.0 + s64[j].abs()), "reference score {j}");
+                assert!(
+                    (sc[h * n + j] as f64 - s64[j]).abs() <= 1e-4 * (1.0 + s64[j].abs()),
+                    "score {j}"
+                );
+                assert!(
+                    (sc_ref[j] as f64 - s64[j]).abs() <= 1e-4 * (1.0 + s64[j].abs()),
+                    "reference score {j}"
+                );
             }
             let (gm, gs) = stats[h];
-            assert!((gm - m).abs() <= 1e-4 * (1.0 + m.abs()) && (gs - s).abs() <= 1e-3 * s, "softmax stats differ");
+            assert!(
+                (gm - m).abs() <= 1e-4 * (1.0 + m.abs()) && (gs - s).abs() <= 1e-3 * s,
+                "softmax stats differ"
+            );
         }
     }
 }
@@ -63,12 +120,23 @@ fn attend_group_matches_per_head_reference_and_exact_softmax() {
 /// grouped kernel, including the exported scores and softmax statistics.
 #[test]
 fn attend_prefill_group_matches_online_kernel() {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 ^ 0x5eed;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        ^ 0x5eed;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
-    for &(g, hd, n, stride) in &[(3usize, 64usize, 1usize, 5usize), (3, 64, 200, 260), (7, 128, 97, 97), (4, 32, 513, 600)] {
+    for &(g, hd, n, stride) in &[
+        (3usize, 64usize, 1usize, 5usize),
+        (3, 64, 200, 260),
+        (7, 128, 97, 97),
+        (4, 32, 513, 600),
+    ] {
         let q: Vec<f32> = (0..g * hd).map(|_| randn(&mut r) * 2.0).collect();
-        let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(randn(&mut r) * 2.0)).collect();
+        let k: Vec<f16> = (0..n * hd)
+            .map(|_| f16::from_f32(randn(&mut r) * 2.0))
+            .collect();
         let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(randn(&mut r))).collect();
         let vf: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
         // transposed keys with a stride larger than n (the live list may be longer)
@@ -82,14 +150,54 @@ fn attend_prefill_group_matches_online_kernel() {
         let (mut o1, mut o2) = (vec![0f32; g * hd], vec![0f32; g * hd]);
         let (mut s1, mut s2) = (vec![0f32; g * n], vec![0f32; g * n]);
         let (mut st1, mut st2) = (vec![(0f32, 0f32); g], vec![(0f32, 0f32); g]);
-        attend_group(&q, g, n, |j| &k[j * hd..(j + 1) * hd], |j| &v[j * hd..(j + 1) * hd], scale, &mut o1, Some(&mut s1), &mut st1);
-        attend_prefill_group(&q, g, n, &kt, stride, |j| &vf[j * hd..(j + 1) * hd], scale, &mut s2, &mut o2, &mut st2);
+        attend_group(
+            &q,
+            g,
+            n,
+            |j| &k[j * hd..(j + 1) * hd],
+            |j| &v[j * hd..(j + 1) * hd],
+            scale,
+            &mut o1,
+            Some(&mut s1),
+            &mut st1,
+        );
+        attend_prefill_group(
+            &q,
+            g,
+            n,
+            &kt,
+            stride,
+            |j| &vf[j * hd..(j + 1) * hd],
+            scale,
+            &mut s2,
+            &mut o2,
+            &mut st2,
+        );
         // the decode kernel that exports probabilities, on the f16 rows
-        let (mut o3, mut s3, mut st3) = (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
-        attend_group_probs(&q, g, n, |j| &k[j * hd..(j + 1) * hd], |j| &v[j * hd..(j + 1) * hd], scale, &mut s3, &mut o3, &mut st3);
+        let (mut o3, mut s3, mut st3) =
+            (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+        attend_group_probs(
+            &q,
+            g,
+            n,
+            |j| &k[j * hd..(j + 1) * hd],
+            |j| &v[j * hd..(j + 1) * hd],
+            scale,
+            &mut s3,
+            &mut o3,
+            &mut st3,
+        );
         for i in 0..g * hd {
-            assert!((o1[i] - o2[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()), "g{g} hd{hd} n{n}: out {i}: {} vs {}", o1[i], o2[i]);
-            assert!((o1[i] - o3[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()), "g{g} hd{hd} n{n}: probs kernel out {i}");
+            assert!(
+                (o1[i] - o2[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()),
+                "g{g} hd{hd} n{n}: out {i}: {} vs {}",
+                o1[i],
+                o2[i]
+            );
+            assert!(
+                (o1[i] - o3[i]).abs() <= 1e-4 * (1.0 + o1[i].abs()),
+                "g{g} hd{hd} n{n}: probs kernel out {i}"
+            );
         }
         for h in 0..g {
             let (m, sum) = st1[h];
@@ -97,8 +205,15 @@ fn attend_prefill_group_matches_online_kernel() {
             for j in 0..n {
                 // probabilities implied by the online kernel's raw scores and stats
                 let p = (s1[h * n + j] - m).exp() / sum;
-                assert!((p - s2[h * n + j]).abs() <= 1e-5 + 1e-4 * p, "prefill probability {h},{j}: {p} vs {}", s2[h * n + j]);
-                assert!((p - s3[h * n + j]).abs() <= 1e-5 + 1e-4 * p, "decode probability {h},{j}");
+                assert!(
+                    (p - s2[h * n + j]).abs() <= 1e-5 + 1e-4 * p,
+                    "prefill probability {h},{j}: {p} vs {}",
+                    s2[h * n + j]
+                );
+                assert!(
+                    (p - s3[h * n + j]).abs() <= 1e-5 + 1e-4 * p,
+                    "decode probability {h},{j}"
+                );
                 total += s3[h * n + j];
             }
             assert!((total - 1.0).abs() <= 1e-4, "probabilities sum to {total}");

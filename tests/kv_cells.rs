@@ -97,7 +97,10 @@ fn search_starts_at_head_and_wraps() {
     assert_eq!(order, vec![4, 5, 0, 1]);
     assert_eq!(heads, vec![5, 0, 1, 2]);
     assert_eq!(c.find_free(), None);
-    assert_eq!(live(&c), vec![(0, 6), (1, 7), (2, 2), (3, 3), (4, 4), (5, 5)]);
+    assert_eq!(
+        live(&c),
+        vec![(0, 6), (1, 7), (2, 2), (3, 3), (4, 4), (5, 5)]
+    );
     // free one in front of the head and one behind: the one at/after the head wins
     c.free(1);
     c.free(3);
@@ -108,7 +111,10 @@ fn search_starts_at_head_and_wraps() {
     assert_eq!(c.find_free(), Some(1), "search wraps past the end");
     c.set(1, 9);
     assert_eq!(c.head(), 2);
-    assert_eq!(live(&c), vec![(0, 6), (1, 9), (2, 2), (3, 8), (4, 4), (5, 5)]);
+    assert_eq!(
+        live(&c),
+        vec![(0, 6), (1, 9), (2, 2), (3, 8), (4, 4), (5, 5)]
+    );
 }
 
 #[test]
@@ -222,7 +228,11 @@ fn apply_exact_sequence() {
     // evict slot 1 (pos 1) and add 2 tokens: slot 3 from the head, then slot 1 (wrap)
     kv.apply(&[1], &[3, 4], &mut slots).unwrap();
     assert_eq!(slots, vec![3, 1]);
-    assert_eq!(live_of(&kv), (vec![0, 2, 3, 1], vec![0, 2, 3, 4]), "live() is sorted by position");
+    assert_eq!(
+        live_of(&kv),
+        (vec![0, 2, 3, 1], vec![0, 2, 3, 4]),
+        "live() is sorted by position"
+    );
     assert_eq!(kv.cells.head(), 2);
     assert_eq!(kv.peak_live, 4);
 
@@ -344,7 +354,11 @@ fn apply_matches_reference_model() {
         for _step in 0..60 {
             let occupied: Vec<usize> = (0..n_slots).filter(|&s| m[s].is_some()).collect();
             // random distinct victims
-            let mut victims: Vec<u32> = occupied.iter().filter(|_| r(3) == 0).map(|&s| s as u32).collect();
+            let mut victims: Vec<u32> = occupied
+                .iter()
+                .filter(|_| r(3) == 0)
+                .map(|&s| s as u32)
+                .collect();
             // shuffle victims
             for i in (1..victims.len()).rev() {
                 let j = r(i + 1);
@@ -366,13 +380,19 @@ fn apply_matches_reference_model() {
             peak = peak.max(live_after_free + n_new);
             let mut want_slots = Vec::new();
             for &p in &positions {
-                let s = (0..n_slots).map(|i| (head + i) % n_slots).find(|&s| m[s].is_none()).unwrap();
+                let s = (0..n_slots)
+                    .map(|i| (head + i) % n_slots)
+                    .find(|&s| m[s].is_none())
+                    .unwrap();
                 m[s] = Some(p);
                 head = (s + 1) % n_slots;
                 want_slots.push(s as u32);
             }
-            let mut want_live: Vec<(i64, u32)> =
-                m.iter().enumerate().filter_map(|(s, p)| p.map(|p| (p, s as u32))).collect();
+            let mut want_live: Vec<(i64, u32)> = m
+                .iter()
+                .enumerate()
+                .filter_map(|(s, p)| p.map(|p| (p, s as u32)))
+                .collect();
             want_live.sort();
 
             kv.apply(&victims, &positions, &mut slots).unwrap();
@@ -381,13 +401,23 @@ fn apply_matches_reference_model() {
             assert_eq!(kv.peak_live, peak, "case {case}");
             assert_eq!(kv.cells.n_live(), want_live.len(), "case {case}");
             let (ls, lp) = kv.live();
-            assert_eq!(lp, want_live.iter().map(|x| x.0).collect::<Vec<_>>().as_slice(), "case {case}");
-            assert_eq!(ls, want_live.iter().map(|x| x.1).collect::<Vec<_>>().as_slice(), "case {case}");
-            assert!(lp.windows(2).all(|w| w[0] < w[1]), "live positions strictly increasing");
+            assert_eq!(
+                lp,
+                want_live.iter().map(|x| x.0).collect::<Vec<_>>().as_slice(),
+                "case {case}"
+            );
+            assert_eq!(
+                ls,
+                want_live.iter().map(|x| x.1).collect::<Vec<_>>().as_slice(),
+                "case {case}"
+            );
+            assert!(
+                lp.windows(2).all(|w| w[0] < w[1]),
+                "live positions strictly increasing"
+            );
             for s in 0..n_slots {
                 assert_eq!(kv.cells.pos(s), m[s], "case {case} slot {s}");
             }
         }
     }
 }
-

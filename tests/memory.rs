@@ -49,12 +49,24 @@ unsafe impl GlobalAlloc for Counting {
 static A: Counting = Counting;
 
 /// Largest allocation while feeding `n` tokens (chunks of 64) with `policy`.
-fn max_alloc_feeding(w: &Weights<'_>, toks: &[u32], policy: Option<(&str, usize)>) -> (usize, usize) {
+fn max_alloc_feeding(
+    w: &Weights<'_>,
+    toks: &[u32],
+    policy: Option<(&str, usize)>,
+) -> (usize, usize) {
     let mut s = match policy {
         None => Session::new(w, toks.len(), 2, 64),
         Some((name, budget)) => {
-            let scorer = by_name(name, budget, &PolicyArgs::default()).unwrap().unwrap();
-            let evictor = Evictor { budget, n_sink: 4, n_recent: 32, keep_prompt_until: 0, evict_every: 1 };
+            let scorer = by_name(name, budget, &PolicyArgs::default())
+                .unwrap()
+                .unwrap();
+            let evictor = Evictor {
+                budget,
+                n_sink: 4,
+                n_recent: 32,
+                keep_prompt_until: 0,
+                evict_every: 1,
+            };
             Session::with_policy(w, toks.len(), 2, 64, KvPolicy { scorer, evictor }).unwrap()
         }
     };
@@ -82,12 +94,20 @@ fn attention_memory_is_linear_in_context() {
         let (a1, _) = max_alloc_feeding(&w, &toks[..512], policy);
         let (a2, _) = max_alloc_feeding(&w, &toks, policy);
         let n = 1024usize;
-        eprintln!("{policy:?}: largest allocation while feeding: n=512 -> {a1} B, n=1024 -> {a2} B");
-        assert!(a2 <= a1 * 5 / 2, "allocations grew super-linearly: {a1} -> {a2}");
+        eprintln!(
+            "{policy:?}: largest allocation while feeding: n=512 -> {a1} B, n=1024 -> {a2} B"
+        );
+        assert!(
+            a2 <= a1 * 5 / 2,
+            "allocations grew super-linearly: {a1} -> {a2}"
+        );
         // An n×n f32 score matrix would be 4 MiB at n = 1024; the largest
         // legitimate buffers are (n, kv_dim) = (1024, 192) f32 copies of the
         // chunk's keys and values (768 KiB).
-        assert!(a2 < n * n * 4 / 4, "an allocation of {a2} B is O(n^2)-sized for n = {n}");
+        assert!(
+            a2 < n * n * 4 / 4,
+            "an allocation of {a2} B is O(n^2)-sized for n = {n}"
+        );
     }
 }
 
@@ -102,5 +122,8 @@ fn budgeted_memory_does_not_grow_with_context() {
     let (a2, p2) = max_alloc_feeding(&w, &toks, Some(("h2o", 256)));
     eprintln!("budget 256: largest allocation n=512 -> {a1} B, n=1024 -> {a2} B; peak resident {p1}, {p2}");
     assert!(p1 <= 256 && p2 <= 256, "resident KV exceeded the budget");
-    assert!(a2 <= a1 + 4096, "allocations grew with context under a fixed budget: {a1} -> {a2}");
+    assert!(
+        a2 <= a1 + 4096,
+        "allocations grew with context under a fixed budget: {a1} -> {a2}"
+    );
 }

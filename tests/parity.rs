@@ -81,7 +81,10 @@ fn parity_logits_every_position_of_128_token_prompt() {
         sum += e;
         sum_self += e_self;
         if p == 0 {
-            assert!(e <= 1e-3, "position 0 (no attention mixing) differs: {e:.3e}");
+            assert!(
+                e <= 1e-3,
+                "position 0 (no attention mixing) differs: {e:.3e}"
+            );
         }
         if top2_margin(&b) > 0.1 {
             strong += 1;
@@ -94,15 +97,32 @@ fn parity_logits_every_position_of_128_token_prompt() {
         sum / n,
         sum_self / n
     );
-    assert!(worst <= (1.5 * worst_self).max(1e-2), "worst error {worst} beyond llama.cpp's own floor {worst_self}");
-    assert!(sum / n <= (1.5 * sum_self / n).max(1e-2), "mean error beyond llama.cpp's own floor");
-    assert!(agree_strong * 100 >= strong * 97, "argmax agreement {agree_strong}/{strong} below 97%");
-    assert!(strong > 64, "too few decisive positions to be a meaningful test");
+    assert!(
+        worst <= (1.5 * worst_self).max(1e-2),
+        "worst error {worst} beyond llama.cpp's own floor {worst_self}"
+    );
+    assert!(
+        sum / n <= (1.5 * sum_self / n).max(1e-2),
+        "mean error beyond llama.cpp's own floor"
+    );
+    assert!(
+        agree_strong * 100 >= strong * 97,
+        "argmax agreement {agree_strong}/{strong} below 97%"
+    );
+    assert!(
+        strong > 64,
+        "too few decisive positions to be a meaningful test"
+    );
 }
 
 /// Greedy continuation from a prompt with llama.cpp; `sequential` feeds the
 /// prompt one token at a time. Returns the tokens and the top-2 margins.
-fn llama_greedy(lm: &ggml_sys::LlamaModel, ids: &[i32], n_gen: usize, sequential: bool) -> (Vec<i32>, Vec<f32>) {
+fn llama_greedy(
+    lm: &ggml_sys::LlamaModel,
+    ids: &[i32],
+    n_gen: usize,
+    sequential: bool,
+) -> (Vec<i32>, Vec<f32>) {
     let mut ctx = ggml_sys::LlamaContext::new(lm, 512, 2).unwrap();
     let mut l = if sequential {
         let mut l = Vec::new();
@@ -164,8 +184,15 @@ fn parity_greedy_continuations() {
         match ours.iter().zip(&theirs).position(|(a, b)| a != b) {
             None => identical += 1,
             Some(i) => {
-                eprintln!("prompt {p:?}: forks at generated token {i} (llama.cpp top-2 margin {:.4})", margins[i]);
-                assert!(margins[i] < CLOSE_CALL, "fork at token {i} is not a close call (margin {})", margins[i]);
+                eprintln!(
+                    "prompt {p:?}: forks at generated token {i} (llama.cpp top-2 margin {:.4})",
+                    margins[i]
+                );
+                assert!(
+                    margins[i] < CLOSE_CALL,
+                    "fork at token {i} is not a close call (margin {})",
+                    margins[i]
+                );
             }
         }
         // teacher-forced along llama.cpp's path
@@ -175,11 +202,18 @@ fn parity_greedy_continuations() {
             let ok = argmax(&l) as i32 == t;
             forced_total += 1;
             forced_agree += ok as usize;
-            assert!(ok || margins[i] < CLOSE_CALL, "prompt {p:?} step {i}: different token at margin {}", margins[i]);
+            assert!(
+                ok || margins[i] < CLOSE_CALL,
+                "prompt {p:?} step {i}: different token at margin {}",
+                margins[i]
+            );
             l = sess.feed(&[t as u32], Logits::Last).unwrap().to_vec();
         }
     }
     eprintln!("{identical}/5 free-running continuations identical; teacher-forced agreement {forced_agree}/{forced_total}");
     assert!(identical >= 1, "no continuation identical to llama.cpp's");
-    assert!(forced_agree * 100 >= forced_total * 95, "teacher-forced agreement {forced_agree}/{forced_total} < 95%");
+    assert!(
+        forced_agree * 100 >= forced_total * 95,
+        "teacher-forced agreement {forced_agree}/{forced_total} < 95%"
+    );
 }

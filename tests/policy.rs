@@ -31,11 +31,19 @@ fn wiki_tokens(g: &Gguf, n: usize) -> Vec<u32> {
 }
 
 fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) -> Evictor {
-    Evictor { budget, n_sink, n_recent, keep_prompt_until: 0, evict_every }
+    Evictor {
+        budget,
+        n_sink,
+        n_recent,
+        keep_prompt_until: 0,
+        evict_every,
+    }
 }
 
 fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
-    let scorer = by_name(name, e.budget, &PolicyArgs { seed }).unwrap().expect("a scorer");
+    let scorer = by_name(name, e.budget, &PolicyArgs { seed })
+        .unwrap()
+        .expect("a scorer");
     KvPolicy { scorer, evictor: e }
 }
 
@@ -47,9 +55,18 @@ fn registry_names_construct_and_describe() {
     assert_eq!(ns.len(), POLICIES.len());
     for (i, p) in POLICIES.iter().enumerate() {
         assert_eq!(ns[i], p.name);
-        assert!(!p.about.trim().is_empty(), "policy {} has no description", p.name);
-        assert!(POLICIES.iter().filter(|q| q.name == p.name).count() == 1, "duplicate {}", p.name);
-        let s = by_name(p.name, 16, &PolicyArgs::default()).unwrap_or_else(|e| panic!("{}: {e}", p.name));
+        assert!(
+            !p.about.trim().is_empty(),
+            "policy {} has no description",
+            p.name
+        );
+        assert!(
+            POLICIES.iter().filter(|q| q.name == p.name).count() == 1,
+            "duplicate {}",
+            p.name
+        );
+        let s = by_name(p.name, 16, &PolicyArgs::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", p.name));
         match p.name {
             "full" => assert!(s.is_none(), "full has no scorer"),
             _ => {
@@ -67,7 +84,9 @@ fn registry_names_construct_and_describe() {
     for must in ["full", "window", "h2o", "tova", "knorm", "random"] {
         assert!(ns.contains(&must), "{must} missing from POLICIES");
     }
-    let e = by_name("lru", 16, &PolicyArgs::default()).unwrap_err().to_string();
+    let e = by_name("lru", 16, &PolicyArgs::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("--policy") && e.contains("'lru'"), "{e}");
     for n in &ns {
         assert!(e.contains(n), "error does not list {n}: {e}");
@@ -95,8 +114,10 @@ fn reference(
         let p = p as usize;
         p < e.n_sink || p < e.keep_prompt_until || (newest as usize) - p < e.n_recent
     };
-    let mut cand: Vec<(f32, i64, u32)> =
-        (0..n_live).filter(|&i| !is_protected(pos[i])).map(|i| (scores[i], pos[i], slots[i])).collect();
+    let mut cand: Vec<(f32, i64, u32)> = (0..n_live)
+        .filter(|&i| !is_protected(pos[i]))
+        .map(|i| (scores[i], pos[i], slots[i]))
+        .collect();
     if cand.len() < need {
         return None;
     }
@@ -108,7 +129,7 @@ fn reference(
 #[test]
 fn select_exact_cases() {
     let mut v = vec![99u32, 98]; // stale content must be cleared
-    // 8 live, slots reversed, positions 0..8
+                                 // 8 live, slots reversed, positions 0..8
     let slots: Vec<u32> = (0..8).rev().collect();
     let pos: Vec<i64> = (0..8).collect();
     let scores = [9.0, 9.0, 5.0, 1.0, 3.0, 0.5, 7.0, -100.0];
@@ -133,8 +154,19 @@ fn select_exact_cases() {
     assert_eq!(v, vec![slots[5]]);
 
     // keep_prompt_until 5: positions 0..5 protected
-    let kp = Evictor { keep_prompt_until: 5, ..evictor(8, 2, 2, 1) };
-    kp.select(&slots, &pos, &[0.0, 0.0, 0.0, 0.0, 0.0, 4.0, 3.0, 0.0], 2, 9, &mut v).unwrap();
+    let kp = Evictor {
+        keep_prompt_until: 5,
+        ..evictor(8, 2, 2, 1)
+    };
+    kp.select(
+        &slots,
+        &pos,
+        &[0.0, 0.0, 0.0, 0.0, 0.0, 4.0, 3.0, 0.0],
+        2,
+        9,
+        &mut v,
+    )
+    .unwrap();
     assert_eq!(v, vec![slots[7], slots[6]]);
 
     // ties: older position first
@@ -151,11 +183,22 @@ fn select_exact_cases() {
     assert_eq!(v.len(), 5, "positions 2..=6 are the only evictable ones");
 
     // infeasible: everything protected
-    let all = Evictor { keep_prompt_until: 8, ..evictor(8, 2, 2, 1) };
-    let err = all.select(&slots, &pos, &scores, 1, 8, &mut v).unwrap_err().to_string();
-    assert!(err.contains("--kv-budget") && err.contains("budget 8"), "{err}");
+    let all = Evictor {
+        keep_prompt_until: 8,
+        ..evictor(8, 2, 2, 1)
+    };
+    let err = all
+        .select(&slots, &pos, &scores, 1, 8, &mut v)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--kv-budget") && err.contains("budget 8"),
+        "{err}"
+    );
     let recent_all = evictor(8, 0, 100, 1);
-    assert!(recent_all.select(&slots, &pos, &scores, 1, 8, &mut v).is_err());
+    assert!(recent_all
+        .select(&slots, &pos, &scores, 1, 8, &mut v)
+        .is_err());
     // not enough evictable for a big chunk
     let e = evictor(8, 2, 2, 1);
     assert!(e.select(&slots, &pos, &scores, 7, 14, &mut v).is_err());
@@ -186,8 +229,15 @@ fn select_matches_brute_force_on_random_cases() {
         slots.truncate(n_live);
         // few distinct values half the time, to force ties
         let ties = r(2) == 0;
-        let scores: Vec<f32> =
-            (0..n_live).map(|_| if ties { r(4) as f32 } else { r(1 << 20) as f32 / 1024.0 - 512.0 }).collect();
+        let scores: Vec<f32> = (0..n_live)
+            .map(|_| {
+                if ties {
+                    r(4) as f32
+                } else {
+                    r(1 << 20) as f32 / 1024.0 - 512.0
+                }
+            })
+            .collect();
         let n_new = 1 + r(8) as usize;
         let newest = horizon + n_new as i64 - 1 + r(3) as i64;
         let e = Evictor {
@@ -209,7 +259,10 @@ fn select_matches_brute_force_on_random_cases() {
                 assert!(v.len() >= need);
                 for &s in &v {
                     let i = slots.iter().position(|&x| x == s).unwrap();
-                    assert!(!e.protected(pos[i], newest), "case {case}: protected victim");
+                    assert!(
+                        !e.protected(pos[i], newest),
+                        "case {case}: protected victim"
+                    );
                 }
             }
             (Err(_), None) => n_err += 1,
@@ -229,31 +282,66 @@ fn check_step(s: &Session, keep_prompt: usize, what: &str) {
     let (budget, sink, recent) = (e.budget, e.n_sink, e.n_recent);
     let n_past = s.n_past;
     let n_live = s.kv.cells.n_live();
-    assert!(n_live <= budget, "{what}: {n_live} resident > budget {budget} at n_past {n_past}");
-    assert!(s.kv.peak_live <= budget, "{what}: peak {} > budget {budget} at n_past {n_past}", s.kv.peak_live);
+    assert!(
+        n_live <= budget,
+        "{what}: {n_live} resident > budget {budget} at n_past {n_past}"
+    );
+    assert!(
+        s.kv.peak_live <= budget,
+        "{what}: peak {} > budget {budget} at n_past {n_past}",
+        s.kv.peak_live
+    );
     let (slots, pos) = s.kv.live();
     assert_eq!(slots.len(), n_live, "{what}");
-    assert!(pos.windows(2).all(|w| w[0] < w[1]), "{what}: live() not sorted by position");
+    assert!(
+        pos.windows(2).all(|w| w[0] < w[1]),
+        "{what}: live() not sorted by position"
+    );
     for (&sl, &p) in slots.iter().zip(pos) {
-        assert_eq!(s.kv.cells.pos(sl as usize), Some(p), "{what}: live() disagrees with cells");
+        assert_eq!(
+            s.kv.cells.pos(sl as usize),
+            Some(p),
+            "{what}: live() disagrees with cells"
+        );
     }
-    assert_eq!(s.n_evicted + n_live, n_past, "{what}: evicted + resident != processed");
-    assert_eq!(pos.last().copied(), Some(n_past as i64 - 1), "{what}: newest token not resident");
+    assert_eq!(
+        s.n_evicted + n_live,
+        n_past,
+        "{what}: evicted + resident != processed"
+    );
+    assert_eq!(
+        pos.last().copied(),
+        Some(n_past as i64 - 1),
+        "{what}: newest token not resident"
+    );
     let live = |p: usize| pos.binary_search(&(p as i64)).is_ok();
     for p in 0..sink.min(n_past) {
         assert!(live(p), "{what}: sink {p} evicted at n_past {n_past}");
     }
     for p in n_past.saturating_sub(recent)..n_past {
-        assert!(live(p), "{what}: recent position {p} evicted at n_past {n_past}");
+        assert!(
+            live(p),
+            "{what}: recent position {p} evicted at n_past {n_past}"
+        );
     }
     for p in 0..keep_prompt.min(n_past) {
-        assert!(live(p), "{what}: prompt position {p} evicted at n_past {n_past}");
+        assert!(
+            live(p),
+            "{what}: prompt position {p} evicted at n_past {n_past}"
+        );
     }
     // eviction only as needed: at most evict_every-1 below the budget
     let floor = n_past.min(budget + 1 - e.evict_every.max(1));
-    assert!(n_live >= floor, "{what}: {n_live} resident, expected at least {floor} (n_past {n_past})");
+    assert!(
+        n_live >= floor,
+        "{what}: {n_live} resident, expected at least {floor} (n_past {n_past})"
+    );
     if e.evict_every <= 1 {
-        assert_eq!(n_live, n_past.min(budget), "{what}: evicted more than needed");
+        assert_eq!(
+            n_live,
+            n_past.min(budget),
+            "{what}: evicted more than needed"
+        );
     }
 }
 
@@ -262,7 +350,14 @@ fn check_step(s: &Session, keep_prompt: usize, what: &str) {
 /// repeating mix of single tokens and small chunks, with one 400-token
 /// chunked feed in the middle (when `big`); checks after every feed.
 /// Returns the number of feeds.
-fn run_budgeted(s: &mut Session, toks: &[u32], keep_prompt: usize, big: bool, what: &str, mut each: impl FnMut(&Session)) -> usize {
+fn run_budgeted(
+    s: &mut Session,
+    toks: &[u32],
+    keep_prompt: usize,
+    big: bool,
+    what: &str,
+    mut each: impl FnMut(&Session),
+) -> usize {
     let prompt = if keep_prompt > 0 { keep_prompt } else { 300 };
     s.feed(&toks[..prompt], Logits::Last).unwrap();
     check_step(s, keep_prompt, what);
@@ -273,12 +368,21 @@ fn run_budgeted(s: &mut Session, toks: &[u32], keep_prompt: usize, big: bool, wh
     let mut feeds = 1;
     let big_at = (toks.len() / 2).max(prompt + 100);
     while i < toks.len() {
-        let n = if big && i >= big_at && i < big_at + 16 { 400 } else { pattern[k % pattern.len()] };
+        let n = if big && i >= big_at && i < big_at + 16 {
+            400
+        } else {
+            pattern[k % pattern.len()]
+        };
         let n = n.min(toks.len() - i);
         let vocab = s.w.config.vocab;
-        let out = s.feed(&toks[i..i + n], Logits::Last).unwrap_or_else(|e| panic!("{what}: feed at {i}: {e}"));
+        let out = s
+            .feed(&toks[i..i + n], Logits::Last)
+            .unwrap_or_else(|e| panic!("{what}: feed at {i}: {e}"));
         assert_eq!(out.len(), vocab);
-        assert!(out.iter().all(|x| x.is_finite()), "{what}: non-finite logits at {i}");
+        assert!(
+            out.iter().all(|x| x.is_finite()),
+            "{what}: non-finite logits at {i}"
+        );
         i += n;
         k += 1;
         feeds += 1;
@@ -297,26 +401,44 @@ fn budget_run(name: &str, n_tokens: usize, evict_every: usize) {
     let p = policy(name, 3, evictor(256, 4, 32, evict_every));
     let mut s = Session::with_policy(&w, n_tokens, THREADS, 512, p).unwrap();
     let nb = s.state.n_batch;
-    assert!(nb >= 1 && nb <= 256 - 4 - 32, "prefill chunk {nb} must fit next to the protected tokens");
+    assert!(
+        nb >= 1 && nb <= 256 - 4 - 32,
+        "prefill chunk {nb} must fit next to the protected tokens"
+    );
     assert!(nb < 300, "the 300-token prompt must take several chunks");
     let feeds = run_budgeted(&mut s, &toks, 0, true, name, |s| {
         if name == "window" && s.n_past > 256 {
             // StreamingLLM: exactly the sinks plus the newest budget - sinks
-            let want: Vec<i64> = (0..4).chain((s.n_past - 252) as i64..s.n_past as i64).collect();
-            assert_eq!(s.kv.live().1, want.as_slice(), "window at n_past {}", s.n_past);
+            let want: Vec<i64> = (0..4)
+                .chain((s.n_past - 252) as i64..s.n_past as i64)
+                .collect();
+            assert_eq!(
+                s.kv.live().1,
+                want.as_slice(),
+                "window at n_past {}",
+                s.n_past
+            );
         }
     });
     assert_eq!(s.n_past, n_tokens);
     if evict_every == 1 {
         assert_eq!(s.kv.peak_live, 256);
     } else {
-        assert!(s.kv.peak_live > 256 - evict_every, "peak {}", s.kv.peak_live);
+        assert!(
+            s.kv.peak_live > 256 - evict_every,
+            "peak {}",
+            s.kv.peak_live
+        );
     }
     assert!(s.n_evicted >= n_tokens - 256);
     // some prompt token (past the sinks) was evicted: prompt is not protected by default
     let pos = s.kv.live().1;
     assert!((4..300).any(|p| pos.binary_search(&p).is_err()));
-    eprintln!("{name}: {n_tokens} tokens, {feeds} feeds, {} evicted, {:.1}s", s.n_evicted, t0.elapsed().as_secs_f64());
+    eprintln!(
+        "{name}: {n_tokens} tokens, {feeds} feeds, {} evicted, {:.1}s",
+        s.n_evicted,
+        t0.elapsed().as_secs_f64()
+    );
 }
 
 #[test]
@@ -354,7 +476,10 @@ fn every_policy_has_a_budget_test() {
     // the list above must cover the registry
     let covered = ["full", "window", "h2o", "tova", "knorm", "random"];
     for n in names() {
-        assert!(covered.contains(&n), "policy {n} has no budget test in tests/policy.rs");
+        assert!(
+            covered.contains(&n),
+            "policy {n} has no budget test in tests/policy.rs"
+        );
     }
 }
 
@@ -366,17 +491,30 @@ fn keep_prompt_is_never_evicted() {
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 500);
     let n_prompt = 150;
-    let e = Evictor { keep_prompt_until: usize::MAX, ..evictor(256, 4, 32, 1) };
+    let e = Evictor {
+        keep_prompt_until: usize::MAX,
+        ..evictor(256, 4, 32, 1)
+    };
     let mut s = Session::with_policy(&w, 500, THREADS, 512, policy("random", 5, e)).unwrap();
     s.protect_prompt(n_prompt);
-    assert_eq!(s.policy.as_ref().unwrap().evictor.keep_prompt_until, n_prompt);
+    assert_eq!(
+        s.policy.as_ref().unwrap().evictor.keep_prompt_until,
+        n_prompt
+    );
     run_budgeted(&mut s, &toks, n_prompt, false, "random+keep-prompt", |_| {});
     assert!(s.n_evicted >= 500 - 256);
     let pos = s.kv.live().1;
     assert!((0..n_prompt as i64).all(|p| pos.binary_search(&p).is_ok()));
 
     // protect_prompt is a no-op when the policy does not keep the prompt
-    let mut s = Session::with_policy(&w, 500, THREADS, 512, policy("random", 5, evictor(256, 4, 32, 1))).unwrap();
+    let mut s = Session::with_policy(
+        &w,
+        500,
+        THREADS,
+        512,
+        policy("random", 5, evictor(256, 4, 32, 1)),
+    )
+    .unwrap();
     s.protect_prompt(n_prompt);
     assert_eq!(s.policy.as_ref().unwrap().evictor.keep_prompt_until, 0);
 }
@@ -388,7 +526,10 @@ fn keep_prompt_infeasible_is_an_error() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 80);
-    let e = Evictor { keep_prompt_until: usize::MAX, ..evictor(64, 4, 16, 1) };
+    let e = Evictor {
+        keep_prompt_until: usize::MAX,
+        ..evictor(64, 4, 16, 1)
+    };
     let mut s = Session::with_policy(&w, 128, THREADS, 512, policy("knorm", 0, e)).unwrap();
     s.protect_prompt(60);
     s.feed(&toks[..60], Logits::Last).unwrap();
@@ -406,9 +547,13 @@ fn keep_prompt_infeasible_is_an_error() {
 fn with_policy_rejects_impossible_budgets() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    let err = Session::with_policy(&w, 64, 1, 8, policy("window", 0, evictor(0, 0, 0, 1))).unwrap_err().to_string();
+    let err = Session::with_policy(&w, 64, 1, 8, policy("window", 0, evictor(0, 0, 0, 1)))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("--kv-budget"), "{err}");
-    let err = Session::with_policy(&w, 64, 1, 8, policy("window", 0, evictor(36, 4, 32, 1))).unwrap_err().to_string();
+    let err = Session::with_policy(&w, 64, 1, 8, policy("window", 0, evictor(36, 4, 32, 1)))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("--kv-budget"), "{err}");
     let s = Session::with_policy(&w, 64, 1, 8, policy("window", 0, evictor(37, 4, 32, 1))).unwrap();
     assert_eq!(s.state.n_batch, 1);
@@ -447,9 +592,20 @@ fn budget_never_reached_is_bit_identical_to_full() {
     assert!(first == again, "Session::new is not deterministic");
     for name in names().into_iter().filter(|&n| n != "full") {
         // budget exactly the text length (boundary: resident + new == budget) and a larger one
-        let budgets: &[usize] = if name == "window" { &[200, 1024] } else { &[200] };
+        let budgets: &[usize] = if name == "window" {
+            &[200, 1024]
+        } else {
+            &[200]
+        };
         for &budget in budgets {
-            let mut s = Session::with_policy(&w, 256, THREADS, 64, policy(name, 1, evictor(budget, 4, 32, 1))).unwrap();
+            let mut s = Session::with_policy(
+                &w,
+                256,
+                THREADS,
+                64,
+                policy(name, 1, evictor(budget, 4, 32, 1)),
+            )
+            .unwrap();
             let full = reference(s.state.n_batch);
             let got = logits_200(&mut s, &toks);
             assert_eq!(s.n_evicted, 0, "{name} budget {budget}");
@@ -474,7 +630,11 @@ fn knorm_score(kv: &kvrun::kv::KvCache, slot: usize) -> f32 {
     let mut n = 0;
     for l in 0..kv.n_layers {
         for k in kv.k_row(l, slot).chunks_exact(kv.head_dim) {
-            total += k.iter().map(|x| (x.to_f32() as f64).powi(2)).sum::<f64>().sqrt();
+            total += k
+                .iter()
+                .map(|x| (x.to_f32() as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
             n += 1;
         }
     }
@@ -488,7 +648,14 @@ fn knorm_evicts_the_lowest_scored() {
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 300);
     let (budget, sink, recent) = (128, 4, 16);
-    let mut s = Session::with_policy(&w, 300, THREADS, 512, policy("knorm", 0, evictor(budget, sink, recent, 1))).unwrap();
+    let mut s = Session::with_policy(
+        &w,
+        300,
+        THREADS,
+        512,
+        policy("knorm", 0, evictor(budget, sink, recent, 1)),
+    )
+    .unwrap();
     s.feed(&toks[..200], Logits::Last).unwrap();
     let mut checked = 0;
     for (i, &t) in toks.iter().enumerate().skip(200) {
@@ -497,16 +664,30 @@ fn knorm_evicts_the_lowest_scored() {
             (a.to_vec(), b.to_vec())
         };
         let mut scores = vec![0f32; slots.len()];
-        s.policy.as_mut().unwrap().scorer.score(&s.kv, &slots, &pos, &mut scores);
+        s.policy
+            .as_mut()
+            .unwrap()
+            .scorer
+            .score(&s.kv, &slots, &pos, &mut scores);
         for (j, &sl) in slots.iter().enumerate() {
             let want = knorm_score(&s.kv, sl as usize);
-            assert!((scores[j] - want).abs() <= 1e-4 * want.abs().max(1.0), "knorm score {} vs recomputed {want}", scores[j]);
+            assert!(
+                (scores[j] - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "knorm score {} vs recomputed {want}",
+                scores[j]
+            );
             assert!(scores[j] < 0.0);
         }
         s.feed(&[t], Logits::Last).unwrap();
         let after = s.kv.live().1;
-        let victims: Vec<usize> = (0..pos.len()).filter(|&j| after.binary_search(&pos[j]).is_err()).collect();
-        assert_eq!(victims.len(), 1, "exactly one eviction per decode step at the budget (token {i})");
+        let victims: Vec<usize> = (0..pos.len())
+            .filter(|&j| after.binary_search(&pos[j]).is_err())
+            .collect();
+        assert_eq!(
+            victims.len(),
+            1,
+            "exactly one eviction per decode step at the budget (token {i})"
+        );
         let v = victims[0];
         let newest = i as i64;
         let protected = |p: i64| (p as usize) < sink || newest - p < recent as i64;
@@ -515,7 +696,10 @@ fn knorm_evicts_the_lowest_scored() {
             assert!(
                 scores[v] < scores[j] || (scores[v] == scores[j] && pos[v] < pos[j]),
                 "token {i}: evicted pos {} (score {}) but kept pos {} (score {})",
-                pos[v], scores[v], pos[j], scores[j]
+                pos[v],
+                scores[v],
+                pos[j],
+                scores[j]
             );
         }
         // the freed slot is the one the new token takes (ring search, single hole)
@@ -529,7 +713,14 @@ fn knorm_evicts_the_lowest_scored() {
 
 /// Live positions after every feed.
 fn random_history(w: &Weights, toks: &[u32], seed: u64) -> Vec<Vec<i64>> {
-    let mut s = Session::with_policy(w, toks.len(), THREADS, 512, policy("random", seed, evictor(96, 4, 16, 1))).unwrap();
+    let mut s = Session::with_policy(
+        w,
+        toks.len(),
+        THREADS,
+        512,
+        policy("random", seed, evictor(96, 4, 16, 1)),
+    )
+    .unwrap();
     let mut h = Vec::new();
     s.feed(&toks[..120], Logits::Last).unwrap();
     h.push(s.kv.live().1.to_vec());
@@ -549,7 +740,11 @@ fn random_is_deterministic_per_seed() {
     let b = random_history(&w, &toks, 7);
     let c = random_history(&w, &toks, 8);
     assert_eq!(a, b, "same seed, different evictions");
-    assert_ne!(a.last(), c.last(), "different seeds evicted the same positions");
+    assert_ne!(
+        a.last(),
+        c.last(),
+        "different seeds evicted the same positions"
+    );
 }
 
 // ------------------------------------------------------------ 7. attention mass
@@ -559,7 +754,14 @@ fn tova_scores_are_a_probability_row() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 230);
-    let mut s = Session::with_policy(&w, 230, THREADS, 512, policy("tova", 0, evictor(96, 4, 32, 1))).unwrap();
+    let mut s = Session::with_policy(
+        &w,
+        230,
+        THREADS,
+        512,
+        policy("tova", 0, evictor(96, 4, 32, 1)),
+    )
+    .unwrap();
     assert!(s.state.n_batch < 150, "prompt must be chunked");
     let sum_live = |s: &mut Session| {
         let (slots, pos) = {
@@ -567,8 +769,15 @@ fn tova_scores_are_a_probability_row() {
             (a.to_vec(), b.to_vec())
         };
         let mut sc = vec![0f32; slots.len()];
-        s.policy.as_mut().unwrap().scorer.score(&s.kv, &slots, &pos, &mut sc);
-        assert!(sc.iter().all(|&x| (0.0..=1.0).contains(&x)), "scores outside [0, 1]: {sc:?}");
+        s.policy
+            .as_mut()
+            .unwrap()
+            .scorer
+            .score(&s.kv, &slots, &pos, &mut sc);
+        assert!(
+            sc.iter().all(|&x| (0.0..=1.0).contains(&x)),
+            "scores outside [0, 1]: {sc:?}"
+        );
         sc.iter().map(|&x| x as f64).sum::<f64>()
     };
     // after a chunked prefill: the last row of the last chunk
@@ -591,14 +800,25 @@ fn h2o_accumulated_mass_is_conserved() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
     let toks = wiki_tokens(&g, 230);
-    let mut s = Session::with_policy(&w, 230, THREADS, 512, policy("h2o", 0, evictor(96, 4, 32, 3))).unwrap();
+    let mut s = Session::with_policy(
+        &w,
+        230,
+        THREADS,
+        512,
+        policy("h2o", 0, evictor(96, 4, 32, 3)),
+    )
+    .unwrap();
     let scores = |s: &mut Session| {
         let (slots, pos) = {
             let (a, b) = s.kv.live();
             (a.to_vec(), b.to_vec())
         };
         let mut sc = vec![0f32; slots.len()];
-        s.policy.as_mut().unwrap().scorer.score(&s.kv, &slots, &pos, &mut sc);
+        s.policy
+            .as_mut()
+            .unwrap()
+            .scorer
+            .score(&s.kv, &slots, &pos, &mut sc);
         (pos, sc)
     };
     let nb = s.state.n_batch;
@@ -606,7 +826,10 @@ fn h2o_accumulated_mass_is_conserved() {
     s.feed(&toks[..60], Logits::Last).unwrap();
     let (_, sc) = scores(&mut s);
     let total: f64 = sc.iter().map(|&x| x as f64).sum();
-    assert!((total - 60.0).abs() < 60.0 * 1e-4, "h2o after 60 rows: {total}");
+    assert!(
+        (total - 60.0).abs() < 60.0 * 1e-4,
+        "h2o after 60 rows: {total}"
+    );
     let mut i = 60;
     let steps = [1usize, 1, 7, 1, 60, 1, 1, 20, 1, 1, 1, 1, 16, 1, 1];
     let mut k = 0;
@@ -618,13 +841,19 @@ fn h2o_accumulated_mass_is_conserved() {
         i += n;
         let (pos1, sc1) = scores(&mut s);
         let before: f64 = sc0.iter().map(|&x| x as f64).sum();
-        let lost: f64 = pos0.iter().zip(&sc0).filter(|(p, _)| pos1.binary_search(p).is_err()).map(|(_, &x)| x as f64).sum();
+        let lost: f64 = pos0
+            .iter()
+            .zip(&sc0)
+            .filter(|(p, _)| pos1.binary_search(p).is_err())
+            .map(|(_, &x)| x as f64)
+            .sum();
         let after: f64 = sc1.iter().map(|&x| x as f64).sum();
         let want = before - lost + n as f64;
-        assert!((after - want).abs() < 1e-4 * want.max(1.0), "at {i}: h2o total {after}, expected {want}");
+        assert!(
+            (after - want).abs() < 1e-4 * want.max(1.0),
+            "at {i}: h2o total {after}, expected {want}"
+        );
         assert!(sc1.iter().all(|&x| x >= 0.0));
     }
     assert!(s.n_evicted > 0);
 }
-
-

@@ -33,8 +33,12 @@ fn scratch_dir(name: &str) -> PathBuf {
     if cfg!(target_os = "linux") {
         for e in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
             let fname = e.file_name().to_string_lossy().into_owned();
-            let pid = fname.strip_prefix("kvrun-hf-").and_then(|r| r.split('-').next()?.parse::<u32>().ok());
-            if pid.is_some_and(|p| p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists()) {
+            let pid = fname
+                .strip_prefix("kvrun-hf-")
+                .and_then(|r| r.split('-').next()?.parse::<u32>().ok());
+            if pid.is_some_and(|p| {
+                p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists()
+            }) {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
@@ -59,8 +63,10 @@ fn safetensors_bytes(tensors: &[St]) -> Vec<u8> {
     let mut off = 0u64;
     for t in tensors {
         let end = off + t.bytes.len() as u64;
-        header
-            .insert(t.name.clone(), json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, end]}));
+        header.insert(
+            t.name.clone(),
+            json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, end]}),
+        );
         off = end;
     }
     header.insert("__metadata__".into(), json!({"format": "pt"}));
@@ -95,16 +101,25 @@ fn unpermute(rows: &[f32], n_in: usize, n_out: usize, n_head: usize) -> Vec<f32>
 }
 
 fn meta_u(g: &Gguf, k: &str) -> u64 {
-    g.get(k).and_then(Value::as_i64).unwrap_or_else(|| panic!("{k}")) as u64
+    g.get(k)
+        .and_then(Value::as_i64)
+        .unwrap_or_else(|| panic!("{k}")) as u64
 }
 fn meta_f(g: &Gguf, k: &str) -> f64 {
-    g.get(k).and_then(Value::as_f64).unwrap_or_else(|| panic!("{k}"))
+    g.get(k)
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("{k}"))
 }
 
 /// tokenizer.json + tokenizer_config.json equivalent to the GGUF vocabulary.
 fn write_tokenizer(g: &Gguf, dir: &Path) {
     let strs = |k: &str| -> Vec<String> {
-        g.get(k).and_then(Value::as_array).unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect()
+        g.get(k)
+            .and_then(Value::as_array)
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_owned())
+            .collect()
     };
     let tokens = strs("tokenizer.ggml.tokens");
     let merges = strs("tokenizer.ggml.merges");
@@ -150,7 +165,11 @@ fn write_tokenizer(g: &Gguf, dir: &Path) {
         "model_max_length": 8192,
         "tokenizer_class": "GPT2Tokenizer"
     });
-    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_vec_pretty(&tc).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_vec_pretty(&tc).unwrap(),
+    )
+    .unwrap();
 }
 
 /// The HF directory built from the default model (once per test process).
@@ -176,20 +195,34 @@ fn hf_dir() -> &'static Path {
                 f = unpermute(&f, n_in, n_out, n_kv);
             }
             let (dtype, bytes): (&'static str, Vec<u8>) = match info.name.as_str() {
-                "blk.0.ffn_down.weight" => {
-                    ("F16", f.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect())
-                }
-                "blk.1.ffn_up.weight" => {
-                    ("BF16", f.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect())
-                }
+                "blk.0.ffn_down.weight" => (
+                    "F16",
+                    f.iter()
+                        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                        .collect(),
+                ),
+                "blk.1.ffn_up.weight" => (
+                    "BF16",
+                    f.iter()
+                        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                        .collect(),
+                ),
                 _ => ("F32", bytemuck::cast_slice(&f).to_vec()),
             };
             let shape: Vec<u64> = info.dims.iter().rev().copied().collect();
-            let name = hf_name(&info.name).unwrap_or_else(|| panic!("no HF name for {}", info.name));
-            let layer: Option<usize> =
-                info.name.strip_prefix("blk.").and_then(|r| r.split('.').next()?.parse().ok());
+            let name =
+                hf_name(&info.name).unwrap_or_else(|| panic!("no HF name for {}", info.name));
+            let layer: Option<usize> = info
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next()?.parse().ok());
             let file = usize::from(layer.is_some_and(|l| l >= n_layers / 2));
-            files[file].push(St { name, dtype, shape, bytes });
+            files[file].push(St {
+                name,
+                dtype,
+                shape,
+                bytes,
+            });
         }
         let mut weight_map = Map::new();
         for (i, ts) in files.iter().enumerate() {
@@ -224,7 +257,11 @@ fn hf_dir() -> &'static Path {
             "eos_token_id": meta_u(&g, "tokenizer.ggml.eos_token_id"),
             "torch_dtype": "float32"
         });
-        std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_vec_pretty(&cfg).unwrap(),
+        )
+        .unwrap();
         write_tokenizer(&g, &dir);
         dir
     })
@@ -245,7 +282,9 @@ fn all_logits(w: &Weights<'_>, tokens: &[u32]) -> Vec<f32> {
 }
 
 fn argmax(x: &[f32]) -> usize {
-    x.iter().enumerate().fold(0, |b, (i, &v)| if v > x[b] { i } else { b })
+    x.iter()
+        .enumerate()
+        .fold(0, |b, (i, &v)| if v > x[b] { i } else { b })
 }
 
 /// (argmax agreement fraction, max over rows of max|a-b| / max|ref|).
@@ -253,10 +292,16 @@ fn compare(reference: &[f32], got: &[f32], vocab: usize) -> (f64, f64) {
     let rows = reference.len() / vocab;
     let (mut agree, mut worst) = (0usize, 0f64);
     for r in 0..rows {
-        let (a, b) = (&reference[r * vocab..(r + 1) * vocab], &got[r * vocab..(r + 1) * vocab]);
+        let (a, b) = (
+            &reference[r * vocab..(r + 1) * vocab],
+            &got[r * vocab..(r + 1) * vocab],
+        );
         agree += usize::from(argmax(a) == argmax(b));
         let scale = a.iter().fold(0f32, |m, &x| m.max(x.abs())) as f64;
-        let diff = a.iter().zip(b).fold(0f32, |m, (&x, &y)| m.max((x - y).abs())) as f64;
+        let diff = a
+            .iter()
+            .zip(b)
+            .fold(0f32, |m, (&x, &y)| m.max((x - y).abs())) as f64;
         worst = worst.max(diff / scale);
     }
     (agree as f64 / rows as f64, worst)
@@ -270,7 +315,17 @@ fn hf_dir_config_matches_gguf() {
     let c = ck.config().unwrap();
     assert_eq!(c.arch, want.arch);
     assert_eq!(
-        (c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab, c.n_rot, c.n_ctx_train),
+        (
+            c.n_layers,
+            c.dim,
+            c.ffn_dim,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.vocab,
+            c.n_rot,
+            c.n_ctx_train
+        ),
         (
             want.n_layers,
             want.dim,
@@ -287,15 +342,28 @@ fn hf_dir_config_matches_gguf() {
         (c.norm_eps, c.rope_base, c.rope_pos_scale, c.tied_output),
         (want.norm_eps, want.rope_base, 1.0, true)
     );
-    assert_eq!(c.rope_style, RopeStyle::Neox, "HF llama Q/K are unpermuted: NeoX rotation");
+    assert_eq!(
+        c.rope_style,
+        RopeStyle::Neox,
+        "HF llama Q/K are unpermuted: NeoX rotation"
+    );
     assert_eq!(want.rope_style, RopeStyle::Normal);
     // The weights borrow the maps (F32 / F16 / BF16 all zero-copy).
     let w = ck.weights().unwrap();
     assert_eq!(w.token_embd.dtype, kvrun::tensor::DType::F32);
     assert_eq!(w.layers[0].w_down.dtype, kvrun::tensor::DType::F16);
     assert_eq!(w.layers[1].w_up.dtype, kvrun::tensor::DType::BF16);
-    for m in [&w.token_embd, &w.layers[0].wq, &w.layers[0].w_down, &w.layers[1].w_up, &w.layers[29].wk] {
-        assert!(matches!(m.bytes, std::borrow::Cow::Borrowed(_)), "{m:?} was copied");
+    for m in [
+        &w.token_embd,
+        &w.layers[0].wq,
+        &w.layers[0].w_down,
+        &w.layers[1].w_up,
+        &w.layers[29].wk,
+    ] {
+        assert!(
+            matches!(m.bytes, std::borrow::Cow::Borrowed(_)),
+            "{m:?} was copied"
+        );
     }
     assert!(w.output.is_none());
 }
@@ -324,8 +392,14 @@ fn hf_dir_logits_match_gguf_and_rope_style_matters() {
     eprintln!(
         "HF with the wrong RoPE (Normal): argmax agreement {agree_bad:.3}, max rel logit err {rel_bad:.4}"
     );
-    assert!(agree_bad <= agree - 0.2, "wrong RoPE style should be clearly worse: {agree_bad} vs {agree}");
-    assert!(rel_bad >= 2.0 * rel, "wrong RoPE style should be clearly worse: {rel_bad} vs {rel}");
+    assert!(
+        agree_bad <= agree - 0.2,
+        "wrong RoPE style should be clearly worse: {agree_bad} vs {agree}"
+    );
+    assert!(
+        rel_bad >= 2.0 * rel,
+        "wrong RoPE style should be clearly worse: {rel_bad} vs {rel}"
+    );
 }
 
 #[test]
@@ -337,7 +411,10 @@ fn hf_tokenizer_matches_gguf() {
     let hf = tokenizers::Tokenizer::from_file(hf_dir().join("tokenizer.json"))
         .expect("tokenizers loads our tokenizer.json");
     assert_eq!(tok.n_vocab(), want.n_vocab());
-    assert_eq!((tok.bos(), tok.eos(), tok.add_bos()), (want.bos(), want.eos(), want.add_bos()));
+    assert_eq!(
+        (tok.bos(), tok.eos(), tok.add_bos()),
+        (want.bos(), want.eos(), want.add_bos())
+    );
     assert_eq!(tok.pre_type(), "smollm");
     for id in 0..want.n_vocab() as u32 {
         assert_eq!(tok.is_eog(id), want.is_eog(id), "eog flag of {id}");
@@ -352,13 +429,20 @@ fn hf_tokenizer_matches_gguf() {
         let b = tok.encode(text, true, true).unwrap();
         assert_eq!(a, b, "{text:?}");
         let h = hf.encode(text, false).unwrap();
-        assert_eq!(h.get_ids(), b.as_slice(), "tokenizers crate vs kvrun on {text:?}");
+        assert_eq!(
+            h.get_ids(),
+            b.as_slice(),
+            "tokenizers crate vs kvrun on {text:?}"
+        );
         assert_eq!(tok.decode(&b, true), want.decode(&a, true));
     }
     let msgs = [Message::new("user", "Hi")];
     let t_hf = ck.chat_template().unwrap().expect("template");
     let t_gguf = ChatTemplate::from_gguf(&g).unwrap().unwrap();
-    assert_eq!(t_hf.render(&msgs, true).unwrap(), t_gguf.render(&msgs, true).unwrap());
+    assert_eq!(
+        t_hf.render(&msgs, true).unwrap(),
+        t_gguf.render(&msgs, true).unwrap()
+    );
 }
 
 /// A tiny valid directory: config.json + one safetensors file.
@@ -371,8 +455,10 @@ fn tiny_dir(name: &str) -> (PathBuf, Vec<u8>) {
         bytes: vec![0u8; 4 * shape.iter().product::<u64>() as usize],
         shape,
     };
-    let bytes =
-        safetensors_bytes(&[t("model.embed_tokens.weight", vec![4, 8]), t("model.norm.weight", vec![8])]);
+    let bytes = safetensors_bytes(&[
+        t("model.embed_tokens.weight", vec![4, 8]),
+        t("model.norm.weight", vec![8]),
+    ]);
     (dir, bytes)
 }
 
@@ -393,7 +479,9 @@ fn truncated_safetensors_is_one_clear_error() {
     std::fs::write(&f, &bytes[..bytes.len() - 10]).unwrap();
     let e = open_err(&dir);
     assert!(
-        e.contains("model.safetensors") && e.contains("truncated") && e.contains("model.norm.weight"),
+        e.contains("model.safetensors")
+            && e.contains("truncated")
+            && e.contains("model.norm.weight"),
         "{e}"
     );
     assert_eq!(e.lines().count(), 1, "{e}");
@@ -401,7 +489,10 @@ fn truncated_safetensors_is_one_clear_error() {
     // Cut inside the header, and a file shorter than the length prefix.
     std::fs::write(&f, &bytes[..40]).unwrap();
     let e = open_err(&dir);
-    assert!(e.contains("header length") && e.contains("truncated"), "{e}");
+    assert!(
+        e.contains("header length") && e.contains("truncated"),
+        "{e}"
+    );
     std::fs::write(&f, &bytes[..5]).unwrap();
     let e = open_err(&dir);
     assert!(e.contains("not a safetensors file"), "{e}");
@@ -428,16 +519,27 @@ fn bad_checkpoints_are_clear_errors() {
     }]);
     std::fs::write(dir.join("model.safetensors"), &st).unwrap();
     let ck = HfCheckpoint::open(&dir).unwrap();
-    assert!(ck.config().unwrap_err().to_string().contains("model.embed_tokens.weight"));
+    assert!(ck
+        .config()
+        .unwrap_err()
+        .to_string()
+        .contains("model.embed_tokens.weight"));
     // Offsets that disagree with the shape.
     let pos = st.windows(5).position(|w| w == b"[0,8]").unwrap();
     st[pos + 3] = b'4';
     std::fs::write(dir.join("model.safetensors"), &st).unwrap();
     let e = open_err(&dir);
-    assert!(e.contains("model.norm.weight") && e.contains("needs 8"), "{e}");
+    assert!(
+        e.contains("model.norm.weight") && e.contains("needs 8"),
+        "{e}"
+    );
     std::fs::write(dir.join("config.json"), br#"{"model_type":"gpt_neox"}"#).unwrap();
     std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
-    let e = HfCheckpoint::open(&dir).unwrap().config().unwrap_err().to_string();
+    let e = HfCheckpoint::open(&dir)
+        .unwrap()
+        .config()
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("gpt_neox"), "{e}");
 }
 
@@ -450,9 +552,18 @@ fn gguf_to_hf_names() {
         ("blk.7.attn_q.bias", "model.layers.7.self_attn.q_proj.bias"),
         ("blk.7.attn_k.bias", "model.layers.7.self_attn.k_proj.bias"),
         ("blk.7.attn_v.bias", "model.layers.7.self_attn.v_proj.bias"),
-        ("blk.12.attn_output.weight", "model.layers.12.self_attn.o_proj.weight"),
-        ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight"),
-        ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight"),
+        (
+            "blk.12.attn_output.weight",
+            "model.layers.12.self_attn.o_proj.weight",
+        ),
+        (
+            "blk.0.ffn_norm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+        ),
+        (
+            "blk.0.ffn_gate.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+        ),
     ] {
         assert_eq!(hf_name(g).as_deref(), Some(h), "{g}");
     }

@@ -9,7 +9,10 @@ use kvrun::sweep::{merge_reports, to_csv, to_svg, Metric, CSV_HEADER};
 use std::process::Command;
 
 fn field<'a>(header: &[&str], row: &'a [&'a str], name: &str) -> &'a str {
-    let i = header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"));
+    let i = header
+        .iter()
+        .position(|h| *h == name)
+        .unwrap_or_else(|| panic!("no column {name}"));
     row[i]
 }
 
@@ -26,20 +29,56 @@ fn sweep_window_random_on_wikitext() {
         .arg(&model)
         .arg("-f")
         .arg(&text)
-        .args(["--ctx", "192", "--chunk", "8", "--policies", "window,random", "--budgets", "64,256"])
-        .args(["--kv-recent", "16", "--segment-last", "32", "-t", "2", "--out"])
+        .args([
+            "--ctx",
+            "192",
+            "--chunk",
+            "8",
+            "--policies",
+            "window,random",
+            "--budgets",
+            "64,256",
+        ])
+        .args([
+            "--kv-recent",
+            "16",
+            "--segment-last",
+            "32",
+            "-t",
+            "2",
+            "--out",
+        ])
         .arg(&prefix)
         .output()
         .expect("run kvrun");
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "exit {:?}\nstderr:\n{stderr}", out.status);
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstderr:\n{stderr}",
+        out.status
+    );
     // one progress line per run, a markdown table on stdout
-    for (i, tag) in ["[1/4] window 64:", "[2/4] window 256:", "[3/4] random 64:", "[4/4] random 256:"].iter().enumerate() {
+    for (i, tag) in [
+        "[1/4] window 64:",
+        "[2/4] window 256:",
+        "[3/4] random 64:",
+        "[4/4] random 256:",
+    ]
+    .iter()
+    .enumerate()
+    {
         assert!(stderr.contains(tag), "progress line {i} missing: {stderr}");
     }
     assert!(stdout.starts_with("| policy | budget |"), "{stdout}");
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("| window") || l.starts_with("| random")).count(), 4, "{stdout}");
+    assert_eq!(
+        stdout
+            .lines()
+            .filter(|l| l.starts_with("| window") || l.starts_with("| random"))
+            .count(),
+        4,
+        "{stdout}"
+    );
 
     // CSV
     let csv = std::fs::read_to_string(prefix.with_extension("csv")).expect("s.csv");
@@ -52,7 +91,11 @@ fn sweep_window_random_on_wikitext() {
     for line in &lines[1..] {
         let row: Vec<&str> = line.split(',').collect();
         assert_eq!(row.len(), header.len(), "{line}");
-        let num = |n: &str| field(&header, &row, n).parse::<f64>().unwrap_or_else(|e| panic!("{n} in {line}: {e}"));
+        let num = |n: &str| {
+            field(&header, &row, n)
+                .parse::<f64>()
+                .unwrap_or_else(|e| panic!("{n} in {line}: {e}"))
+        };
         let budget = num("budget") as usize;
         n_tokens = num("n_tokens") as usize;
         assert_eq!(n_tokens, 192);
@@ -77,7 +120,10 @@ fn sweep_window_random_on_wikitext() {
         }
         assert!(num("peak_kv_bytes") > 0.0 && num("tok_s") > 0.0, "{line}");
     }
-    let policies: Vec<&str> = lines[1..].iter().map(|l| l.split(',').next().unwrap()).collect();
+    let policies: Vec<&str> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').next().unwrap())
+        .collect();
     assert_eq!(policies, ["window", "window", "random", "random"]);
 
     // JSON
@@ -86,7 +132,10 @@ fn sweep_window_random_on_wikitext() {
     let arr = v.as_array().expect("a JSON array");
     assert_eq!(arr.len(), 4);
     for r in arr {
-        assert!(r["policy"].is_string() && r["budget"].is_u64() && r["all"]["kl"].is_number(), "{r}");
+        assert!(
+            r["policy"].is_string() && r["budget"].is_u64() && r["all"]["kl"].is_number(),
+            "{r}"
+        );
         assert_eq!(r["n_tokens"].as_u64(), Some(n_tokens as u64));
         assert!(r["segment"]["top1_agree"].is_number(), "{r}");
     }
@@ -94,17 +143,28 @@ fn sweep_window_random_on_wikitext() {
     // SVG
     let svg = std::fs::read_to_string(prefix.with_extension("svg")).expect("s.svg");
     check_svg(&svg, &["window", "random"], true);
-    assert!(svg.contains("wikitext2_test_lf.txt") && svg.contains("KL"), "title");
-    assert!(svg.contains("text length 192"), "the no-eviction boundary is marked");
+    assert!(
+        svg.contains("wikitext2_test_lf.txt") && svg.contains("KL"),
+        "title"
+    );
+    assert!(
+        svg.contains("text length 192"),
+        "the no-eviction boundary is marked"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Rough well-formedness: balanced tags, one line per policy (two with a segment), legend names.
 fn check_svg(svg: &str, policies: &[&str], seg: bool) {
-    assert!(svg.trim_start().starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+    assert!(
+        svg.trim_start().starts_with("<svg"),
+        "{}",
+        &svg[..svg.len().min(200)]
+    );
     assert!(svg.trim_end().ends_with("</svg>"));
     for tag in ["svg", "g", "text", "circle"] {
-        let open = svg.matches(&format!("<{tag} ")).count() + svg.matches(&format!("<{tag}>")).count();
+        let open =
+            svg.matches(&format!("<{tag} ")).count() + svg.matches(&format!("<{tag}>")).count();
         let opener = format!("<{tag} ");
         let self_closed = svg.split(&opener).skip(1).filter(|s| {
             let end = s.find('>').unwrap();
@@ -114,17 +174,39 @@ fn check_svg(svg: &str, policies: &[&str], seg: bool) {
         assert_eq!(open, close + self_closed.count(), "<{tag}> unbalanced");
     }
     let lines = svg.matches("<polyline").count() + svg.matches("<path").count();
-    assert_eq!(lines, policies.len() * if seg { 2 } else { 1 }, "one line per policy (and segment)");
+    assert_eq!(
+        lines,
+        policies.len() * if seg { 2 } else { 1 },
+        "one line per policy (and segment)"
+    );
     for p in policies {
-        assert!(svg.contains(&format!(r#"data-policy="{p}""#)), "no group for {p}");
+        assert!(
+            svg.contains(&format!(r#"data-policy="{p}""#)),
+            "no group for {p}"
+        );
         assert!(svg.contains(&format!(">{p}</text>")), "legend lacks {p}");
-        assert_eq!(svg.contains(&format!(">{p} (segment)</text>")), seg, "segment legend for {p}");
+        assert_eq!(
+            svg.contains(&format!(">{p} (segment)</text>")),
+            seg,
+            "segment legend for {p}"
+        );
     }
-    assert!(!svg.contains("NaN") && !svg.contains("inf\"") && !svg.contains("inf,"), "non-finite coordinates");
+    assert!(
+        !svg.contains("NaN") && !svg.contains("inf\"") && !svg.contains("inf,"),
+        "non-finite coordinates"
+    );
 }
 
 fn fid(n: usize, ppl: f64, kl: f64, top1: f64) -> Fidelity {
-    Fidelity { n, ppl, ppl_full: ppl * 0.9, ppl_err: ppl * 0.05, delta_nll: (1.0f64 / 0.9).ln(), kl, top1_agree: top1 }
+    Fidelity {
+        n,
+        ppl,
+        ppl_full: ppl * 0.9,
+        ppl_err: ppl * 0.05,
+        delta_nll: (1.0f64 / 0.9).ln(),
+        kl,
+        top1_agree: top1,
+    }
 }
 
 fn report(policy: &str, budget: usize, n: usize, kl: f64, seg: bool) -> PplReport {
@@ -156,8 +238,16 @@ fn plot_and_csv_helpers() {
         assert!(svg.contains("text length 700"));
     }
     // names and sources are escaped
-    let svg = to_svg(&[report("a<&>", 64, 100, 0.1, false)], Metric::Kl, "a & b.txt", None);
-    assert!(svg.contains("a &amp; b.txt") && svg.contains(">a&lt;&amp;&gt;</text>"), "{svg}");
+    let svg = to_svg(
+        &[report("a<&>", 64, 100, 0.1, false)],
+        Metric::Kl,
+        "a & b.txt",
+        None,
+    );
+    assert!(
+        svg.contains("a &amp; b.txt") && svg.contains(">a&lt;&amp;&gt;</text>"),
+        "{svg}"
+    );
     // a single budget, constant values: still finite coordinates
     let one = vec![report("window", 64, 10, 0.0, true)];
     check_svg(&to_svg(&one, Metric::Kl, "x", Some(11)), &["window"], true);
@@ -175,13 +265,20 @@ fn plot_and_csv_helpers() {
     assert_eq!(m.all.n, 400);
     assert!((m.all.kl - (0.1 * 100.0 + 0.3 * 300.0) / 400.0).abs() < 1e-12);
     let want_ppl = ((100.0 * 20f64.ln() + 300.0 * 80f64.ln()) / 400.0).exp();
-    assert!((m.all.ppl - want_ppl).abs() < 1e-9 * want_ppl, "{} vs {want_ppl}", m.all.ppl);
+    assert!(
+        (m.all.ppl - want_ppl).abs() < 1e-9 * want_ppl,
+        "{} vs {want_ppl}",
+        m.all.ppl
+    );
     assert_eq!(m.segment.as_ref().unwrap().n, 100);
     assert_eq!(m.evicted, a.evicted + b.evicted);
     assert_eq!(m.n_tokens, a.n_tokens + b.n_tokens);
     // one record: unchanged
     let s = merge_reports(std::slice::from_ref(&a));
-    assert_eq!(serde_json::to_string(&s).unwrap(), serde_json::to_string(&a).unwrap());
+    assert_eq!(
+        serde_json::to_string(&s).unwrap(),
+        serde_json::to_string(&a).unwrap()
+    );
 }
 
 #[test]
@@ -189,7 +286,10 @@ fn bad_sweep_arguments_fail_fast() {
     let text = util::shared("wikitext2_test_lf.txt");
     for (args, want) in [
         (vec!["--policies", "window,nope"], "unknown policy"),
-        (vec!["--policies", "h2o", "--budgets", "16", "--kv-recent", "16"], "cannot hold"),
+        (
+            vec!["--policies", "h2o", "--budgets", "16", "--kv-recent", "16"],
+            "cannot hold",
+        ),
         (vec!["--records", "2"], "--records"),
         (vec!["--metric", "bogus"], "bogus"),
     ] {
@@ -211,12 +311,24 @@ fn sweep_flags_are_consistent() {
     use clap::CommandFactory;
     // clap's own consistency checks (duplicate flags, bad defaults) only run in debug builds
     let mut cli = kvrun::cli::Cli::command();
-    let sweep = cli.find_subcommand_mut("eval").unwrap().find_subcommand_mut("sweep").expect("eval sweep").clone();
+    let sweep = cli
+        .find_subcommand_mut("eval")
+        .unwrap()
+        .find_subcommand_mut("sweep")
+        .expect("eval sweep")
+        .clone();
     sweep.debug_assert();
-    let c = kvrun::cli::parse(["kvrun", "eval", "sweep", "-f", "x.txt"].map(String::from)).expect("defaults parse");
-    let Some(kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Sweep(a))) = c.cmd else { panic!("not a sweep") };
+    let c = kvrun::cli::parse(["kvrun", "eval", "sweep", "-f", "x.txt"].map(String::from))
+        .expect("defaults parse");
+    let Some(kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Sweep(a))) = c.cmd else {
+        panic!("not a sweep")
+    };
     assert_eq!(a.budgets, [256, 512, 1024, 2048]);
     assert_eq!(a.metric, Metric::Kl);
-    let want: Vec<String> = kvrun::policy::names().into_iter().filter(|&n| n != "full").map(String::from).collect();
+    let want: Vec<String> = kvrun::policy::names()
+        .into_iter()
+        .filter(|&n| n != "full")
+        .map(String::from)
+        .collect();
     assert_eq!(a.policy_list().unwrap(), want);
 }

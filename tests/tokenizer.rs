@@ -40,8 +40,14 @@ fn shared(name: &str) -> PathBuf {
 }
 
 fn smollm_path() -> PathBuf {
-    let p = root().join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "default model missing: run `bash models/fetch.sh` ({})", p.display());
+    let p = root()
+        .join("models")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "default model missing: run `bash models/fetch.sh` ({})",
+        p.display()
+    );
     p
 }
 
@@ -59,7 +65,8 @@ struct Pair {
 fn load_pair(name: &'static str, path: &Path) -> Pair {
     let g = Gguf::open(path).expect("open gguf");
     let ours = Tokenizer::from_gguf(&g).expect("kvrun tokenizer");
-    let oracle = LlamaModel::load(path.to_str().expect("utf-8 path"), true).expect("llama.cpp vocab");
+    let oracle =
+        LlamaModel::load(path.to_str().expect("utf-8 path"), true).expect("llama.cpp vocab");
     Pair { name, ours, oracle }
 }
 
@@ -161,8 +168,12 @@ fn write_gguf(name: &str, kv: &[(String, Value)]) -> TempGguf {
 /// SmolLM2's metadata with some keys replaced (`None` removes the key).
 fn smollm_kv_with(changes: &[(&str, Option<Value>)]) -> Vec<(String, Value)> {
     let g = Gguf::open(&smollm_path()).expect("open SmolLM2");
-    let mut kv: Vec<(String, Value)> =
-        g.metadata.iter().filter(|(k, _)| !changes.iter().any(|(c, _)| c == k)).cloned().collect();
+    let mut kv: Vec<(String, Value)> = g
+        .metadata
+        .iter()
+        .filter(|(k, _)| !changes.iter().any(|(c, _)| c == k))
+        .cloned()
+        .collect();
     for (k, v) in changes {
         if let Some(v) = v {
             kv.push((k.to_string(), v.clone()));
@@ -248,7 +259,10 @@ fn jsonl(name: &str) -> Vec<serde_json::Value> {
 }
 
 fn field(v: &serde_json::Value, key: &str) -> String {
-    v.get(key).and_then(|x| x.as_str()).unwrap_or_default().to_owned()
+    v.get(key)
+        .and_then(|x| x.as_str())
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// Split `s` into chunks of cycling sizes (in chars).
@@ -299,7 +313,10 @@ fn corpus() -> &'static Vec<String> {
 // Parity helpers
 
 fn oracle_ids(m: &LlamaModel, s: &str, add: bool, parse: bool) -> Vec<u32> {
-    m.tokenize(s, add, parse).into_iter().map(|t| t as u32).collect()
+    m.tokenize(s, add, parse)
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
 }
 
 /// Compare kvrun with llama.cpp on every string and mode; panic with the first
@@ -309,14 +326,18 @@ fn assert_parity(name: &str, ours: &Tokenizer, oracle: &LlamaModel, strings: &[S
     let mut first: Option<String> = None;
     for s in strings {
         for (add, parse) in [(true, true), (false, false)] {
-            let a =
-                ours.encode(s, add, parse).unwrap_or_else(|e| panic!("{name}: encode({s:?}) failed: {e}"));
+            let a = ours
+                .encode(s, add, parse)
+                .unwrap_or_else(|e| panic!("{name}: encode({s:?}) failed: {e}"));
             let b = oracle_ids(oracle, s, add, parse);
             if a != b {
                 bad += 1;
                 if first.is_none() {
-                    let texts =
-                        |ids: &[u32]| ids.iter().map(|&i| ours.token_text(i).to_owned()).collect::<Vec<_>>();
+                    let texts = |ids: &[u32]| {
+                        ids.iter()
+                            .map(|&i| ours.token_text(i).to_owned())
+                            .collect::<Vec<_>>()
+                    };
                     first = Some(format!(
                         "{name}: mismatch for {s:?} (add_special={add}, parse_special={parse})\n  kvrun:     {a:?}\n  llama.cpp: {b:?}\n  kvrun pieces:     {:?}\n  llama.cpp pieces: {:?}",
                         texts(&a),
@@ -327,7 +348,10 @@ fn assert_parity(name: &str, ours: &Tokenizer, oracle: &LlamaModel, strings: &[S
         }
     }
     if let Some(msg) = first {
-        panic!("{msg}\n{bad} of {} (string, mode) cases differ", strings.len() * 2);
+        panic!(
+            "{msg}\n{bad} of {} (string, mode) cases differ",
+            strings.len() * 2
+        );
     }
 }
 
@@ -338,8 +362,19 @@ fn assert_parity(name: &str, ours: &Tokenizer, oracle: &LlamaModel, strings: &[S
 fn corpus_is_large_and_varied() {
     let c = corpus();
     assert!(c.len() >= 200);
-    for needle in ["<｜User｜>", "<think>", "<|im_start|>", "你好", "😀", "1234567890", "\\frac"] {
-        assert!(c.iter().any(|s| s.contains(needle)), "corpus lacks {needle}");
+    for needle in [
+        "<｜User｜>",
+        "<think>",
+        "<|im_start|>",
+        "你好",
+        "😀",
+        "1234567890",
+        "\\frac",
+    ] {
+        assert!(
+            c.iter().any(|s| s.contains(needle)),
+            "corpus lacks {needle}"
+        );
     }
 }
 
@@ -371,10 +406,19 @@ fn long_wikitext_matches_and_is_fast() {
         let ours = p.ours.encode(&text, false, false).expect("encode");
         let dt = t0.elapsed().as_secs_f64();
         let theirs = oracle_ids(&p.oracle, &text, false, false);
-        eprintln!("{}: 200k chars -> {} tokens in {:.3} s ({:.2} MB/s)", p.name, ours.len(), dt, 0.2 / dt);
+        eprintln!(
+            "{}: 200k chars -> {} tokens in {:.3} s ({:.2} MB/s)",
+            p.name,
+            ours.len(),
+            dt,
+            0.2 / dt
+        );
         if ours != theirs {
-            let i =
-                ours.iter().zip(&theirs).position(|(a, b)| a != b).unwrap_or(ours.len().min(theirs.len()));
+            let i = ours
+                .iter()
+                .zip(&theirs)
+                .position(|(a, b)| a != b)
+                .unwrap_or(ours.len().min(theirs.len()));
             let lo = i.saturating_sub(5);
             panic!(
                 "{}: long text differs at token {i}: kvrun {:?} vs llama.cpp {:?} (decoded context {:?})",
@@ -406,7 +450,13 @@ fn token_bytes_match_token_to_piece_for_every_id() {
         for id in 0..p.ours.n_vocab() as u32 {
             let ours = p.ours.token_bytes(id, true);
             let theirs = p.oracle.token_to_piece(id as i32);
-            assert_eq!(ours, theirs, "{}: token {id} ({:?})", p.name, p.ours.token_text(id));
+            assert_eq!(
+                ours,
+                theirs,
+                "{}: token {id} ({:?})",
+                p.name,
+                p.ours.token_text(id)
+            );
         }
         // Out of range: nothing, no panic.
         assert!(p.ours.token_bytes(u32::MAX, true).is_empty());
@@ -419,9 +469,19 @@ fn decode_roundtrips_corpus() {
     for p in [smollm(), r1()] {
         for s in corpus() {
             let plain = p.ours.encode(s, false, false).expect("encode");
-            assert_eq!(&p.ours.decode(&plain, false), s, "{}: plain roundtrip", p.name);
+            assert_eq!(
+                &p.ours.decode(&plain, false),
+                s,
+                "{}: plain roundtrip",
+                p.name
+            );
             let special = p.ours.encode(s, false, true).expect("encode");
-            assert_eq!(&p.ours.decode(&special, true), s, "{}: special roundtrip", p.name);
+            assert_eq!(
+                &p.ours.decode(&special, true),
+                s,
+                "{}: special roundtrip",
+                p.name
+            );
         }
     }
 }
@@ -429,7 +489,10 @@ fn decode_roundtrips_corpus() {
 #[test]
 fn control_tokens_hidden_unless_special() {
     let p = r1();
-    let ids = p.ours.encode("<｜User｜>hi<think>x</think>", false, true).expect("encode");
+    let ids = p
+        .ours
+        .encode("<｜User｜>hi<think>x</think>", false, true)
+        .expect("encode");
     assert_eq!(ids[0], 151644);
     // Control text is dropped without `special`; user-defined <think> stays.
     assert_eq!(p.ours.decode(&ids, false), "hi<think>x</think>");
@@ -450,7 +513,10 @@ fn bos_eos_and_eog() {
     assert!(!s.is_eog(s.token_id("<|im_start|>").expect("im_start")));
     assert!(!s.is_eog(s.encode("Hello", false, false).expect("encode")[0]));
     assert!(!s.is_eog(u32::MAX));
-    assert_eq!(s.encode("Hi", true, true).expect("encode"), s.encode("Hi", false, true).expect("encode"));
+    assert_eq!(
+        s.encode("Hi", true, true).expect("encode"),
+        s.encode("Hi", false, true).expect("encode")
+    );
 
     let r = &r1().ours;
     assert_eq!(r.bos(), Some(151646));
@@ -486,7 +552,11 @@ fn check_variant(label: &str, kv: Vec<(String, Value)>) -> Tokenizer {
         .unwrap_or_else(|e| panic!("{label}: llama.cpp refused the file: {e}"));
     assert_eq!(ours.n_vocab(), oracle.n_vocab());
     for id in 0..ours.n_vocab() as u32 {
-        assert_eq!(ours.token_bytes(id, true), oracle.token_to_piece(id as i32), "{label}: token {id}");
+        assert_eq!(
+            ours.token_bytes(id, true),
+            oracle.token_to_piece(id as i32),
+            "{label}: token {id}"
+        );
     }
     assert_parity(label, &ours, &oracle, &variant_corpus());
     ours
@@ -510,12 +580,18 @@ fn llama_bpe_pre_type_matches_llama_cpp() {
 
 #[test]
 fn gpt2_pre_type_matches_llama_cpp() {
-    check_variant("gpt-2", smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("gpt-2".into())))]));
+    check_variant(
+        "gpt-2",
+        smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("gpt-2".into())))]),
+    );
 }
 
 #[test]
 fn qwen2_pre_type_matches_llama_cpp() {
-    check_variant("qwen2", smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("qwen2".into())))]));
+    check_variant(
+        "qwen2",
+        smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("qwen2".into())))]),
+    );
 }
 
 /// SmolLM2's vocabulary turned into a SentencePiece vocabulary: `<unk>`,
@@ -547,21 +623,31 @@ fn spm_kv(add_space_prefix: Option<bool>) -> Vec<(String, Value)> {
             }
         }
     }
-    let scores: Vec<Value> =
-        (0..tokens.len()).map(|i| Value::F32(if types[i] == 1 { -(i as f32) } else { 0.0 })).collect();
+    let scores: Vec<Value> = (0..tokens.len())
+        .map(|i| Value::F32(if types[i] == 1 { -(i as f32) } else { 0.0 }))
+        .collect();
     let mut changes: Vec<(&str, Option<Value>)> = vec![
         ("tokenizer.ggml.model", Some(Value::Str("llama".into()))),
         ("tokenizer.ggml.pre", None),
         ("tokenizer.ggml.merges", None),
-        ("tokenizer.ggml.tokens", Some(Value::Array(tokens.into_iter().map(Value::Str).collect()))),
-        ("tokenizer.ggml.token_type", Some(Value::Array(types.into_iter().map(Value::I32).collect()))),
+        (
+            "tokenizer.ggml.tokens",
+            Some(Value::Array(tokens.into_iter().map(Value::Str).collect())),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Some(Value::Array(types.into_iter().map(Value::I32).collect())),
+        ),
         ("tokenizer.ggml.scores", Some(Value::Array(scores))),
         ("tokenizer.ggml.bos_token_id", Some(Value::U32(1))),
         ("tokenizer.ggml.eos_token_id", Some(Value::U32(2))),
         ("tokenizer.ggml.unknown_token_id", Some(Value::U32(0))),
         ("tokenizer.ggml.padding_token_id", None),
         ("tokenizer.ggml.add_bos_token", None),
-        ("tokenizer.ggml.add_space_prefix", add_space_prefix.map(Value::Bool)),
+        (
+            "tokenizer.ggml.add_space_prefix",
+            add_space_prefix.map(Value::Bool),
+        ),
         ("tokenizer.chat_template", None),
     ];
     changes.push(("llama.vocab_size", None));
@@ -580,7 +666,10 @@ fn spm_matches_llama_cpp() {
     assert_eq!(t.decode(&ids, false), "Hello world");
     // Characters outside the vocabulary fall back to <0xNN> byte tokens.
     let ids = t.encode("你", false, false).expect("encode");
-    assert!(ids.iter().any(|&i| t.token_text(i).starts_with("<0x")), "{ids:?}");
+    assert!(
+        ids.iter().any(|&i| t.token_text(i).starts_with("<0x")),
+        "{ids:?}"
+    );
     assert_eq!(t.decode(&ids, false), "你");
 }
 
@@ -593,7 +682,10 @@ fn spm_phi3_rstrip_matches_llama_cpp() {
     let t = check_variant("spm-phi3", kv);
     let a = t.encode("<think>  x", false, false).expect("encode");
     let b = t.encode("<think>x", false, false).expect("encode");
-    assert_eq!(a, b, "whitespace after a special token is dropped for Phi-3");
+    assert_eq!(
+        a, b,
+        "whitespace after a special token is dropped for Phi-3"
+    );
 }
 
 #[test]
@@ -606,7 +698,9 @@ fn spm_without_space_prefix_matches_llama_cpp() {
 
 fn expect_tokenizer_error(kv: &[(String, Value)], needle: &str) {
     match Tokenizer::from_metadata(kv) {
-        Err(Error::Tokenizer(msg)) => assert!(msg.contains(needle), "message {msg:?} lacks {needle:?}"),
+        Err(Error::Tokenizer(msg)) => {
+            assert!(msg.contains(needle), "message {msg:?} lacks {needle:?}")
+        }
         Err(e) => panic!("expected Error::Tokenizer, got {e}"),
         Ok(t) => panic!("expected an error, got {t:?}"),
     }
@@ -619,21 +713,35 @@ fn unknown_pre_type_is_an_error() {
     // The same through a GGUF file; llama.cpp also refuses it.
     let file = write_gguf("unknown-pre", &kv);
     let g = Gguf::open(&file.0).expect("reopen");
-    assert!(matches!(Tokenizer::from_gguf(&g), Err(Error::Tokenizer(m)) if m.contains("no-such-pre")));
+    assert!(
+        matches!(Tokenizer::from_gguf(&g), Err(Error::Tokenizer(m)) if m.contains("no-such-pre"))
+    );
     assert!(LlamaModel::load(file.0.to_str().expect("utf-8"), true).is_err());
 }
 
 #[test]
 fn missing_pre_type_and_bad_metadata_are_errors() {
-    expect_tokenizer_error(&smollm_kv_with(&[("tokenizer.ggml.pre", None)]), "unknown pre-tokenizer type ''");
+    expect_tokenizer_error(
+        &smollm_kv_with(&[("tokenizer.ggml.pre", None)]),
+        "unknown pre-tokenizer type ''",
+    );
     expect_tokenizer_error(
         &smollm_kv_with(&[("tokenizer.ggml.model", Some(Value::Str("bert".into())))]),
         "'bert'",
     );
-    expect_tokenizer_error(&smollm_kv_with(&[("tokenizer.ggml.tokens", None)]), "tokenizer.ggml.tokens");
-    expect_tokenizer_error(&smollm_kv_with(&[("tokenizer.ggml.merges", None)]), "merges");
     expect_tokenizer_error(
-        &smollm_kv_with(&[("tokenizer.ggml.token_type", Some(Value::Array(vec![Value::I32(1)])))]),
+        &smollm_kv_with(&[("tokenizer.ggml.tokens", None)]),
+        "tokenizer.ggml.tokens",
+    );
+    expect_tokenizer_error(
+        &smollm_kv_with(&[("tokenizer.ggml.merges", None)]),
+        "merges",
+    );
+    expect_tokenizer_error(
+        &smollm_kv_with(&[(
+            "tokenizer.ggml.token_type",
+            Some(Value::Array(vec![Value::I32(1)])),
+        )]),
         "token_type",
     );
     expect_tokenizer_error(
@@ -655,7 +763,12 @@ fn long_runs_match_llama_cpp() {
     for p in [smollm(), r1()] {
         for s in &cases {
             let ours = p.ours.encode(s, false, false).expect("encode");
-            assert!(ours == oracle_ids(&p.oracle, s, false, false), "{}: long run {:?}...", p.name, &s[..8]);
+            assert!(
+                ours == oracle_ids(&p.oracle, s, false, false),
+                "{}: long run {:?}...",
+                p.name,
+                &s[..8]
+            );
         }
     }
 }
@@ -667,7 +780,10 @@ fn whitespace_run_beyond_regex_limit_is_an_error() {
     let s = "a".to_string() + &" ".repeat(600_000) + "b";
     match smollm().ours.encode(&s, false, false) {
         Err(Error::Tokenizer(m)) => assert!(m.contains("whitespace"), "{m}"),
-        other => panic!("expected Error::Tokenizer, got {:?}", other.map(|v| v.len())),
+        other => panic!(
+            "expected Error::Tokenizer, got {:?}",
+            other.map(|v| v.len())
+        ),
     }
 }
 
@@ -777,7 +893,9 @@ fn fuzz_strings(n: usize, seed: u64) -> Vec<String> {
     (0..n)
         .map(|_| {
             let len = (next() % 12) as usize + 1;
-            (0..len).map(|_| POOL[(next() % POOL.len() as u64) as usize]).collect::<String>()
+            (0..len)
+                .map(|_| POOL[(next() % POOL.len() as u64) as usize])
+                .collect::<String>()
         })
         .collect()
 }
@@ -794,7 +912,10 @@ fn random_strings_match_llama_cpp() {
     }
     for (label, kv) in [
         ("spm-fuzz", spm_kv(None)),
-        ("llama-bpe-fuzz", smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("llama-bpe".into())))])),
+        (
+            "llama-bpe-fuzz",
+            smollm_kv_with(&[("tokenizer.ggml.pre", Some(Value::Str("llama-bpe".into())))]),
+        ),
     ] {
         let file = write_gguf(label, &kv);
         let ours = Tokenizer::from_gguf(&Gguf::open(&file.0).expect("reopen")).expect("tokenizer");

@@ -47,9 +47,17 @@ impl<'a> QMat<'a> {
         // The activation partner's block must divide the row too.
         let (pbl, _) = ggml_sys::block_geometry(traits.vec_dot_type);
         if n_in % pbl != 0 {
-            return Err(Error::Other(format!("row length {n_in} not a multiple of {pbl}")));
+            return Err(Error::Other(format!(
+                "row length {n_in} not a multiple of {pbl}"
+            )));
         }
-        Ok(QMat { dtype, n_in, n_out, bytes, traits })
+        Ok(QMat {
+            dtype,
+            n_in,
+            n_out,
+            bytes,
+            traits,
+        })
     }
 
     /// From a 2-D tensor view (ggml order: dims[0] = n_in).
@@ -82,7 +90,14 @@ const ROW_TILE: usize = 16;
 /// out (n_tok, n_out) = x (n_tok, n_in) @ W^T, W = `w` (n_out, n_in).
 ///
 /// `act` is scratch for the quantized activations, grown as needed.
-pub fn matmul(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32], act: &mut Vec<u8>) {
+pub fn matmul(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+    act: &mut Vec<u8>,
+) {
     quantize_acts(pool, w, x, n_tok, act);
     matmul_q(pool, w, act, n_tok, out);
 }
@@ -96,7 +111,12 @@ pub fn same_act_format(a: &QMat<'_>, b: &QMat<'_>) -> bool {
 /// Convert x (n_tok, n_in) to `w`'s dot-partner format into `act`, split by token.
 pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, act: &mut Vec<u8>) {
     let n_in = w.n_in;
-    assert_eq!(x.len(), n_tok * n_in, "matmul: x has {} floats, want {n_tok}x{n_in}", x.len());
+    assert_eq!(
+        x.len(),
+        n_tok * n_in,
+        "matmul: x has {} floats, want {n_tok}x{n_in}",
+        x.len()
+    );
     let ab = w.act_bytes();
     if act.len() < n_tok * ab {
         act.resize(n_tok * ab, 0);
@@ -185,7 +205,13 @@ pub struct Rope {
 impl Rope {
     /// Build from base frequency, rotated dims, optional per-dim factors
     /// (`rope_freqs.weight`, Llama-3.1 style) and a linear scale.
-    pub fn new(style: RopeStyle, n_rot: usize, base: f32, freq_factors: Option<&[f32]>, pos_scale: f32) -> Rope {
+    pub fn new(
+        style: RopeStyle,
+        n_rot: usize,
+        base: f32,
+        freq_factors: Option<&[f32]>,
+        pos_scale: f32,
+    ) -> Rope {
         assert!(n_rot <= 256, "at most 256 rotated dims");
         Rope {
             style,
@@ -474,7 +500,13 @@ pub fn attend_group_probs<'k>(
     stats: &mut [(f32, f32)],
 ) {
     let hd = q.len() / g;
-    assert!(g <= MAX_GROUP && hd <= 256 && q.len() == g * hd && out.len() == g * hd && sc.len() >= g * n);
+    assert!(
+        g <= MAX_GROUP
+            && hd <= 256
+            && q.len() == g * hd
+            && out.len() == g * hd
+            && sc.len() >= g * n
+    );
     let mut qr = [0f32; MAX_GROUP * 256];
     for (d, &x) in qr.iter_mut().zip(q) {
         *d = f16::from_f32(x).to_f32();

@@ -72,7 +72,11 @@ impl ThreadPool {
                     .expect("failed to spawn a worker thread")
             })
             .collect();
-        ThreadPool { shared, workers, n_threads }
+        ThreadPool {
+            shared,
+            workers,
+            n_threads,
+        }
     }
 
     /// Number of threads, the caller included.
@@ -201,7 +205,10 @@ unsafe impl<T: Send> Send for SharedMut<T> {}
 impl<T> SharedMut<T> {
     /// Wrap a mutable slice for the duration of one parallel op.
     pub fn new(s: &mut [T]) -> Self {
-        SharedMut { ptr: s.as_mut_ptr(), len: s.len() }
+        SharedMut {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
     }
     /// Write element `i`.
     ///
@@ -210,7 +217,11 @@ impl<T> SharedMut<T> {
     /// slice must outlive the op.
     #[inline]
     pub unsafe fn write(&self, i: usize, v: T) {
-        assert!(i < self.len, "SharedMut index {i} out of bounds {}", self.len);
+        assert!(
+            i < self.len,
+            "SharedMut index {i} out of bounds {}",
+            self.len
+        );
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
         unsafe { self.ptr.add(i).write(v) };
     }

@@ -20,7 +20,11 @@ pub struct KvCells {
 impl KvCells {
     /// `n_slots` free slots.
     pub fn new(n_slots: usize) -> KvCells {
-        KvCells { pos: vec![-1; n_slots], head: 0, n_live: 0 }
+        KvCells {
+            pos: vec![-1; n_slots],
+            head: 0,
+            n_live: 0,
+        }
     }
     /// Capacity in slots.
     pub fn n_slots(&self) -> usize {
@@ -42,12 +46,18 @@ impl KvCells {
     /// The first free slot at or after the head (wrapping), if any.
     pub fn find_free(&self) -> Option<usize> {
         let n = self.pos.len();
-        (0..n).map(|i| (self.head + i) % n).find(|&s| self.pos[s] < 0)
+        (0..n)
+            .map(|i| (self.head + i) % n)
+            .find(|&s| self.pos[s] < 0)
     }
     /// Occupy a free slot with `pos`; the head moves past it.
     pub fn set(&mut self, slot: usize, pos: i64) {
         assert!(pos >= 0, "negative position {pos}");
-        assert!(self.pos[slot] < 0, "slot {slot} already holds position {}", self.pos[slot]);
+        assert!(
+            self.pos[slot] < 0,
+            "slot {slot} already holds position {}",
+            self.pos[slot]
+        );
         self.pos[slot] = pos;
         self.n_live += 1;
         self.head = (slot + 1) % self.pos.len();
@@ -66,6 +76,10 @@ impl KvCells {
     }
     /// Occupied (slot, pos) pairs in slot order.
     pub fn live(&self) -> impl Iterator<Item = (usize, i64)> + '_ {
-        self.pos.iter().enumerate().filter(|(_, &p)| p >= 0).map(|(s, &p)| (s, p))
+        self.pos
+            .iter()
+            .enumerate()
+            .filter(|(_, &p)| p >= 0)
+            .map(|(s, &p)| (s, p))
     }
 }

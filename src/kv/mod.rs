@@ -71,9 +71,16 @@ impl KvCache {
     /// The single mutation point: free the `victims` slots, occupy one slot
     /// per new position, and refresh the live list. The new tokens' slots
     /// are returned in `slots`, in the order of `positions`.
-    pub fn apply(&mut self, victims: &[u32], positions: &[i64], slots: &mut Vec<u32>) -> Result<()> {
+    pub fn apply(
+        &mut self,
+        victims: &[u32],
+        positions: &[i64],
+        slots: &mut Vec<u32>,
+    ) -> Result<()> {
         // Check capacity first so a failed step leaves the cache untouched.
-        if self.cells.n_live() - victims.len().min(self.cells.n_live()) + positions.len() > self.cells.n_slots() {
+        if self.cells.n_live() - victims.len().min(self.cells.n_live()) + positions.len()
+            > self.cells.n_slots()
+        {
             return Err(Error::Other(format!(
                 "KV cache full: {} slots hold {} tokens (raise -c/--ctx-size)",
                 self.cells.n_slots(),

@@ -117,7 +117,9 @@ impl TensorInfo {
             return None;
         }
         let rows: u64 = self.dims.iter().skip(1).product();
-        (n0 / t.block_len() as u64).checked_mul(t.block_bytes() as u64)?.checked_mul(rows)
+        (n0 / t.block_len() as u64)
+            .checked_mul(t.block_bytes() as u64)?
+            .checked_mul(rows)
     }
 }
 
@@ -145,7 +147,11 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn err(&self, what: impl Into<String>) -> Error {
-        Error::BadGguf { path: self.path.to_owned(), offset: self.pos as u64, what: what.into() }
+        Error::BadGguf {
+            path: self.path.to_owned(),
+            offset: self.pos as u64,
+            what: what.into(),
+        }
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len());
@@ -180,7 +186,9 @@ impl<'a> Cursor<'a> {
         let left = (self.buf.len() - self.pos) as u64;
         if n.saturating_mul(min_elem as u64) > left {
             self.pos = at;
-            return Err(self.err(format!("{what} {n} exceeds the {left} bytes left in the file")));
+            return Err(self.err(format!(
+                "{what} {n} exceeds the {left} bytes left in the file"
+            )));
         }
         Ok(n as usize)
     }
@@ -245,8 +253,16 @@ impl Gguf {
         let map = Mapped::open(path)?;
         let parsed = Self::parse(path, map.bytes())?;
         let (version, metadata, tensors, data_offset, alignment) = parsed;
-        let index = metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
-        let tensor_index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let index = metadata
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| (k.clone(), i))
+            .collect();
+        let tensor_index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
         Ok(Gguf {
             path: path.to_owned(),
             version,
@@ -273,7 +289,9 @@ impl Gguf {
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
             c.pos = 4;
-            return Err(c.err(format!("unsupported GGUF version {version} (kvrun reads v2 and v3)")));
+            return Err(c.err(format!(
+                "unsupported GGUF version {version} (kvrun reads v2 and v3)"
+            )));
         }
         // A tensor info is at least 8 (name len) + 4 + 4 + 8 bytes; a KV at least 8 + 4 + 1.
         let n_tensors = c.count(24, "tensor count")?;
@@ -305,7 +323,11 @@ impl Gguf {
             for _ in 0..n_dims {
                 dims.push(c.u64()?);
             }
-            if dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).is_none() {
+            if dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .is_none()
+            {
                 c.pos = at;
                 return Err(c.err(format!("tensor '{name}' shape {dims:?} overflows")));
             }
@@ -316,7 +338,12 @@ impl Gguf {
                     "tensor '{name}' offset {offset} is not a multiple of the alignment {alignment}"
                 )));
             }
-            tensors.push(TensorInfo { name, dims, type_id, offset });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                type_id,
+                offset,
+            });
         }
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
         Ok((version, metadata, tensors, data_offset, alignment))
@@ -333,7 +360,11 @@ impl Gguf {
     }
 
     fn meta_err(&self, key: &str, what: impl Into<String>) -> Error {
-        Error::BadMetadata { path: self.path.clone(), key: key.to_owned(), what: what.into() }
+        Error::BadMetadata {
+            path: self.path.clone(),
+            key: key.to_owned(),
+            what: what.into(),
+        }
     }
 
     /// Required string value.
@@ -352,7 +383,9 @@ impl Gguf {
             None => Err(self.meta_err(key, "missing")),
             Some(v) => match v.as_i64() {
                 Some(x) if x >= 0 => Ok(x as usize),
-                _ => Err(self.meta_err(key, format!("expected a non-negative integer, found {v:?}"))),
+                _ => {
+                    Err(self.meta_err(key, format!("expected a non-negative integer, found {v:?}")))
+                }
             },
         }
     }
@@ -363,7 +396,9 @@ impl Gguf {
             None => Ok(None),
             Some(v) => match v.as_f64() {
                 Some(x) => Ok(Some(x as f32)),
-                None => Err(self.meta_err(key, format!("expected a number, found {}", v.type_name()))),
+                None => {
+                    Err(self.meta_err(key, format!("expected a number, found {}", v.type_name())))
+                }
             },
         }
     }
@@ -393,10 +428,16 @@ impl Gguf {
             let what = if t.dims[0] % dtype.block_len() as u64 != 0 {
                 format!(
                     "tensor '{}' row length {} is not a multiple of the {} block size {}",
-                    t.name, t.dims[0], dtype, dtype.block_len()
+                    t.name,
+                    t.dims[0],
+                    dtype,
+                    dtype.block_len()
                 )
             } else {
-                format!("tensor '{}' of shape {:?} and type {} is too large", t.name, t.dims, dtype)
+                format!(
+                    "tensor '{}' of shape {:?} and type {} is too large",
+                    t.name, t.dims, dtype
+                )
             };
             return Err(Error::BadGguf {
                 path: self.path.clone(),
@@ -426,7 +467,11 @@ impl Gguf {
             tensor: name.to_owned(),
         })?;
         let (dtype, start, end) = self.tensor_range(t)?;
-        Ok(TensorView { dtype, dims: &t.dims, bytes: &self.bytes()[start..end] })
+        Ok(TensorView {
+            dtype,
+            dims: &t.dims,
+            bytes: &self.bytes()[start..end],
+        })
     }
 }
 

@@ -12,7 +12,10 @@ pub struct Mapped {
 impl Mapped {
     /// Map `path` read-only.
     pub fn open(path: &Path) -> Result<Mapped> {
-        let io = |source| Error::Io { path: path.to_owned(), source };
+        let io = |source| Error::Io {
+            path: path.to_owned(),
+            source,
+        };
         let file = std::fs::File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len == 0 {

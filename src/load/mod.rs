@@ -29,7 +29,9 @@ impl Checkpoint {
     /// Open a GGUF file, or a directory holding config.json + *.safetensors.
     pub fn open(path: &Path) -> Result<Checkpoint> {
         if path.is_dir() {
-            Ok(Checkpoint::Hf(Box::new(safetensors::HfCheckpoint::open(path)?)))
+            Ok(Checkpoint::Hf(Box::new(safetensors::HfCheckpoint::open(
+                path,
+            )?)))
         } else {
             Ok(Checkpoint::Gguf(Box::new(gguf::Gguf::open(path)?)))
         }
@@ -66,8 +68,16 @@ impl Checkpoint {
     /// A display name.
     pub fn name(&self) -> String {
         match self {
-            Checkpoint::Gguf(g) => g.get("general.name").and_then(|v| v.as_str()).unwrap_or("model").to_owned(),
-            Checkpoint::Hf(h) => h.dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into()),
+            Checkpoint::Gguf(g) => g
+                .get("general.name")
+                .and_then(|v| v.as_str())
+                .unwrap_or("model")
+                .to_owned(),
+            Checkpoint::Hf(h) => h
+                .dir
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into()),
         }
     }
 }

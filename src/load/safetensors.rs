@@ -60,11 +60,17 @@ pub struct HfCheckpoint {
 }
 
 fn bad(path: &Path, what: impl Into<String>) -> Error {
-    Error::BadCheckpoint { path: path.to_owned(), what: what.into() }
+    Error::BadCheckpoint {
+        path: path.to_owned(),
+        what: what.into(),
+    }
 }
 
 fn read_json(path: &Path) -> Result<Json> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })?;
     serde_json::from_str(&text).map_err(|e| bad(path, format!("invalid JSON: {e}")))
 }
 
@@ -88,7 +94,12 @@ fn elem_size(name: &str) -> Option<u64> {
 }
 
 /// Parse one safetensors header; entries get absolute, bounds-checked ranges.
-fn parse_file(path: &Path, bytes: &[u8], file: usize, index: &mut HashMap<String, Entry>) -> Result<()> {
+fn parse_file(
+    path: &Path,
+    bytes: &[u8],
+    file: usize,
+    index: &mut HashMap<String, Entry>,
+) -> Result<()> {
     let len = bytes.len() as u64;
     if len < 8 {
         return Err(bad(
@@ -106,7 +117,9 @@ fn parse_file(path: &Path, bytes: &[u8], file: usize, index: &mut HashMap<String
     let base = 8 + hlen;
     let header: Json = serde_json::from_slice(&bytes[8..base as usize])
         .map_err(|e| bad(path, format!("safetensors header is not valid JSON: {e}")))?;
-    let obj = header.as_object().ok_or_else(|| bad(path, "safetensors header is not a JSON object"))?;
+    let obj = header
+        .as_object()
+        .ok_or_else(|| bad(path, "safetensors header is not a JSON object"))?;
     for (name, v) in obj {
         if name == "__metadata__" {
             continue;
@@ -132,7 +145,8 @@ fn parse_file(path: &Path, bytes: &[u8], file: usize, index: &mut HashMap<String
         if s > e {
             return Err(terr(format!("data_offsets [{s}, {e}] are reversed")));
         }
-        let es = elem_size(&dtype_name).ok_or_else(|| terr(format!("unknown dtype '{dtype_name}'")))?;
+        let es =
+            elem_size(&dtype_name).ok_or_else(|| terr(format!("unknown dtype '{dtype_name}'")))?;
         let want = shape
             .iter()
             .try_fold(es, |acc, &d| acc.checked_mul(d))
@@ -206,7 +220,10 @@ impl HfCheckpoint {
     /// else every `*.safetensors` in the directory).
     pub fn open(dir: &Path) -> Result<HfCheckpoint> {
         if !dir.is_dir() {
-            return Err(bad(dir, "not a directory (expected a Hugging Face model directory)"));
+            return Err(bad(
+                dir,
+                "not a directory (expected a Hugging Face model directory)",
+            ));
         }
         let config_json = read_json(&dir.join("config.json"))?;
         let idx_path = dir.join("model.safetensors.index.json");
@@ -218,7 +235,9 @@ impl HfCheckpoint {
                 .and_then(Json::as_object)
                 .ok_or_else(|| bad(&idx_path, "missing 'weight_map' object"))?;
             for v in map.values() {
-                let f = v.as_str().ok_or_else(|| bad(&idx_path, "weight_map values must be file names"))?;
+                let f = v
+                    .as_str()
+                    .ok_or_else(|| bad(&idx_path, "weight_map values must be file names"))?;
                 let p = dir.join(f);
                 if !files.contains(&p) {
                     files.push(p);
@@ -226,9 +245,15 @@ impl HfCheckpoint {
             }
             files.sort();
         } else {
-            let rd = std::fs::read_dir(dir).map_err(|source| Error::Io { path: dir.to_owned(), source })?;
+            let rd = std::fs::read_dir(dir).map_err(|source| Error::Io {
+                path: dir.to_owned(),
+                source,
+            })?;
             for e in rd {
-                let e = e.map_err(|source| Error::Io { path: dir.to_owned(), source })?;
+                let e = e.map_err(|source| Error::Io {
+                    path: dir.to_owned(),
+                    source,
+                })?;
                 let p = e.path();
                 if p.extension().is_some_and(|x| x == "safetensors") {
                     files.push(p);
@@ -246,7 +271,13 @@ impl HfCheckpoint {
             parse_file(f, m.bytes(), i, &mut index)?;
             maps.push(m);
         }
-        Ok(HfCheckpoint { dir: dir.to_owned(), config_json, files, maps, index })
+        Ok(HfCheckpoint {
+            dir: dir.to_owned(),
+            config_json,
+            files,
+            maps,
+            index,
+        })
     }
 
     /// Names of all tensors (HF names).
@@ -270,12 +301,17 @@ impl HfCheckpoint {
             other => {
                 return Err(Error::UnknownArchitecture {
                     path,
-                    arch: if other.is_empty() { "<missing model_type>".into() } else { other.to_owned() },
+                    arch: if other.is_empty() {
+                        "<missing model_type>".into()
+                    } else {
+                        other.to_owned()
+                    },
                 })
             }
         };
-        let req =
-            |key: &str| get_u(c, key).ok_or_else(|| key_err(key, "missing or not a non-negative integer"));
+        let req = |key: &str| {
+            get_u(c, key).ok_or_else(|| key_err(key, "missing or not a non-negative integer"))
+        };
         let dim = req("hidden_size")?;
         let ffn_dim = req("intermediate_size")?;
         let n_layers = req("num_hidden_layers")?;
@@ -295,15 +331,25 @@ impl HfCheckpoint {
         }
         let head_dim = match c.get("head_dim") {
             Some(Json::Null) | None => dim / n_heads,
-            Some(v) => v.as_u64().ok_or_else(|| key_err("head_dim", "not an integer"))? as usize,
+            Some(v) => {
+                v.as_u64()
+                    .ok_or_else(|| key_err("head_dim", "not an integer"))? as usize
+            }
         };
         if head_dim == 0 || head_dim > 256 || head_dim % 2 != 0 {
-            return Err(key_err("head_dim", &format!("head_dim {head_dim} unsupported")));
+            return Err(key_err(
+                "head_dim",
+                &format!("head_dim {head_dim} unsupported"),
+            ));
         }
         let rope_base = get_f(c, "rope_theta").unwrap_or(10000.0) as f32;
         let mut rope_pos_scale = 1.0f32;
         if let Some(rs) = c.get("rope_scaling").filter(|v| !v.is_null()) {
-            let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Json::as_str).unwrap_or("");
+            let ty = rs
+                .get("rope_type")
+                .or_else(|| rs.get("type"))
+                .and_then(Json::as_str)
+                .unwrap_or("");
             let factor = get_f(rs, "factor").unwrap_or(1.0);
             match ty {
                 "linear" => {
@@ -314,14 +360,20 @@ impl HfCheckpoint {
                 // Frequency factors come through the synthetic `rope_freqs.weight`.
                 "llama3" | "default" | "" => {}
                 other => {
-                    return Err(key_err("rope_scaling", &format!("RoPE scaling '{other}' is not supported")))
+                    return Err(key_err(
+                        "rope_scaling",
+                        &format!("RoPE scaling '{other}' is not supported"),
+                    ))
                 }
             }
         }
-        let embd = self.index.get("model.embed_tokens.weight").ok_or_else(|| Error::MissingTensor {
-            path: self.dir.clone(),
-            tensor: "model.embed_tokens.weight".into(),
-        })?;
+        let embd =
+            self.index
+                .get("model.embed_tokens.weight")
+                .ok_or_else(|| Error::MissingTensor {
+                    path: self.dir.clone(),
+                    tensor: "model.embed_tokens.weight".into(),
+                })?;
         let vocab = match embd.shape.as_slice() {
             [v, d] if *d as usize == dim => *v as usize,
             s => {
@@ -333,7 +385,10 @@ impl HfCheckpoint {
                 })
             }
         };
-        let tie = c.get("tie_word_embeddings").and_then(Json::as_bool).unwrap_or(false);
+        let tie = c
+            .get("tie_word_embeddings")
+            .and_then(Json::as_bool)
+            .unwrap_or(false);
         Ok(Config {
             arch,
             n_layers,
@@ -359,7 +414,10 @@ impl HfCheckpoint {
     fn llama3_freq_factors(&self) -> Option<Vec<f32>> {
         let c = &self.config_json;
         let rs = c.get("rope_scaling").filter(|v| !v.is_null())?;
-        let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Json::as_str)?;
+        let ty = rs
+            .get("rope_type")
+            .or_else(|| rs.get("type"))
+            .and_then(Json::as_str)?;
         if ty != "llama3" {
             return None;
         }
@@ -396,7 +454,10 @@ impl HfCheckpoint {
 
     /// The tensor source kvrun's loader reads (GGUF names, ggml shapes).
     pub fn source(&self) -> HfSource<'_> {
-        HfSource { ck: self, rope_freqs: self.llama3_freq_factors() }
+        HfSource {
+            ck: self,
+            rope_freqs: self.llama3_freq_factors(),
+        }
     }
 
     /// Load the weights (zero-copy for F32/F16/BF16).
@@ -426,7 +487,9 @@ impl HfCheckpoint {
 
     /// The chat template from `tokenizer_config.json` (None when absent).
     pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
-        let Some(tc) = self.tokenizer_config()? else { return Ok(None) };
+        let Some(tc) = self.tokenizer_config()? else {
+            return Ok(None);
+        };
         let src = match tc.get("chat_template") {
             Some(Json::String(s)) => s.clone(),
             // A list of named templates: take "default" (else the first).
@@ -445,7 +508,11 @@ impl HfCheckpoint {
         let tok_text = |key: &str| -> String {
             match tc.get(key) {
                 Some(Json::String(s)) => s.clone(),
-                Some(v) => v.get("content").and_then(Json::as_str).unwrap_or("").to_owned(),
+                Some(v) => v
+                    .get("content")
+                    .and_then(Json::as_str)
+                    .unwrap_or("")
+                    .to_owned(),
                 None => String::new(),
             }
         };
@@ -482,17 +549,24 @@ impl<'a> TensorSource<'a> for HfSource<'a> {
                 return Ok((DType::F32, Cow::Owned(bytemuck::cast_slice(f).to_vec())));
             }
         }
-        let missing = || Error::MissingTensor { path: self.ck.dir.clone(), tensor: name.to_owned() };
+        let missing = || Error::MissingTensor {
+            path: self.ck.dir.clone(),
+            tensor: name.to_owned(),
+        };
         let hf = hf_name(name).ok_or_else(missing)?;
-        let e = self
-            .ck
-            .index
-            .get(&hf)
-            .ok_or_else(|| Error::MissingTensor { path: self.ck.dir.clone(), tensor: hf.clone() })?;
+        let e = self.ck.index.get(&hf).ok_or_else(|| Error::MissingTensor {
+            path: self.ck.dir.clone(),
+            tensor: hf.clone(),
+        })?;
         let path = &self.ck.files[e.file];
         let got: Vec<u64> = e.shape.iter().rev().copied().collect();
         if got != shape {
-            return Err(Error::ShapeMismatch { path: path.clone(), tensor: hf, got, want: shape.to_vec() });
+            return Err(Error::ShapeMismatch {
+                path: path.clone(),
+                tensor: hf,
+                got,
+                want: shape.to_vec(),
+            });
         }
         let dtype = e.dtype.ok_or_else(|| Error::UnsupportedTensorType {
             path: path.clone(),
@@ -523,7 +597,12 @@ const HF_QWEN2_RE: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// Flatten a pre-tokenizer (nested `Sequence`s) into its steps.
 fn pre_steps<'j>(v: &'j Json, out: &mut Vec<&'j Json>) {
     if v.get("type").and_then(Json::as_str) == Some("Sequence") {
-        for s in v.get("pretokenizers").and_then(Json::as_array).into_iter().flatten() {
+        for s in v
+            .get("pretokenizers")
+            .and_then(Json::as_array)
+            .into_iter()
+            .flatten()
+        {
             pre_steps(s, out);
         }
     } else if !v.is_null() {
@@ -536,7 +615,12 @@ fn pre_steps<'j>(v: &'j Json, out: &mut Vec<&'j Json>) {
 fn hf_pre_type(path: &Path, tj: &Json, clean: Option<bool>) -> Result<&'static str> {
     let mut steps = Vec::new();
     pre_steps(tj.get("pre_tokenizer").unwrap_or(&Json::Null), &mut steps);
-    let ty = |s: &Json| s.get("type").and_then(Json::as_str).unwrap_or("").to_owned();
+    let ty = |s: &Json| {
+        s.get("type")
+            .and_then(Json::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
     let desc: Vec<String> = steps
         .iter()
         .map(|s| match ty(s).as_str() {
@@ -546,8 +630,14 @@ fn hf_pre_type(path: &Path, tj: &Json, clean: Option<bool>) -> Result<&'static s
                     .and_then(|p| p.get("Regex").or_else(|| p.get("String")))
                     .unwrap_or(&Json::Null)
             ),
-            "ByteLevel" => format!("ByteLevel(use_regex={})", s.get("use_regex").unwrap_or(&Json::Null)),
-            "Digits" => format!("Digits(individual={})", s.get("individual_digits").unwrap_or(&Json::Null)),
+            "ByteLevel" => format!(
+                "ByteLevel(use_regex={})",
+                s.get("use_regex").unwrap_or(&Json::Null)
+            ),
+            "Digits" => format!(
+                "Digits(individual={})",
+                s.get("individual_digits").unwrap_or(&Json::Null)
+            ),
             t => t.to_owned(),
         })
         .collect();
@@ -555,10 +645,15 @@ fn hf_pre_type(path: &Path, tj: &Json, clean: Option<bool>) -> Result<&'static s
         ty(s) == "ByteLevel" && s.get("use_regex").and_then(Json::as_bool).unwrap_or(true) == regex
     };
     let split_re = |s: &Json| -> Option<String> {
-        (ty(s) == "Split").then(|| s.get("pattern")?.get("Regex")?.as_str().map(str::to_owned)).flatten()
+        (ty(s) == "Split")
+            .then(|| s.get("pattern")?.get("Regex")?.as_str().map(str::to_owned))
+            .flatten()
     };
-    let ignore_merges =
-        tj.get("model").and_then(|m| m.get("ignore_merges")).and_then(Json::as_bool).unwrap_or(false);
+    let ignore_merges = tj
+        .get("model")
+        .and_then(|m| m.get("ignore_merges"))
+        .and_then(Json::as_bool)
+        .unwrap_or(false);
     let name = match steps.as_slice() {
         [s, b] if is_bytelevel(b, false) && split_re(s).as_deref() == Some(HF_LLAMA3_RE) => {
             match (ignore_merges, clean.unwrap_or(true)) {
@@ -620,15 +715,25 @@ pub fn hf_tokenizer_metadata(path: &Path) -> Result<Vec<(String, crate::load::gg
     let tc = opt_json("tokenizer_config.json")?.unwrap_or(Json::Null);
     let cfg = opt_json("config.json")?.unwrap_or(Json::Null);
 
-    let model = tj.get("model").ok_or_else(|| bad(path, "missing 'model'"))?;
+    let model = tj
+        .get("model")
+        .ok_or_else(|| bad(path, "missing 'model'"))?;
     let mty = model.get("type").and_then(Json::as_str).unwrap_or("");
     if mty != "BPE" {
-        return Err(bad(path, format!("tokenizer model '{mty}' is not supported (byte-level BPE only)")));
+        return Err(bad(
+            path,
+            format!("tokenizer model '{mty}' is not supported (byte-level BPE only)"),
+        ));
     }
     if model.get("byte_fallback").and_then(Json::as_bool) == Some(true) {
-        return Err(bad(path, "SentencePiece-style BPE (byte_fallback) tokenizer.json is not supported"));
+        return Err(bad(
+            path,
+            "SentencePiece-style BPE (byte_fallback) tokenizer.json is not supported",
+        ));
     }
-    let clean = tc.get("clean_up_tokenization_spaces").and_then(Json::as_bool);
+    let clean = tc
+        .get("clean_up_tokenization_spaces")
+        .and_then(Json::as_bool);
     let pre = hf_pre_type(path, &tj, clean)?;
 
     // Vocabulary: model vocab plus added tokens, by id; holes become [PAD{i}].
@@ -649,11 +754,17 @@ pub fn hf_tokenizer_metadata(path: &Path) -> Result<Vec<(String, crate::load::gg
         .and_then(Json::as_object)
         .ok_or_else(|| bad(path, "missing 'model.vocab' object"))?;
     for (text, id) in vocab {
-        let id =
-            id.as_u64().ok_or_else(|| bad(path, format!("vocab entry '{text}' has a non-integer id")))?;
+        let id = id
+            .as_u64()
+            .ok_or_else(|| bad(path, format!("vocab entry '{text}' has a non-integer id")))?;
         put(id, text, 1)?;
     }
-    for t in tj.get("added_tokens").and_then(Json::as_array).into_iter().flatten() {
+    for t in tj
+        .get("added_tokens")
+        .and_then(Json::as_array)
+        .into_iter()
+        .flatten()
+    {
         let id = t
             .get("id")
             .and_then(Json::as_u64)
@@ -676,18 +787,32 @@ pub fn hf_tokenizer_metadata(path: &Path) -> Result<Vec<(String, crate::load::gg
         types.push(Value::I32(ty));
     }
     let token_id = |text: &str| -> Option<i64> {
-        tokens.iter().position(|t| matches!(t, Value::Str(s) if s == text)).map(|i| i as i64)
+        tokens
+            .iter()
+            .position(|t| matches!(t, Value::Str(s) if s == text))
+            .map(|i| i as i64)
     };
 
     let mut merges = Vec::new();
-    for (i, m) in model.get("merges").and_then(Json::as_array).into_iter().flatten().enumerate() {
+    for (i, m) in model
+        .get("merges")
+        .and_then(Json::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
         let s = match m {
             Json::String(s) => s.clone(),
             Json::Array(p) if p.len() == 2 => match (p[0].as_str(), p[1].as_str()) {
                 (Some(a), Some(b)) => format!("{a} {b}"),
                 _ => return Err(bad(path, format!("merges[{i}] is not a pair of strings"))),
             },
-            _ => return Err(bad(path, format!("merges[{i}] is neither \"a b\" nor [a, b]"))),
+            _ => {
+                return Err(bad(
+                    path,
+                    format!("merges[{i}] is neither \"a b\" nor [a, b]"),
+                ))
+            }
         };
         merges.push(Value::Str(s));
     }
@@ -712,16 +837,25 @@ pub fn hf_tokenizer_metadata(path: &Path) -> Result<Vec<(String, crate::load::gg
     for (key, tk, ck) in [
         ("tokenizer.ggml.bos_token_id", "bos_token", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token", "eos_token_id"),
-        ("tokenizer.ggml.unknown_token_id", "unk_token", "unk_token_id"),
-        ("tokenizer.ggml.padding_token_id", "pad_token", "pad_token_id"),
+        (
+            "tokenizer.ggml.unknown_token_id",
+            "unk_token",
+            "unk_token_id",
+        ),
+        (
+            "tokenizer.ggml.padding_token_id",
+            "pad_token",
+            "pad_token_id",
+        ),
     ] {
         if let Some(id) = special_id(tk, ck) {
             kv.push((key.into(), Value::I64(id)));
         }
     }
-    for (key, tk) in
-        [("tokenizer.ggml.add_bos_token", "add_bos_token"), ("tokenizer.ggml.add_eos_token", "add_eos_token")]
-    {
+    for (key, tk) in [
+        ("tokenizer.ggml.add_bos_token", "add_bos_token"),
+        ("tokenizer.ggml.add_eos_token", "add_eos_token"),
+    ] {
         if let Some(b) = tc.get(tk).and_then(Json::as_bool) {
             kv.push((key.into(), Value::Bool(b)));
         }

@@ -4,7 +4,8 @@
 //! chunk, or one token when decoding) against the KV cache.
 
 use crate::backend::cpu::{
-    add, attend_group_probs, attend_prefill_group, matmul, matmul_q, quantize_acts, rmsnorm, same_act_format, swiglu, MAX_GROUP,
+    add, attend_group_probs, attend_prefill_group, matmul, matmul_q, quantize_acts, rmsnorm,
+    same_act_format, swiglu, MAX_GROUP,
 };
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
@@ -135,10 +136,16 @@ pub fn forward<'s>(
 ) -> Result<&'s [f32]> {
     let vocab = w.config.vocab;
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::Other(format!("token id {bad} out of range (vocab {vocab})")));
+        return Err(Error::Other(format!(
+            "token id {bad} out of range (vocab {vocab})"
+        )));
     }
     if tokens.len() > s.n_batch || n_out > tokens.len() {
-        return Err(Error::Other(format!("forward: {} tokens / {n_out} outputs exceed batch {}", tokens.len(), s.n_batch)));
+        return Err(Error::Other(format!(
+            "forward: {} tokens / {n_out} outputs exceed batch {}",
+            tokens.len(),
+            s.n_batch
+        )));
     }
     s.logits.clear();
     forward_chunk(w, s, kv, pool, tokens, pos0, n_out, io)?;
@@ -181,13 +188,19 @@ fn forward_chunk(
 
     // token embeddings: x[i] = token_embd[tokens[i]]           (n, dim)
     for (i, &t) in tokens.iter().enumerate() {
-        w.token_embd.dequantize_row(t as usize, &mut s.x[i * dim..(i + 1) * dim]);
+        w.token_embd
+            .dequantize_row(t as usize, &mut s.x[i * dim..(i + 1) * dim]);
     }
 
     let scale = 1.0 / (hd as f32).sqrt();
     for (l, lw) in w.layers.iter().enumerate() {
         // attention rmsnorm                                     (n, dim)
-        rmsnorm(&mut s.xb[..n * dim], &s.x[..n * dim], &lw.attn_norm, c.norm_eps);
+        rmsnorm(
+            &mut s.xb[..n * dim],
+            &s.x[..n * dim],
+            &lw.attn_norm,
+            c.norm_eps,
+        );
 
         // qkv matmuls (+ biases for qwen2)                      (n, q_dim), (n, kv_dim) x2
         let xb = &s.xb[..n * dim];
@@ -202,7 +215,11 @@ fn forward_chunk(
             matmul(pool, &lw.wk, xb, n, &mut s.k, &mut s.act);
             matmul(pool, &lw.wv, xb, n, &mut s.v, &mut s.act);
         }
-        for (buf, b, d) in [(&mut s.q, &lw.bq, q_dim), (&mut s.k, &lw.bk, kv_dim), (&mut s.v, &lw.bv, kv_dim)] {
+        for (buf, b, d) in [
+            (&mut s.q, &lw.bq, q_dim),
+            (&mut s.k, &lw.bk, kv_dim),
+            (&mut s.v, &lw.bv, kv_dim),
+        ] {
             if let Some(b) = b {
                 for row in buf[..n * d].chunks_exact_mut(d) {
                     add(row, b);
@@ -213,14 +230,25 @@ fn forward_chunk(
         // RoPE on q and k at each token's absolute position
         for i in 0..n {
             let pos = pos0 + i;
-            w.rope.apply(&mut s.q[i * q_dim..(i + 1) * q_dim], c.n_heads, hd, pos);
-            w.rope.apply(&mut s.k[i * kv_dim..(i + 1) * kv_dim], c.n_kv_heads, hd, pos);
+            w.rope
+                .apply(&mut s.q[i * q_dim..(i + 1) * q_dim], c.n_heads, hd, pos);
+            w.rope.apply(
+                &mut s.k[i * kv_dim..(i + 1) * kv_dim],
+                c.n_kv_heads,
+                hd,
+                pos,
+            );
         }
 
         // store k (post-RoPE) and v in the new tokens' slots
         for i in 0..n {
             let sl = s.slots[i] as usize;
-            kv.write(l, sl, &s.k[i * kv_dim..(i + 1) * kv_dim], &s.v[i * kv_dim..(i + 1) * kv_dim]);
+            kv.write(
+                l,
+                sl,
+                &s.k[i * kv_dim..(i + 1) * kv_dim],
+                &s.v[i * kv_dim..(i + 1) * kv_dim],
+            );
         }
 
         // prefill chunks: convert the live K/V rows to f32 once per layer
@@ -287,13 +315,36 @@ fn forward_chunk(
                         let n_live = live_slots.len();
                         let kt_g = &kt[g * hd * n_live..];
                         let val = |j: usize| &vf[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                        attend_prefill_group(qg, group, n_vis, kt_g, n_live, val, scale, &mut sc[..group * n_vis], o, &mut stats[..group]);
+                        attend_prefill_group(
+                            qg,
+                            group,
+                            n_vis,
+                            kt_g,
+                            n_live,
+                            val,
+                            scale,
+                            &mut sc[..group * n_vis],
+                            o,
+                            &mut stats[..group],
+                        );
                     } else {
-                        let key = |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                        let val = |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
+                        let key =
+                            |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
+                        let val =
+                            |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                         // one kernel whether or not probabilities are exported, so a
                         // policy that never evicts reproduces the full cache bit for bit
-                        attend_group_probs(qg, group, n_vis, key, val, scale, &mut sc[..group * n_vis], o, &mut stats[..group]);
+                        attend_group_probs(
+                            qg,
+                            group,
+                            n_vis,
+                            key,
+                            val,
+                            scale,
+                            &mut sc[..group * n_vis],
+                            o,
+                            &mut stats[..group],
+                        );
                     }
                     if export_row {
                         // SAFETY: each thread accumulates into its own row.
@@ -310,11 +361,23 @@ fn forward_chunk(
         }
 
         // output projection and residual                      (n, dim)
-        matmul(pool, &lw.wo, &s.att_out[..n * q_dim], n, &mut s.xb, &mut s.act);
+        matmul(
+            pool,
+            &lw.wo,
+            &s.att_out[..n * q_dim],
+            n,
+            &mut s.xb,
+            &mut s.act,
+        );
         add(&mut s.x[..n * dim], &s.xb[..n * dim]);
 
         // ffn rmsnorm                                            (n, dim)
-        rmsnorm(&mut s.xb[..n * dim], &s.x[..n * dim], &lw.ffn_norm, c.norm_eps);
+        rmsnorm(
+            &mut s.xb[..n * dim],
+            &s.x[..n * dim],
+            &lw.ffn_norm,
+            c.norm_eps,
+        );
 
         // SwiGLU ffn: down(silu(gate(x)) * up(x))                (n, ffn) -> (n, dim)
         let xb = &s.xb[..n * dim];
@@ -338,7 +401,10 @@ fn forward_chunk(
         if let Some(out) = io.mass {
             out[..n_slots].fill(0.0);
             for t in 0..n_threads {
-                for (o, &x) in out[..n_slots].iter_mut().zip(&s.mass_thr[t * n_slots..(t + 1) * n_slots]) {
+                for (o, &x) in out[..n_slots]
+                    .iter_mut()
+                    .zip(&s.mass_thr[t * n_slots..(t + 1) * n_slots])
+                {
                     *o += x;
                 }
             }
@@ -350,11 +416,23 @@ fn forward_chunk(
     }
     // final rmsnorm of the requested rows                        (n_out, dim)
     let first = n - n_out;
-    rmsnorm(&mut s.xb[..n_out * dim], &s.x[first * dim..n * dim], &w.output_norm, c.norm_eps);
+    rmsnorm(
+        &mut s.xb[..n_out * dim],
+        &s.x[first * dim..n * dim],
+        &w.output_norm,
+        c.norm_eps,
+    );
 
     // classifier into logits                                     (n_out, vocab)
     let base = s.logits.len();
     s.logits.resize(base + n_out * c.vocab, 0.0);
-    matmul(pool, w.output(), &s.xb[..n_out * dim], n_out, &mut s.logits[base..], &mut s.act);
+    matmul(
+        pool,
+        w.output(),
+        &s.xb[..n_out * dim],
+        n_out,
+        &mut s.logits[base..],
+        &mut s.act,
+    );
     Ok(())
 }

@@ -75,7 +75,10 @@ impl Config {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             other => {
-                return Err(Error::UnknownArchitecture { path: g.path.clone(), arch: other.to_owned() })
+                return Err(Error::UnknownArchitecture {
+                    path: g.path.clone(),
+                    arch: other.to_owned(),
+                })
             }
         };
         let k = |s: &str| format!("{arch_s}.{s}");
@@ -87,8 +90,13 @@ impl Config {
             Some(_) => g.get_usize(&k("attention.head_count_kv"))?,
             None => n_heads,
         };
-        let bad = |key: String, what: String| Error::BadMetadata { path: g.path.clone(), key, what };
-        if n_layers == 0 || dim == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        let bad = |key: String, what: String| Error::BadMetadata {
+            path: g.path.clone(),
+            key,
+            what,
+        };
+        if n_layers == 0 || dim == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0
+        {
             return Err(bad(
                 k("attention.head_count"),
                 format!("inconsistent shape: layers {n_layers}, dim {dim}, heads {n_heads}/{n_kv_heads}"),
@@ -99,17 +107,30 @@ impl Config {
             None => dim / n_heads,
         };
         if n_heads / n_kv_heads > crate::backend::cpu::MAX_GROUP {
-            return Err(bad(k("attention.head_count_kv"), format!("{} query heads per KV head (at most {})", n_heads / n_kv_heads, crate::backend::cpu::MAX_GROUP)));
+            return Err(bad(
+                k("attention.head_count_kv"),
+                format!(
+                    "{} query heads per KV head (at most {})",
+                    n_heads / n_kv_heads,
+                    crate::backend::cpu::MAX_GROUP
+                ),
+            ));
         }
         if head_dim == 0 || head_dim > 256 || head_dim % 2 != 0 {
-            return Err(bad(k("attention.key_length"), format!("head_dim {head_dim} unsupported")));
+            return Err(bad(
+                k("attention.key_length"),
+                format!("head_dim {head_dim} unsupported"),
+            ));
         }
         let n_rot = match g.get(&k("rope.dimension_count")) {
             Some(_) => g.get_usize(&k("rope.dimension_count"))?,
             None => head_dim,
         };
         if n_rot > head_dim || n_rot % 2 != 0 {
-            return Err(bad(k("rope.dimension_count"), format!("{n_rot} rotated dims with head_dim {head_dim}")));
+            return Err(bad(
+                k("rope.dimension_count"),
+                format!("{n_rot} rotated dims with head_dim {head_dim}"),
+            ));
         }
         let mut rope_pos_scale = 1.0;
         if let Some(v) = g.get(&k("rope.scaling.type")) {
@@ -122,14 +143,20 @@ impl Config {
                     }
                 }
                 Some(other) => {
-                    return Err(bad(k("rope.scaling.type"), format!("RoPE scaling '{other}' is not supported")))
+                    return Err(bad(
+                        k("rope.scaling.type"),
+                        format!("RoPE scaling '{other}' is not supported"),
+                    ))
                 }
             }
         }
         let vocab = g
             .info("token_embd.weight")
             .map(|t| t.dims.get(1).copied().unwrap_or(0) as usize)
-            .ok_or_else(|| Error::MissingTensor { path: g.path.clone(), tensor: "token_embd.weight".into() })?;
+            .ok_or_else(|| Error::MissingTensor {
+                path: g.path.clone(),
+                tensor: "token_embd.weight".into(),
+            })?;
         Ok(Config {
             arch,
             n_layers,
@@ -140,7 +167,9 @@ impl Config {
             head_dim,
             vocab,
             n_ctx_train: g.get_usize(&k("context_length")).unwrap_or(2048),
-            norm_eps: g.get_f32_opt(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            norm_eps: g
+                .get_f32_opt(&k("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-5),
             rope_base: g.get_f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0),
             n_rot,
             rope_style: match arch {
@@ -210,7 +239,13 @@ impl<'a> Weights<'a> {
 
     /// Load through any tensor source.
     pub fn load(cfg: Config, src: &dyn TensorSource<'a>) -> Result<Weights<'a>> {
-        let (d, q, kv, f, v) = (cfg.dim as u64, cfg.q_dim() as u64, cfg.kv_dim() as u64, cfg.ffn_dim as u64, cfg.vocab as u64);
+        let (d, q, kv, f, v) = (
+            cfg.dim as u64,
+            cfg.q_dim() as u64,
+            cfg.kv_dim() as u64,
+            cfg.ffn_dim as u64,
+            cfg.vocab as u64,
+        );
         let mat = |name: &str, shape: [u64; 2]| -> Result<QMat<'a>> {
             let t = src.tensor(name, &shape)?;
             QMat::new(t.0, shape[0] as usize, shape[1] as usize, t.1)
@@ -247,10 +282,20 @@ impl<'a> Weights<'a> {
             });
         }
         let freq_factors = optf("rope_freqs.weight", (cfg.n_rot / 2) as u64)?;
-        let rope = Rope::new(cfg.rope_style, cfg.n_rot, cfg.rope_base, freq_factors.as_deref(), cfg.rope_pos_scale);
+        let rope = Rope::new(
+            cfg.rope_style,
+            cfg.n_rot,
+            cfg.rope_base,
+            freq_factors.as_deref(),
+            cfg.rope_pos_scale,
+        );
         Ok(Weights {
             token_embd: mat("token_embd.weight", [d, v])?,
-            output: if src.has("output.weight") { Some(mat("output.weight", [d, v])?) } else { None },
+            output: if src.has("output.weight") {
+                Some(mat("output.weight", [d, v])?)
+            } else {
+                None
+            },
             output_norm: vecf("output_norm.weight", d)?,
             layers,
             rope,

@@ -23,7 +23,9 @@ pub struct H2o {
 impl H2o {
     /// State for `n_slots` slots.
     pub fn new(n_slots: usize) -> H2o {
-        H2o { acc: vec![0.0; n_slots] }
+        H2o {
+            acc: vec![0.0; n_slots],
+        }
     }
 }
 

@@ -18,7 +18,9 @@ pub struct KNorm {
 impl KNorm {
     /// State for `n_slots` slots.
     pub fn new(n_slots: usize) -> KNorm {
-        KNorm { score: vec![0.0; n_slots] }
+        KNorm {
+            score: vec![0.0; n_slots],
+        }
     }
 }
 
@@ -33,7 +35,11 @@ impl Scorer for KNorm {
             let mut n = 0;
             for l in 0..kv.n_layers {
                 for k in kv.k_row(l, s as usize).chunks_exact(hd) {
-                    total += k.iter().map(|x| x.to_f32() * x.to_f32()).sum::<f32>().sqrt();
+                    total += k
+                        .iter()
+                        .map(|x| x.to_f32() * x.to_f32())
+                        .sum::<f32>()
+                        .sqrt();
                     n += 1;
                 }
             }

@@ -49,12 +49,30 @@ pub struct PolicyInfo {
 
 /// Every policy `--policy` accepts, with its one-line description.
 pub const POLICIES: &[PolicyInfo] = &[
-    PolicyInfo { name: "full", about: "no eviction: the whole context stays cached (the baseline)" },
-    PolicyInfo { name: "window", about: "StreamingLLM: attention sinks + the most recent tokens" },
-    PolicyInfo { name: "h2o", about: "H2O: heavy hitters by accumulated attention + recent window" },
-    PolicyInfo { name: "tova", about: "TOVA: keep what the current query attends to (mean over heads and layers)" },
-    PolicyInfo { name: "knorm", about: "K-norm: keep tokens whose keys have the lowest L2 norm" },
-    PolicyInfo { name: "random", about: "random scores (seeded), a floor for comparisons" },
+    PolicyInfo {
+        name: "full",
+        about: "no eviction: the whole context stays cached (the baseline)",
+    },
+    PolicyInfo {
+        name: "window",
+        about: "StreamingLLM: attention sinks + the most recent tokens",
+    },
+    PolicyInfo {
+        name: "h2o",
+        about: "H2O: heavy hitters by accumulated attention + recent window",
+    },
+    PolicyInfo {
+        name: "tova",
+        about: "TOVA: keep what the current query attends to (mean over heads and layers)",
+    },
+    PolicyInfo {
+        name: "knorm",
+        about: "K-norm: keep tokens whose keys have the lowest L2 norm",
+    },
+    PolicyInfo {
+        name: "random",
+        about: "random scores (seeded), a floor for comparisons",
+    },
 ];
 
 /// Names of every policy.
@@ -135,7 +153,9 @@ impl Evictor {
             return Ok(());
         }
         let mut need = n_live + n_new - self.budget;
-        let mut cand: Vec<usize> = (0..n_live).filter(|&i| !self.protected(live_pos[i], newest)).collect();
+        let mut cand: Vec<usize> = (0..n_live)
+            .filter(|&i| !self.protected(live_pos[i], newest))
+            .collect();
         if cand.len() < need {
             return Err(Error::arg(
                 "--kv-budget",
@@ -152,7 +172,11 @@ impl Evictor {
             ));
         }
         need = (need + self.evict_every.max(1) - 1).min(cand.len());
-        cand.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(live_pos[a].cmp(&live_pos[b])));
+        cand.sort_by(|&a, &b| {
+            scores[a]
+                .total_cmp(&scores[b])
+                .then(live_pos[a].cmp(&live_pos[b]))
+        });
         victims.extend(cand[..need].iter().map(|&i| live_slots[i]));
         Ok(())
     }

@@ -17,7 +17,11 @@ pub struct Random {
 impl Random {
     /// State for `n_slots` slots.
     pub fn new(n_slots: usize, seed: u64) -> Random {
-        Random { score: vec![0.0; n_slots], rng: Rng::new(seed), seed }
+        Random {
+            score: vec![0.0; n_slots],
+            rng: Rng::new(seed),
+            seed,
+        }
     }
 }
 

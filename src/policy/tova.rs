@@ -21,7 +21,9 @@ pub struct Tova {
 impl Tova {
     /// State for `n_slots` slots.
     pub fn new(n_slots: usize) -> Tova {
-        Tova { last: vec![0.0; n_slots] }
+        Tova {
+            last: vec![0.0; n_slots],
+        }
     }
 }
 

@@ -15,8 +15,14 @@ pub fn shared(name: &str) -> PathBuf {
 
 /// The default model; fetched by models/fetch.sh (the CI script runs it).
 pub fn default_model() -> PathBuf {
-    let p = root().join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "default model missing: run `bash models/fetch.sh` first ({})", p.display());
+    let p = root()
+        .join("models")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "default model missing: run `bash models/fetch.sh` first ({})",
+        p.display()
+    );
     p
 }
 

@@ -91,7 +91,10 @@ impl CpuTraits {
     pub fn quantize_act(&self, x: &[f32], out: &mut [u8]) {
         let (bl, _) = block_geometry(self.vec_dot_type);
         assert_eq!(x.len() % bl, 0, "activation length not block aligned");
-        assert!(out.len() >= self.act_bytes(x.len()), "activation buffer too small");
+        assert!(
+            out.len() >= self.act_bytes(x.len()),
+            "activation buffer too small"
+        );
         // SAFETY: x has x.len() readable floats, out has at least act_bytes
         // writable bytes (checked above), and the length is block aligned.
         unsafe { (self.vd_from_float)(x.as_ptr(), out.as_mut_ptr().cast(), x.len() as i64) };
@@ -118,7 +121,16 @@ impl CpuTraits {
         // callers size them with row_bytes/act_bytes), s is a valid out-pointer,
         // nrc = 1 so the strides are unused.
         unsafe {
-            (self.vec_dot)(n as i32, &mut s, 0, w.as_ptr().cast(), 0, a.as_ptr().cast(), 0, 1)
+            (self.vec_dot)(
+                n as i32,
+                &mut s,
+                0,
+                w.as_ptr().cast(),
+                0,
+                a.as_ptr().cast(),
+                0,
+                1,
+            )
         };
         s
     }
@@ -292,7 +304,11 @@ impl<'m> LlamaContext<'m> {
         if ptr.is_null() {
             return Err("llama.cpp failed to create a context".into());
         }
-        Ok(LlamaContext { ptr, model, n_batch: p.n_batch as usize })
+        Ok(LlamaContext {
+            ptr,
+            model,
+            n_batch: p.n_batch as usize,
+        })
     }
 
     /// Forget all cached tokens.
@@ -303,7 +319,12 @@ impl<'m> LlamaContext<'m> {
 
     /// Decode `tokens` at positions `pos0..`, returning logits for every token
     /// when `all_logits`, else only for the last one. Row-major (n_out, n_vocab).
-    pub fn decode(&mut self, tokens: &[i32], pos0: i32, all_logits: bool) -> Result<Vec<f32>, String> {
+    pub fn decode(
+        &mut self,
+        tokens: &[i32],
+        pos0: i32,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, String> {
         let n_vocab = self.model.n_vocab();
         let mut out = Vec::new();
         for (ci, chunk) in tokens.chunks(self.n_batch).enumerate() {
