@@ -215,7 +215,7 @@ impl<'w> Session<'w> {
             if let Some(p) = &mut self.policy {
                 let new_slots = self.state.step_slots();
                 p.scorer
-                    .on_write(&self.kv, new_slots, &self.state.step_positions());
+                    .on_write(&self.kv, new_slots, self.state.step_positions());
                 if mass_mode != MassMode::None {
                     p.scorer.observe(&self.mass);
                 }

@@ -66,8 +66,8 @@ impl RunState {
         &self.slots
     }
     /// Positions of the last forward step's tokens.
-    pub fn step_positions(&self) -> Vec<i64> {
-        self.positions.clone()
+    pub fn step_positions(&self) -> &[i64] {
+        &self.positions
     }
 
     /// Buffers for `n_batch` tokens per call, `n_threads` attention workers
