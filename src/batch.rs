@@ -397,8 +397,8 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         a.seed as u64
     };
     // validate the KV flags before loading anything
-    a.kv.build(seed)?;
     let path = resolve_model(&a.model.model)?;
+    a.kv.build(seed, &path)?;
     let lines = read_lines(input)?;
     let (done, needs_nl) = if a.resume {
         done_ids(output)?
@@ -518,13 +518,16 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 repeat_last_n: 64,
                 seed: rec_seed,
             });
-            let mut sess = match a.kv.build(rec_seed)? {
+            let mut sess = match a.kv.build(rec_seed, &path)? {
                 None => Session::new(&w, n_ctx, n_threads, a.batch_size),
                 Some(p) => {
-                    if a.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
+                    if p.evictor.keep_prompt_until > 0
+                        && p.prompt.is_none()
+                        && ids.len() + p.evictor.n_recent >= p.evictor.budget
+                    {
                         return Err(Error::arg(
                             "--kv-budget",
-                            format!("budget {} cannot hold the {}-token prompt (--keep-prompt) plus the recent window {}", p.evictor.budget, ids.len(), p.evictor.n_recent),
+                            format!("budget {} cannot hold the {}-token prompt (kept) plus the recent window {}; raise it or use --prompt-policy", p.evictor.budget, ids.len(), p.evictor.n_recent),
                         ));
                     }
                     let mut s = Session::with_policy(&w, n_ctx, n_threads, a.batch_size, p)?;

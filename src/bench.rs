@@ -129,7 +129,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let mut ours = Vec::new();
     let kv_line;
     {
-        let mut sess = match a.kv.build(0)? {
+        let mut sess = match a.kv.build(0, &path)? {
             None => Session::new(&w, n_ctx, n_threads, 512),
             Some(p) => Session::with_policy(&w, n_ctx, n_threads, 512, p)?,
         };
@@ -141,6 +141,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
                     &mut sess,
                     |s| {
                         s.reset();
+                        s.protect_prompt(ctx_toks.len());
                         s.feed(ctx_toks, Logits::Last).map(|_| ())
                     },
                     |s| s.feed(&toks[..*n], Logits::Last).map(|_| ()),
@@ -152,6 +153,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
                     &mut sess,
                     |s| {
                         s.reset();
+                        s.protect_prompt(ctx_toks.len());
                         s.feed(ctx_toks, Logits::Last).map(|_| ())
                     },
                     |s| {

@@ -106,7 +106,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         r.ctx_size as usize
     };
     let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
-    let mut sess = match r.kv.build(seed)? {
+    let mut sess = match r.kv.build(seed, &path)? {
         None => Session::new(&w, n_ctx, n_threads, r.batch_size.max(1)),
         Some(p) => Session::with_policy(&w, n_ctx, n_threads, r.batch_size.max(1), p)?,
     };

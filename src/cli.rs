@@ -63,7 +63,7 @@ pub struct ModelArgs {
 }
 
 /// KV-cache budget and eviction flags, shared by every command that decodes.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct KvArgs {
     /// Eviction policy (see the list below; `full` = no eviction).
     #[arg(long = "policy", default_value = "full")]
@@ -83,12 +83,36 @@ pub struct KvArgs {
     /// Evict in batches: free this many slots at a time once over budget.
     #[arg(long = "evict-every", default_value_t = 1)]
     pub evict_every: usize,
+    /// Policy for the prompt phase (the prompt is trimmed to --prompt-budget
+    /// with it, the survivors are kept, then --policy takes over).
+    #[arg(long = "prompt-policy")]
+    pub prompt_policy: Option<String>,
+    /// Tokens the prompt may keep with --prompt-policy (default: budget/2).
+    #[arg(long = "prompt-budget")]
+    pub prompt_budget: Option<usize>,
+    /// EPIKV representative layers A,B (0-based; default: scaled from 10,21 of 32 layers).
+    #[arg(long = "epikv-layers", value_name = "A,B")]
+    pub epikv_layers: Option<String>,
+    /// EPIKV bands a0-a1,b0-b1 for epikv-band (default: scaled from 7-13,18-25 of 32).
+    #[arg(long = "epikv-bands", value_name = "A0-A1,B0-B1")]
+    pub epikv_bands: Option<String>,
+    /// EPIKV rolling window W.
+    #[arg(long = "epikv-window", value_name = "W")]
+    pub epikv_window: Option<usize>,
+    /// EPIKV per-model JSON config (default: <model stem>.epikv.json next to the model, if present).
+    #[arg(long = "epikv-config", value_name = "FILE")]
+    pub epikv_config: Option<PathBuf>,
+    /// EPIKV: score prompt tokens from the prefill's hidden states instead of keeping them all.
+    #[arg(long = "epikv-score-prompt")]
+    pub epikv_score_prompt: bool,
 }
 
 impl KvArgs {
-    /// Build the policy (None for `full`) for a cache of `budget` slots.
-    pub fn build(&self, seed: u64) -> Result<Option<crate::generate::KvPolicy>> {
-        let Some(scorer_budget) = (match (self.policy.as_str(), self.kv_budget) {
+    /// Build the policy (None for `full`) for `model` (whose directory may
+    /// hold a calibrated `<stem>.epikv.json`).
+    pub fn build(&self, seed: u64, model: &Path) -> Result<Option<crate::generate::KvPolicy>> {
+        use crate::policy::epikv;
+        let Some(budget) = (match (self.policy.as_str(), self.kv_budget) {
             ("full", _) => None,
             (_, None) => {
                 return Err(Error::arg(
@@ -98,23 +122,86 @@ impl KvArgs {
             }
             (_, Some(b)) => Some(b),
         }) else {
+            if self.prompt_policy.is_some() {
+                return Err(Error::arg(
+                    "--prompt-policy",
+                    "needs a budgeted --policy (not full)",
+                ));
+            }
             return Ok(None);
         };
-        let budget = scorer_budget;
         if self.evict_every == 0 {
             return Err(Error::arg("--evict-every", "must be at least 1"));
         }
-        let scorer =
-            crate::policy::by_name(&self.policy, budget, &crate::policy::PolicyArgs { seed })?
-                .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
+        let is_epikv = epikv::Variant::from_name(&self.policy).is_some();
+        let config = match &self.epikv_config {
+            Some(p) => Some(epikv::EpikvLayers::load(p)?),
+            None => {
+                let auto = epikv::config_path_for(model);
+                if is_epikv && auto.is_file() {
+                    Some(epikv::EpikvLayers::load(&auto)?)
+                } else {
+                    None
+                }
+            }
+        };
+        let n_recent = self.kv_recent.unwrap_or((budget / 4).min(128));
+        let args = crate::policy::PolicyArgs {
+            seed,
+            n_recent,
+            epikv: epikv::EpikvOptions {
+                layers: self
+                    .epikv_layers
+                    .as_deref()
+                    .map(epikv::parse_layers)
+                    .transpose()?,
+                bands: self
+                    .epikv_bands
+                    .as_deref()
+                    .map(epikv::parse_bands)
+                    .transpose()?,
+                window: self.epikv_window,
+                config,
+                score_prompt: self.epikv_score_prompt,
+            },
+        };
+        let scorer = crate::policy::by_name(&self.policy, budget, &args)?
+            .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
+        // EPIKV as published keeps the whole prompt (decode budget = budget -
+        // prompt), unless prompt tokens are scored or go to a prompt policy
+        let keep_prompt = self.keep_prompt
+            || (is_epikv && !self.epikv_score_prompt)
+            || self.prompt_policy.is_some();
         let evictor = crate::policy::Evictor {
             budget,
             n_sink: self.kv_sink,
-            n_recent: self.kv_recent.unwrap_or((budget / 4).min(128)),
-            keep_prompt_until: if self.keep_prompt { usize::MAX } else { 0 },
+            n_recent,
+            keep_prompt_until: if keep_prompt { usize::MAX } else { 0 },
             evict_every: self.evict_every,
         };
-        Ok(Some(crate::generate::KvPolicy { scorer, evictor }))
+        let mut policy = crate::generate::KvPolicy::new(scorer, evictor.clone());
+        if let Some(pp) = &self.prompt_policy {
+            let pb = self.prompt_budget.unwrap_or(budget / 2);
+            let pscorer = crate::policy::by_name(pp, budget, &args)?.ok_or_else(|| {
+                Error::arg("--prompt-policy", "full keeps the whole prompt: leave --prompt-policy out (and use --keep-prompt)")
+            })?;
+            let pevictor = crate::policy::Evictor {
+                budget: pb,
+                n_recent: n_recent.min(pb / 4),
+                keep_prompt_until: 0,
+                ..evictor
+            };
+            policy.prompt = Some(crate::generate::PromptPhase {
+                scorer: pscorer,
+                evictor: pevictor,
+            });
+        } else if self.prompt_budget.is_some() {
+            return Err(Error::arg(
+                "--prompt-budget",
+                "only applies with --prompt-policy",
+            ));
+        }
+        Ok(Some(policy))
     }
 }
 
@@ -411,7 +498,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         repeat_last_n: a.repeat_last_n,
         seed,
     });
-    let mut sess = match a.kv.build(seed)? {
+    let mut sess = match a.kv.build(seed, &path)? {
         None => Session::new(&w, n_ctx, n_threads, a.batch_size),
         Some(p) => {
             if a.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {

@@ -243,7 +243,7 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
         seg_start = Some(seg_start.map_or(s, |x: usize| x.max(s)));
     }
     let mut full = Session::new(&w, n, n_threads, a.chunk);
-    let mut pol = match a.kv.build(a.seed)? {
+    let mut pol = match a.kv.build(a.seed, &path)? {
         None => Session::new(&w, n, n_threads, a.chunk),
         Some(p) => Session::with_policy(&w, n, n_threads, a.chunk, p)?,
     };

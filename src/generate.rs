@@ -5,7 +5,7 @@
 use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::llama::{forward, Logits, MassMode, RunState, StepIo};
+use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, RunState, StepIo};
 use crate::model::Weights;
 use crate::policy::{Evictor, Scorer};
 use crate::sample::Sampler;
@@ -16,6 +16,29 @@ use std::time::Instant;
 /// enforces the budget and protection.
 #[derive(Debug)]
 pub struct KvPolicy {
+    pub scorer: Box<dyn Scorer>,
+    pub evictor: Evictor,
+    /// A different policy for the prompt (`--prompt-policy`).
+    pub prompt: Option<PromptPhase>,
+}
+
+impl KvPolicy {
+    /// One scorer for prompt and generation.
+    pub fn new(scorer: Box<dyn Scorer>, evictor: Evictor) -> KvPolicy {
+        KvPolicy {
+            scorer,
+            evictor,
+            prompt: None,
+        }
+    }
+}
+
+/// The prompt phase of a two-phase policy: while the prompt is prefilled,
+/// `scorer` ranks and `evictor` (its own, smaller budget, prompt not
+/// protected) trims; the prompt tokens that survive are then kept, and the
+/// main policy works in the rest of the budget.
+#[derive(Debug)]
+pub struct PromptPhase {
     pub scorer: Box<dyn Scorer>,
     pub evictor: Evictor,
 }
@@ -36,6 +59,10 @@ pub struct Session<'w> {
     pub policy: Option<KvPolicy>,
     /// Tokens evicted so far.
     pub n_evicted: usize,
+    /// Positions below this are the prompt (set by `protect_prompt`).
+    pub prompt_end: usize,
+    /// Residual-stream taps the scorer asked for (None = no cost).
+    taps: Option<HiddenTaps>,
     /// Step-level attention mass export buffer, (n_slots,).
     mass: Vec<f32>,
     scores: Vec<f32>,
@@ -74,16 +101,33 @@ impl<'w> Session<'w> {
         // the cache is trimmed to budget - chunk before each chunk, a small
         // chunk (1/8 of the budget) keeps the cache nearly full throughout.
         let room = e.budget - e.n_sink - e.n_recent;
-        let n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
+        let mut n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
         let budget = e.budget;
-        Ok(Self::build(
-            w,
-            n_ctx,
-            budget,
-            n_threads,
-            n_batch,
-            Some(policy),
-        ))
+        let mut policy = policy;
+        policy.scorer.prepare(&w.config)?;
+        policy.scorer.set_budget(budget);
+        if let Some(pp) = &mut policy.prompt {
+            let pe = &pp.evictor;
+            if pe.budget > budget || pe.n_sink + pe.n_recent >= pe.budget {
+                return Err(Error::arg(
+                    "--prompt-budget",
+                    format!(
+                        "prompt budget {} must be at most --kv-budget {budget} and hold sinks {} + recent {} plus one token",
+                        pe.budget, pe.n_sink, pe.n_recent
+                    ),
+                ));
+            }
+            let room = pe.budget - pe.n_sink - pe.n_recent;
+            n_batch = n_batch.min(room).min((pe.budget / 8).max(1)).max(1);
+            pp.scorer.prepare(&w.config)?;
+            pp.scorer.set_budget(pe.budget);
+        }
+        let taps = policy.scorer.tap_layers();
+        let mut s = Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy));
+        if !taps.is_empty() {
+            s.taps = Some(HiddenTaps::new(taps, w.config.dim));
+        }
+        Ok(s)
     }
 
     fn build(
@@ -105,6 +149,8 @@ impl<'w> Session<'w> {
             n_ctx,
             policy,
             n_evicted: 0,
+            prompt_end: 0,
+            taps: None,
             mass: vec![0.0; n_slots],
             scores: Vec::new(),
             victims: Vec::new(),
@@ -117,8 +163,14 @@ impl<'w> Session<'w> {
         self.kv.clear();
         self.n_past = 0;
         self.n_evicted = 0;
+        if let Some(t) = &mut self.taps {
+            t.reset();
+        }
         if let Some(p) = &mut self.policy {
             p.scorer.reset();
+            if let Some(pp) = &mut p.prompt {
+                pp.scorer.reset();
+            }
         }
     }
 
@@ -140,15 +192,21 @@ impl<'w> Session<'w> {
         let mut none = Vec::new();
         self.kv.apply(&victims, &[], &mut none)?;
         self.n_past = n;
+        // the previous token's hidden state is gone with it
+        if let Some(t) = &mut self.taps {
+            t.reset();
+        }
         Ok(())
     }
 
     /// Mark positions below `n` as prompt (protected when the policy keeps the prompt).
     pub fn protect_prompt(&mut self, n: usize) {
+        self.prompt_end = n;
         if let Some(p) = &mut self.policy {
             if p.evictor.keep_prompt_until > 0 {
                 p.evictor.keep_prompt_until = n;
             }
+            p.scorer.set_prompt_end(n);
         }
     }
 
@@ -174,19 +232,24 @@ impl<'w> Session<'w> {
                 Logits::Last => 0,
             };
             let pos0 = self.n_past;
-            // choose victims so that resident + n stays within the budget
+            // choose victims so that resident + n stays within the budget;
+            // prompt chunks go to the prompt-phase policy when there is one
+            let prompt_chunk = pos0 < self.prompt_end;
             self.victims.clear();
             let mass_mode = match &mut self.policy {
                 Some(p) => {
+                    let (scorer, evictor) = match (&mut p.prompt, prompt_chunk) {
+                        (Some(pp), true) => (&mut pp.scorer, &pp.evictor),
+                        _ => (&mut p.scorer, &p.evictor),
+                    };
                     let (slots, pos) = self.kv.live();
-                    if slots.len() + n > p.evictor.budget {
+                    if slots.len() + n > evictor.budget {
                         self.scores.resize(slots.len(), 0.0);
-                        p.scorer.score(&self.kv, slots, pos, &mut self.scores);
+                        scorer.score(&self.kv, slots, pos, &mut self.scores);
                         let newest = (pos0 + n - 1) as i64;
-                        p.evictor
-                            .select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
+                        evictor.select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
                     }
-                    p.scorer.mass_mode()
+                    scorer.mass_mode()
                 }
                 None => MassMode::None,
             };
@@ -198,6 +261,7 @@ impl<'w> Session<'w> {
                 } else {
                     None
                 },
+                taps: self.taps.as_mut(),
             };
             let out = forward(
                 self.w,
@@ -213,11 +277,23 @@ impl<'w> Session<'w> {
             self.n_evicted += self.victims.len();
             self.n_past += n;
             if let Some(p) = &mut self.policy {
-                let new_slots = self.state.step_slots();
-                p.scorer
-                    .on_write(&self.kv, new_slots, self.state.step_positions());
-                if mass_mode != MassMode::None {
-                    p.scorer.observe(&self.mass);
+                let (new_slots, new_pos) = (self.state.step_slots(), self.state.step_positions());
+                if let Some(t) = &self.taps {
+                    p.scorer.on_hidden(t, new_slots, new_pos);
+                }
+                p.scorer.on_write(&self.kv, new_slots, new_pos);
+                match (&mut p.prompt, prompt_chunk) {
+                    (Some(pp), true) => {
+                        pp.scorer.on_write(&self.kv, new_slots, new_pos);
+                        if mass_mode != MassMode::None {
+                            pp.scorer.observe(&self.mass);
+                        }
+                    }
+                    _ => {
+                        if mass_mode != MassMode::None {
+                            p.scorer.observe(&self.mass);
+                        }
+                    }
                 }
             }
             done += n;

@@ -143,7 +143,7 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                 let mut sess = if full {
                     Session::new(&w, n_ctx, n_threads, 256)
                 } else {
-                    match a.kv.build(a.seed)? {
+                    match a.kv.build(a.seed, &path)? {
                         None => Session::new(&w, n_ctx, n_threads, 256),
                         Some(p) => Session::with_policy(&w, n_ctx, n_threads, 256, p)?,
                     }

@@ -160,6 +160,7 @@ impl SweepArgs {
                 kv_recent: self.kv_recent,
                 keep_prompt: false,
                 evict_every: self.evict_every,
+                ..KvArgs::default()
             },
             text: TextArgs {
                 record,
@@ -751,7 +752,7 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
     for p in &policies {
         for &bud in &budgets {
             let pa = a.ppl_args(p, bud, a.text.record);
-            if let Some(kp) = pa.kv.build(a.seed)? {
+            if let Some(kp) = pa.kv.build(a.seed, Path::new(""))? {
                 let e = &kp.evictor;
                 if e.budget == 0 || e.n_sink + e.n_recent >= e.budget {
                     return Err(Error::arg(

@@ -67,7 +67,7 @@ fn max_alloc_feeding(
                 keep_prompt_until: 0,
                 evict_every: 1,
             };
-            Session::with_policy(w, toks.len(), 2, 64, KvPolicy { scorer, evictor }).unwrap()
+            Session::with_policy(w, toks.len(), 2, 64, KvPolicy::new(scorer, evictor)).unwrap()
         }
     };
     // warm the scratch buffers that grow to their steady size on first use

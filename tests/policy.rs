@@ -44,7 +44,7 @@ fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
     let scorer = by_name(name, e.budget, &PolicyArgs { seed })
         .unwrap()
         .expect("a scorer");
-    KvPolicy { scorer, evictor: e }
+    KvPolicy::new(scorer, e)
 }
 
 // ------------------------------------------------------------ 1. registry

@@ -58,6 +58,9 @@ pub struct RunState {
     slots: Vec<u32>,
     /// (n,) positions of the tokens of the current step
     positions: Vec<i64>,
+    /// Forward steps that exported attention probabilities (a test asserts
+    /// attention-free policies never make one).
+    pub prob_exports: u64,
 }
 
 impl RunState {
@@ -93,6 +96,7 @@ impl RunState {
             act: Vec::new(),
             slots: Vec::new(),
             positions: Vec::new(),
+            prob_exports: 0,
         }
     }
 }
@@ -109,6 +113,70 @@ pub enum MassMode {
     AllRows,
 }
 
+/// Residual-stream taps: the change of the hidden state between consecutive
+/// positions at chosen decoder layers, g_l(t) = ‖h_l(t) − h_l(t−1)‖₂, where
+/// h_l is the raw residual stream at the output of layer l. Only the
+/// previous token's vector per tapped layer is kept; the whole stream is
+/// never copied.
+#[derive(Debug, Clone, Default)]
+pub struct HiddenTaps {
+    /// Tapped decoder layers (0-based), ascending.
+    pub layers: Vec<usize>,
+    /// (n_taps, dim) hidden state of the previous token at each tapped layer.
+    prev: Vec<f32>,
+    /// Whether `prev` holds a real previous token.
+    has_prev: bool,
+    /// (n, n_taps) g of the last step's tokens, row-major.
+    pub g: Vec<f32>,
+    /// Rows of `g` before this index have no previous token (the first
+    /// token of a sequence); their g is 0.
+    pub first_valid: usize,
+}
+
+impl HiddenTaps {
+    /// Taps at `layers` (deduplicated, sorted) of a model with residual width `dim`.
+    pub fn new(mut layers: Vec<usize>, dim: usize) -> HiddenTaps {
+        layers.sort_unstable();
+        layers.dedup();
+        HiddenTaps {
+            prev: vec![0.0; layers.len() * dim],
+            layers,
+            has_prev: false,
+            g: Vec::new(),
+            first_valid: 0,
+        }
+    }
+    /// Forget the previous token (new sequence).
+    pub fn reset(&mut self) {
+        self.has_prev = false;
+    }
+    /// Number of tapped layers.
+    pub fn n_taps(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Record g for the `n` rows of `x` (n, dim) at tap index `ti`, then keep
+    /// the last row as the next step's previous vector.
+    fn record(&mut self, ti: usize, x: &[f32], n: usize, dim: usize) {
+        let nt = self.layers.len();
+        for i in 0..n {
+            let cur = &x[i * dim..(i + 1) * dim];
+            let prev = if i == 0 {
+                if !self.has_prev {
+                    self.g[ti] = 0.0;
+                    continue;
+                }
+                &self.prev[ti * dim..(ti + 1) * dim]
+            } else {
+                &x[(i - 1) * dim..i * dim]
+            };
+            let d2: f32 = cur.iter().zip(prev).map(|(a, b)| (a - b) * (a - b)).sum();
+            self.g[i * nt + ti] = d2.sqrt();
+        }
+        self.prev[ti * dim..(ti + 1) * dim].copy_from_slice(&x[(n - 1) * dim..n * dim]);
+    }
+}
+
 /// What one forward step reads and exports besides logits.
 #[derive(Debug, Default)]
 pub struct StepIo<'a> {
@@ -119,6 +187,8 @@ pub struct StepIo<'a> {
     /// (n_slots,) receives, per slot, the attention probability averaged
     /// over every query head of every layer (summed over rows for `AllRows`).
     pub mass: Option<&'a mut [f32]>,
+    /// Residual-stream taps to fill (None = no taps, no cost).
+    pub taps: Option<&'a mut HiddenTaps>,
 }
 
 /// Run `tokens` (at absolute positions `pos0..pos0+n`, n ≤ `s.n_batch`)
@@ -183,6 +253,13 @@ fn forward_chunk(
     if export {
         s.mass_thr.clear();
         s.mass_thr.resize(n_threads * n_slots, 0.0);
+        s.prob_exports += 1;
+    }
+    let mut taps = io.taps;
+    if let Some(t) = taps.as_deref_mut() {
+        t.g.clear();
+        t.g.resize(n * t.n_taps(), 0.0);
+        t.first_valid = usize::from(!t.has_prev);
     }
     let mass_w = 1.0 / (c.n_heads * c.n_layers) as f32;
 
@@ -394,6 +471,16 @@ fn forward_chunk(
 
         // residual                                               (n, dim)
         add(&mut s.x[..n * dim], &s.xb[..n * dim]);
+
+        // hidden-state taps: g_l(t) = ‖x_l(t) − x_l(t−1)‖       (n, n_taps)
+        if let Some(t) = taps.as_deref_mut() {
+            if let Ok(ti) = t.layers.binary_search(&l) {
+                t.record(ti, &s.x[..n * dim], n, dim);
+            }
+        }
+    }
+    if let Some(t) = taps {
+        t.has_prev = true;
     }
 
     // reduce the per-thread attention mass into the caller's (n_slots,) buffer

@@ -11,6 +11,7 @@
 //! `POLICIES` is the single registry: the CLI's `--policy` values, `--help`
 //! and the tests all read it.
 
+pub mod epikv;
 pub mod h2o;
 pub mod knorm;
 pub mod random;
@@ -19,7 +20,8 @@ pub mod window;
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::llama::MassMode;
+use crate::model::llama::{HiddenTaps, MassMode};
+use crate::model::Config;
 
 /// Ranks cached tokens (token-uniform: one score per slot shared by every
 /// layer and head). Per-slot state lives in the scorer, indexed by slot.
@@ -30,6 +32,21 @@ pub trait Scorer: std::fmt::Debug + Send {
     fn mass_mode(&self) -> MassMode {
         MassMode::None
     }
+    /// Resolve model-dependent settings (layers, widths) once the model is known.
+    fn prepare(&mut self, _c: &Config) -> Result<()> {
+        Ok(())
+    }
+    /// Decoder layers whose residual-stream change the scorer reads (default: none).
+    fn tap_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Positions below `n` are the prompt.
+    fn set_prompt_end(&mut self, _n: usize) {}
+    /// The cache budget the scorer works under.
+    fn set_budget(&mut self, _budget: usize) {}
+    /// Hidden-state change of the step's tokens (`taps.g`, one row per token
+    /// of `slots`/`positions`), delivered before `on_write`.
+    fn on_hidden(&mut self, _taps: &HiddenTaps, _slots: &[u32], _positions: &[i64]) {}
     /// New tokens were written into `slots` at `positions` (K/V already stored).
     fn on_write(&mut self, _kv: &KvCache, _slots: &[u32], _positions: &[i64]) {}
     /// Attention mass of the last step, (n_slots,), averaged over layers and heads.
@@ -73,6 +90,26 @@ pub const POLICIES: &[PolicyInfo] = &[
         name: "random",
         about: "random scores (seeded), a floor for comparisons",
     },
+    PolicyInfo {
+        name: "epikv",
+        about: "EPIKV-Flat: rolling z-score of hidden-state change, layer A minus layer B (attention-free)",
+    },
+    PolicyInfo {
+        name: "epikv-raw",
+        about: "EPIKV raw: rolling mean of hidden-state change, layer A minus layer B",
+    },
+    PolicyInfo {
+        name: "epikv-band",
+        about: "EPIKV band: z-scores of band-mean hidden-state change, 1.29·A − 1.0·B",
+    },
+    PolicyInfo {
+        name: "epikv-lag",
+        about: "EPIKV lag: K/V spread normalized by the previous 128-token chunk",
+    },
+    PolicyInfo {
+        name: "epikv-seg",
+        about: "EPIKV-Seg: key-variance tertile caps per 128-token segment, Flat ranking inside",
+    },
 ];
 
 /// Names of every policy.
@@ -84,6 +121,10 @@ pub fn names() -> Vec<&'static str> {
 #[derive(Debug, Clone, Default)]
 pub struct PolicyArgs {
     pub seed: u64,
+    /// The evictor's recent window (scorers that cap per segment need it).
+    pub n_recent: usize,
+    /// EPIKV layer/window choices.
+    pub epikv: epikv::EpikvOptions,
 }
 
 /// Build a scorer by name (`Ok(None)` for `full`).
@@ -95,6 +136,12 @@ pub fn by_name(name: &str, n_slots: usize, args: &PolicyArgs) -> Result<Option<B
         "tova" => Box::new(tova::Tova::new(n_slots)),
         "knorm" => Box::new(knorm::KNorm::new(n_slots)),
         "random" => Box::new(random::Random::new(n_slots, args.seed)),
+        name if epikv::Variant::from_name(name).is_some() => Box::new(epikv::Epikv::new(
+            epikv::Variant::from_name(name).unwrap_or(epikv::Variant::Flat),
+            n_slots,
+            args.epikv.clone(),
+            args.n_recent,
+        )),
         other => {
             return Err(Error::arg(
                 "--policy",
@@ -160,14 +207,19 @@ impl Evictor {
             return Err(Error::arg(
                 "--kv-budget",
                 format!(
-                    "budget {} cannot hold the protected tokens: {} live, {} new, only {} evictable (sinks {}, recent {}, prompt {})",
+                    "budget {} cannot hold the protected tokens: {} live, {} new, only {} evictable (sinks {}, recent {}, prompt {}){}",
                     self.budget,
                     n_live,
                     n_new,
                     cand.len(),
                     self.n_sink,
                     self.n_recent,
-                    if self.keep_prompt_until == usize::MAX { "all".to_string() } else { self.keep_prompt_until.to_string() }
+                    if self.keep_prompt_until == usize::MAX { "all".to_string() } else { self.keep_prompt_until.to_string() },
+                    if self.keep_prompt_until > 0 {
+                        "; the prompt is kept: raise --kv-budget, or choose a prompt-phase policy with --prompt-policy (or --epikv-score-prompt)"
+                    } else {
+                        ""
+                    }
                 ),
             ));
         }
