@@ -49,6 +49,9 @@ pub enum Cmd {
     Eval(crate::eval::EvalCmd),
     /// Run a JSONL file of problems and grade the answers (`batch merge` combines shards).
     Batch(crate::batch::BatchCmd),
+    /// Calibrate a policy for a model (`calibrate epikv`: EPIKV's bands and layers).
+    #[command(subcommand)]
+    Calibrate(crate::calibrate::CalibrateCmd),
 }
 
 /// Model selection shared by every command.
@@ -722,6 +725,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Inspect { model }) => run_inspect(model),
         Some(Cmd::Bench(b)) => crate::bench::run_bench(b),
         Some(Cmd::Chat(c)) => crate::chat_repl::run_chat(c),
+        Some(Cmd::Calibrate(c)) => crate::calibrate::run_calibrate(c),
         Some(Cmd::Eval(crate::eval::EvalCmd::Ppl(p))) => crate::eval::run_ppl(p),
         Some(Cmd::Eval(crate::eval::EvalCmd::Sweep(s))) => crate::sweep::run_sweep(s),
         Some(Cmd::Eval(crate::eval::EvalCmd::Passkey(p))) => crate::passkey::run_passkey(p),

@@ -182,21 +182,27 @@ impl<'w> Session<'w> {
         if n >= self.n_past {
             return Ok(());
         }
-        let (slots, pos) = self.kv.live();
-        let victims: Vec<u32> = slots
-            .iter()
-            .zip(pos)
-            .filter(|(_, &p)| p as usize >= n)
-            .map(|(&s, _)| s)
-            .collect();
-        let mut none = Vec::new();
-        self.kv.apply(&victims, &[], &mut none)?;
+        self.evict_range(n, self.n_past)?;
         self.n_past = n;
         // the previous token's hidden state is gone with it
         if let Some(t) = &mut self.taps {
             t.reset();
         }
         Ok(())
+    }
+
+    /// Evict every cached token with a position in `lo..hi` (the rest of the
+    /// cache and `n_past` stay as they are).
+    pub fn evict_range(&mut self, lo: usize, hi: usize) -> Result<()> {
+        let (slots, pos) = self.kv.live();
+        let victims: Vec<u32> = slots
+            .iter()
+            .zip(pos)
+            .filter(|(_, &p)| (lo..hi).contains(&(p as usize)))
+            .map(|(&s, _)| s)
+            .collect();
+        let mut none = Vec::new();
+        self.kv.apply(&victims, &[], &mut none)
     }
 
     /// Mark positions below `n` as prompt (protected when the policy keeps the prompt).

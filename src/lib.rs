@@ -16,6 +16,7 @@
 pub mod backend;
 pub mod batch;
 pub mod bench;
+pub mod calibrate;
 pub mod chat;
 pub mod chat_repl;
 pub mod cli;

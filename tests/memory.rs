@@ -90,7 +90,7 @@ fn attention_memory_is_linear_in_context() {
     let toks: Vec<u32> = (0..1024u32).map(|i| 200 + (i * 7919) % 40000).collect();
     // h2o asks the attention pass for per-slot probabilities of every row:
     // the export path must stay O(n) as well.
-    for policy in [None, Some(("h2o", 4096))] {
+    for policy in [None, Some(("h2o", 4096)), Some(("epikv", 4096))] {
         let (a1, _) = max_alloc_feeding(&w, &toks[..512], policy);
         let (a2, _) = max_alloc_feeding(&w, &toks, policy);
         let n = 1024usize;

@@ -41,9 +41,16 @@ fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) ->
 }
 
 fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
-    let scorer = by_name(name, e.budget, &PolicyArgs { seed })
-        .unwrap()
-        .expect("a scorer");
+    let scorer = by_name(
+        name,
+        e.budget,
+        &PolicyArgs {
+            seed,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .expect("a scorer");
     KvPolicy::new(scorer, e)
 }
 

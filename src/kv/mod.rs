@@ -17,7 +17,7 @@ use cells::KvCells;
 use half::f16;
 
 /// K/V storage plus slot metadata.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvCache {
     pub cells: KvCells,
     pub n_layers: usize,
