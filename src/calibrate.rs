@@ -214,17 +214,19 @@ pub fn spearman(x: &[f64], y: &[f64]) -> f64 {
 }
 
 /// Propose bands and representatives from per-layer ρ: the widest run of
-/// positive (A) and negative (B) ρ among layers 2..L−2 (ties: larger |Σρ|),
-/// representative = largest |ρ| in the run. A side without any run keeps the
-/// depth-scaled default.
+/// positive (A) ρ among layers 2..L−2 (ties: larger |Σρ|), then the widest
+/// run of negative (B) ρ above band A (EPIKV's B is the upper-middle band;
+/// anywhere in 2..L−2 only if nothing negative lies above A);
+/// representative = largest |ρ| in the run. A side without any run keeps
+/// the depth-scaled default.
 pub fn propose(rho: &[f64], window: usize) -> (EpikvLayers, String) {
     let nl = rho.len();
     let mut l = EpikvLayers::for_depth(nl);
     l.window = window;
     let (lo, hi) = (2.min(nl), nl.saturating_sub(2));
-    let run = |sign: f64| -> Option<(usize, usize)> {
+    let run = |sign: f64, from: usize| -> Option<(usize, usize)> {
         let mut best: Option<(usize, usize, f64)> = None;
-        let mut i = lo;
+        let mut i = from.max(lo);
         while i < hi {
             if rho[i] * sign > 0.0 {
                 let mut j = i;
@@ -252,14 +254,16 @@ pub fn propose(rho: &[f64], window: usize) -> (EpikvLayers, String) {
             .unwrap_or(a)
     };
     let mut notes = Vec::new();
-    match run(1.0) {
+    let a = run(1.0, lo);
+    match a {
         Some(r) => {
             l.band_a = r;
             l.layer_a = rep(r);
         }
         None => notes.push("no positive run: band A kept at the depth-scaled default"),
     }
-    match run(-1.0) {
+    let above_a = a.map_or(lo, |(_, end)| end + 1);
+    match run(-1.0, above_a).or_else(|| run(-1.0, lo)) {
         Some(r) => {
             l.band_b = r;
             l.layer_b = rep(r);
@@ -267,7 +271,7 @@ pub fn propose(rho: &[f64], window: usize) -> (EpikvLayers, String) {
         None => notes.push("no negative run: band B kept at the depth-scaled default"),
     }
     let note = if notes.is_empty() {
-        "bands = widest positive / negative runs of rho (layers 2..L-2), representatives = largest |rho|".to_owned()
+        "band A = widest positive run of rho (layers 2..L-2), band B = widest negative run above it, representatives = largest |rho|".to_owned()
     } else {
         notes.join("; ")
     };
