@@ -506,17 +506,7 @@ fn run_job(
         *cache = None;
         let sess = match job.kv.build(job.sampler.seed)? {
             None => Session::new(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch),
-            Some(p) => {
-                if job.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
-                    return Err(ApiError::bad(format!(
-                        "kv_budget: budget {} cannot hold the {}-token prompt (keep_prompt) plus the recent window {}",
-                        p.evictor.budget,
-                        ids.len(),
-                        p.evictor.n_recent
-                    )));
-                }
-                Session::with_policy(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?
-            }
+            Some(p) => Session::with_policy(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?,
         };
         *cache = Some((key, sess));
     }
@@ -1494,4 +1484,94 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
             _ = tokio::signal::ctrl_c() => Ok(()),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(start_in_think: bool, pieces: &[&str]) -> (String, String) {
+        let mut t = ThinkSplit {
+            enabled: true,
+            in_think: start_in_think,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        for p in pieces {
+            t.push(p, &mut out);
+        }
+        t.finish(&mut out);
+        let pick = |r: bool| -> String {
+            out.iter()
+                .filter(|(x, _)| *x == r)
+                .map(|(_, s)| s.as_str())
+                .collect()
+        };
+        (pick(true), pick(false))
+    }
+
+    #[test]
+    fn think_tags_split_across_pieces() {
+        let (r, c) = split(
+            false,
+            &[
+                "<th",
+                "ink>\nLet me",
+                " think.</th",
+                "ink>",
+                "\n\nThe answer",
+                " is 4.",
+            ],
+        );
+        assert_eq!(r, "Let me think.");
+        assert_eq!(c, "The answer is 4.");
+        // the template opened the block: generation starts inside it
+        let (r, c) = split(true, &["step 1\n", "</think>\n", "done"]);
+        assert_eq!((r.as_str(), c.as_str()), ("step 1\n", "done"));
+        // no tags: all content, a lone '<' is not swallowed
+        let (r, c) = split(false, &["a <", "b"]);
+        assert_eq!((r.as_str(), c.as_str()), ("", "a <b"));
+        // disabled: tags stay in the content
+        let mut t = ThinkSplit::default();
+        let mut out = Vec::new();
+        t.push("<think>x</think>y", &mut out);
+        assert_eq!(out, vec![(false, "<think>x</think>y".to_owned())]);
+    }
+
+    #[test]
+    fn stop_strings_across_pieces() {
+        let mut m = StopMatch {
+            stops: vec!["END".into(), "ü!".into()],
+            pending: String::new(),
+        };
+        assert_eq!(m.push("abc E"), ("abc ".to_owned(), false));
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("X"), ("ENX".to_owned(), false));
+        assert_eq!(m.push("xx ü"), ("xx ".to_owned(), false));
+        assert_eq!(m.push("! tail"), (String::new(), true));
+        let mut m = StopMatch {
+            stops: vec!["\n\n".into()],
+            pending: String::new(),
+        };
+        assert_eq!(m.push("a\n"), ("a".to_owned(), false));
+        assert_eq!(m.finish(), "\n");
+    }
+
+    #[test]
+    fn api_errors_are_openai_shaped() {
+        let e: ApiError = Error::arg("--kv-budget", "--policy h2o needs --kv-budget N").into();
+        let b = e.body();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(
+            b["error"]["message"],
+            "kv_budget: policy h2o needs kv_budget N"
+        );
+        let e: ApiError = Error::ContextTooSmall {
+            n_prompt: 10,
+            n_ctx: 5,
+        }
+        .into();
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+    }
 }
