@@ -510,7 +510,29 @@ fn queue_full_503_and_disconnect_cancels() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(s.metric("kvrun_requests_cancelled_total", "") >= 1.0);
+    let cancelled = s.metric("kvrun_requests_cancelled_total", "");
+    assert!(cancelled >= 1.0);
+    // a non-streaming client that leaves cancels too
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    let mut nb = long.clone();
+    nb["stream"] = json!(false);
+    c.write_all(&raw_post("/v1/chat/completions", &nb.to_string()))
+        .unwrap();
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_processing", "") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "c never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_processing", "") > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "non-streaming generation not cancelled after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(s.metric("kvrun_requests_cancelled_total", "") > cancelled);
     let t0 = Instant::now();
     let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 4));
     assert!(!content(&v).is_empty());
