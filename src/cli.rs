@@ -52,6 +52,8 @@ pub enum Cmd {
     /// Calibrate a policy for a model (`calibrate epikv`: EPIKV's bands and layers).
     #[command(subcommand)]
     Calibrate(crate::calibrate::CalibrateCmd),
+    /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
+    Serve(crate::server::ServeArgs),
 }
 
 /// Model selection shared by every command.
@@ -288,6 +290,7 @@ pub fn normalize_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
                 "-st" => "--single-turn",
                 "-no-cnv" => "--raw",
                 "-tb" => "--threads",
+                "-np" => "--parallel",
                 _ => return a,
             };
             m.to_owned()
@@ -397,7 +400,11 @@ pub fn prompt_tokens(
 
 /// Fail cleanly when the KV cache and per-slot buffers of an `n_ctx` context
 /// cannot be allocated (a huge -c would otherwise abort in the allocator).
-fn check_ctx_alloc(c: &crate::model::Config, n_ctx: usize, n_threads: usize) -> Result<()> {
+pub(crate) fn check_ctx_alloc(
+    c: &crate::model::Config,
+    n_ctx: usize,
+    n_threads: usize,
+) -> Result<()> {
     let per_slot = (2 * c.n_layers * c.kv_dim() * 2).checked_add(4 * (n_threads + 1));
     let bytes = per_slot
         .and_then(|b| b.checked_mul(n_ctx))
@@ -710,7 +717,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> std::result::Result<Cli,
     use clap::{CommandFactory, FromArgMatches};
     let help = format!(
         "{}\nWithout a subcommand kvrun generates from -p/-f (one-shot, like llama-completion).\n\
-         Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv.",
+         Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv, -np.",
         policies_help()
     );
     let m = Cli::command()
@@ -730,6 +737,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Eval(crate::eval::EvalCmd::Sweep(s))) => crate::sweep::run_sweep(s),
         Some(Cmd::Eval(crate::eval::EvalCmd::Passkey(p))) => crate::passkey::run_passkey(p),
         Some(Cmd::Batch(b)) => crate::batch::run_batch(b),
+        Some(Cmd::Serve(s)) => crate::server::run_serve(s),
         None => run_generate(&cli.run),
     }
 }

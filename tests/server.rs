@@ -1,0 +1,714 @@
+//! `kvrun serve`: the real binary on 127.0.0.1 (a free port chosen by the
+//! OS), driven over HTTP with `ureq` and raw TCP for the malformed cases.
+
+mod util;
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A running `kvrun serve`, killed on drop.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let model = util::default_model();
+        let mut child = Command::new(util::kvrun_bin())
+            .arg("serve")
+            .args(["-m", model.to_str().unwrap(), "--port", "0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvrun serve");
+        // the first stderr line names the address; keep draining the rest
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        err.read_line(&mut line).unwrap();
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in the startup line: {line:?}"))
+            .to_owned();
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            while err.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+                eprint!("[server] {sink}");
+                sink.clear();
+            }
+        });
+        let s = Server { child, addr };
+        let t0 = Instant::now();
+        loop {
+            if let Ok(r) = ureq::get(&s.url("/health")).call() {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "server not healthy");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+    fn get(&self, path: &str) -> (u16, String) {
+        reply(ureq::get(&self.url(path)).call())
+    }
+    fn post(&self, path: &str, body: &str) -> (u16, String) {
+        self.post_key(path, body, None)
+    }
+    fn post_key(&self, path: &str, body: &str, key: Option<&str>) -> (u16, String) {
+        let mut r = ureq::post(&self.url(path)).set("Content-Type", "application/json");
+        if let Some(k) = key {
+            r = r.set("Authorization", &format!("Bearer {k}"));
+        }
+        reply(r.send_string(body))
+    }
+    fn post_json(&self, path: &str, body: &Value) -> Value {
+        let (st, text) = self.post(path, &body.to_string());
+        assert_eq!(st, 200, "{path} {body}: {text}");
+        serde_json::from_str(&text).unwrap()
+    }
+    /// A streaming request: the `data:` payloads, up to and including [DONE].
+    fn stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let r = ureq::post(&self.url(path))
+            .send_string(&body.to_string())
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!(r.status(), 200);
+        assert!(r.content_type().starts_with("text/event-stream"));
+        let mut out = Vec::new();
+        for line in BufReader::new(r.into_reader()).lines() {
+            let line = line.unwrap();
+            if let Some(d) = line.strip_prefix("data: ") {
+                out.push(d.to_owned());
+                if d == "[DONE]" {
+                    break;
+                }
+            }
+        }
+        out
+    }
+    /// One value of /metrics (sum over the series whose labels contain `labels`).
+    fn metric(&self, name: &str, labels: &str) -> f64 {
+        let (st, text) = self.get("/metrics");
+        assert_eq!(st, 200);
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.rsplit_once(' '))
+            .filter(|(k, _)| {
+                (k == &name || k.starts_with(&format!("{name}{{"))) && k.contains(labels)
+            })
+            .map(|(_, v)| v.parse::<f64>().unwrap())
+            .sum()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn reply(r: Result<ureq::Response, ureq::Error>) -> (u16, String) {
+    match r {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("transport error: {e}"),
+    }
+}
+
+/// Status and parsed OpenAI error of a failed request; checks the error shape.
+fn api_error(st: u16, body: &str) -> (u16, String) {
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|_| panic!("not JSON: {body}"));
+    let e = &v["error"];
+    assert!(
+        e["message"].is_string() && e["type"].is_string() && e.get("code").is_some(),
+        "not an OpenAI error body: {body}"
+    );
+    (st, e["message"].as_str().unwrap().to_owned())
+}
+
+/// Raw HTTP/1.1 over TCP (for bodies a client library would not send).
+/// Returns the status (0 when the server closed without answering).
+/// `eof`: close our sending side after the bytes (a truncated body ends there).
+fn raw_eof(addr: &str, head_and_body: &[u8], eof: bool) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(head_and_body).unwrap();
+    if eof {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    }
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    (status, body.to_owned())
+}
+
+fn raw(addr: &str, head_and_body: &[u8]) -> (u16, String) {
+    raw_eof(addr, head_and_body, false)
+}
+
+fn raw_post(path: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Starts a streaming chat over raw TCP and returns once the first content
+/// bytes arrived; dropping the stream disconnects.
+fn start_stream(addr: &str, body: &Value) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(&raw_post("/v1/chat/completions", &body.to_string()))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("\"content\":\"") || got.len() < 400 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "stream closed early: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    s
+}
+
+fn chat_body(q: &str, max_tokens: usize) -> Value {
+    json!({
+        "model": "any",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 7,
+    })
+}
+
+fn content(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// Concatenated `content` deltas of a chat stream, its finish reason and usage.
+fn stream_text(events: &[String]) -> (String, String, Option<Value>) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let (mut text, mut finish, mut usage) = (String::new(), String::new(), None);
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(c);
+        }
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = f.to_owned();
+        }
+        if v["usage"].is_object() {
+            usage = Some(v["usage"].clone());
+        }
+    }
+    (text, finish, usage)
+}
+
+/// Chat (streaming and not, same greedy text), completions, models, health
+/// and metrics on one server.
+#[test]
+fn chat_completions_models_and_metrics() {
+    let s = Server::start(&["-t", "1"]);
+    let before = s.metric("kvrun_requests_total", "endpoint=\"/v1/chat/completions\"");
+    let gen_before = s.metric("kvrun_generated_tokens_total", "");
+
+    let body = chat_body("What is the capital of France?", 12);
+    let v = s.post_json("/v1/chat/completions", &body);
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    assert_eq!(v["model"], "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let text = content(&v);
+    assert!(!text.is_empty());
+    let u = &v["usage"];
+    let (pt, ct) = (
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["completion_tokens"].as_u64().unwrap(),
+    );
+    assert!(pt > 5 && (1..=12).contains(&ct), "{u}");
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), pt + ct);
+    let finish = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert_eq!(finish, if ct == 12 { "length" } else { "stop" });
+
+    // streaming: the deltas add up to the same greedy text
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let events = s.stream("/v1/chat/completions", &sb);
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (stext, sfinish, susage) = stream_text(&events);
+    assert_eq!(
+        stext, text,
+        "streamed text differs from the non-streaming one"
+    );
+    assert_eq!(sfinish, finish);
+    assert_eq!(susage.expect("usage chunk"), *u);
+
+    // a stop string cuts the text and reports "stop"
+    if let Some(word) = text.split_whitespace().nth(1) {
+        let mut b = body.clone();
+        b["stop"] = json!([word, "\u{1F600}never"]);
+        let v = s.post_json("/v1/chat/completions", &b);
+        let cut = content(&v);
+        assert!(
+            text.starts_with(&cut) && !cut.contains(word),
+            "{cut:?} / {text:?}"
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    }
+
+    // raw completions, streaming and not
+    let cb = json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0});
+    let v = s.post_json("/v1/completions", &cb);
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["object"], "text_completion");
+    let ctext = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert!(!ctext.is_empty());
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() >= 5);
+    let mut csb = cb.clone();
+    csb["stream"] = json!(true);
+    let ev = s.stream("/v1/completions", &csb);
+    let joined: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap_or("").to_owned()
+        })
+        .collect();
+    assert_eq!(joined, ctext);
+
+    // models and health
+    let (st, m) = s.get("/v1/models");
+    assert_eq!(st, 200);
+    let m: Value = serde_json::from_str(&m).unwrap();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    let (st, h) = s.get("/health");
+    assert_eq!(st, 200);
+    assert!(h.contains("\"ok\""));
+
+    // counters moved
+    let after = s.metric(
+        "kvrun_requests_total",
+        "endpoint=\"/v1/chat/completions\",status=\"200\"",
+    );
+    assert!(after >= before + 2.0, "{before} -> {after}");
+    assert!(s.metric("kvrun_generated_tokens_total", "") >= gen_before + ct as f64);
+    assert!(s.metric("kvrun_prompt_tokens_total", "") > 0.0);
+    assert!(s.metric("kvrun_tokens_per_second", "") > 0.0);
+    let (_, text) = s.get("/metrics");
+    for name in [
+        "kvrun_kv_occupancy_tokens",
+        "kvrun_kv_evictions_total",
+        "# TYPE kvrun_requests_total counter",
+    ] {
+        assert!(text.contains(name), "{name} missing from /metrics");
+    }
+}
+
+/// Malformed bodies, missing fields, wrong types, an over-long prompt, bad
+/// policies: 4xx with an OpenAI-shaped error, and the server keeps serving.
+/// A valid per-request policy evicts and /metrics shows it.
+#[test]
+fn bad_requests_and_per_request_policy() {
+    let s = Server::start(&["-t", "1", "-c", "256"]);
+    let chat = "/v1/chat/completions";
+    let cases: Vec<(&str, String, &str)> = vec![
+        (chat, "{\"messages\": [".into(), "not valid JSON"),
+        (chat, "[1,2]".into(), "JSON object"),
+        (chat, "{}".into(), "messages"),
+        (chat, "{\"messages\": \"hi\"}".into(), "messages"),
+        (chat, "{\"messages\": []}".into(), "empty"),
+        (chat, "{\"messages\": [{\"content\": \"hi\"}]}".into(), "role"),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": 5}]}).to_string(),
+            "content",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}).to_string(),
+            "max_tokens",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "temperature": []}).to_string(),
+            "temperature",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}).to_string(),
+            "stream",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "policy": "lru", "kv_budget": 64}).to_string(),
+            "unknown policy",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "policy": "h2o"}).to_string(),
+            "kv_budget",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 4}).to_string(),
+            "cannot hold the protected tokens",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "kv_budget": 64}).to_string(),
+            "policy",
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 100000}).to_string(),
+            "kv_budget",
+        ),
+        ("/v1/completions", "{\"prompt\": 3}".into(), "prompt"),
+        ("/v1/completions", "{\"max_tokens\": 3}".into(), "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2, 99999999]}).to_string(),
+            "vocabulary",
+        ),
+    ];
+    for (path, body, want) in &cases {
+        let (st, text) = s.post(path, body);
+        let (st, msg) = api_error(st, &text);
+        assert_eq!(st, 400, "{body}: {text}");
+        assert!(msg.contains(want), "{body}: message {msg:?} lacks {want:?}");
+    }
+    // a prompt longer than the context
+    let long = "word ".repeat(600);
+    let (st, text) = s.post(
+        chat,
+        &json!({"messages": [{"role": "user", "content": long}]}).to_string(),
+    );
+    let (st, msg) = api_error(st, &text);
+    assert_eq!(st, 400, "{text}");
+    assert!(msg.contains("context"), "{msg}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    // unknown endpoint, wrong method, garbage over TCP
+    let (st, text) = s.get("/v1/nothing");
+    assert_eq!(api_error(st, &text).0, 404);
+    let (st, _) = s.get(chat);
+    assert_eq!(st, 405);
+    let (st, _) = raw(&s.addr, b"\x00\x01garbage\r\n\r\n");
+    assert!(st == 400 || st == 0, "garbage got {st}");
+    let (st, _) = raw_eof(
+        &s.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess",
+        true,
+    );
+    assert!(st == 400 || st == 0, "truncated body got {st}");
+
+    // a valid per-request policy: evictions show in the response and /metrics
+    let ev0 = s.metric("kvrun_kv_evictions_total", "");
+    let mut b = chat_body("Tell me a story about a dragon.", 40);
+    b["policy"] = json!("h2o");
+    b["kv_budget"] = json!(32);
+    b["kv_recent"] = json!(8);
+    let v = s.post_json(chat, &b);
+    let evicted = v["kv"]["evicted"].as_u64().unwrap();
+    assert!(evicted > 0, "{v}");
+    assert!(v["kv"]["peak_tokens"].as_u64().unwrap() <= 32, "{v}");
+    assert!(s.metric("kvrun_kv_evictions_total", "") >= ev0 + evicted as f64);
+    assert_eq!(s.metric("kvrun_kv_capacity_tokens", ""), 32.0);
+    // and the server's default (full) is back for the next request
+    let v = s.post_json(chat, &chat_body("Hi", 4));
+    assert_eq!(v["kv"]["evicted"], 0);
+    let bad = s.metric("kvrun_requests_total", "status=\"400\"");
+    assert!(bad >= cases.len() as f64, "{bad}");
+}
+
+/// --api-key: 401 with an OpenAI error without or with a wrong key; /health stays open.
+#[test]
+fn api_key_is_required() {
+    let s = Server::start(&["-t", "1", "--api-key", "sekrit"]);
+    let body = chat_body("Hi", 2).to_string();
+    for key in [None, Some("wrong")] {
+        let (st, text) = s.post_key("/v1/chat/completions", &body, key);
+        let (st, _) = api_error(st, &text);
+        assert_eq!(st, 401, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key");
+    }
+    let (st, text) = reply(ureq::get(&s.url("/v1/models")).call());
+    assert_eq!(st, 401, "{text}");
+    let (st, _) = s.get("/health");
+    assert_eq!(st, 200);
+    let (st, text) = s.post_key("/v1/chat/completions", &body, Some("sekrit"));
+    assert_eq!(st, 200, "{text}");
+}
+
+/// One slot and a queue of one: a third request gets 503; disconnecting
+/// clients cancel their generations and the next request is served promptly.
+#[test]
+fn queue_full_503_and_disconnect_cancels() {
+    let s = Server::start(&["-t", "1", "--parallel", "1", "--queue", "1"]);
+    let mut long = chat_body("Write a very long essay about the history of Rome.", 3000);
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let a = start_stream(&s.addr, &long);
+    // b waits in the queue
+    let mut b = TcpStream::connect(&s.addr).unwrap();
+    b.write_all(&raw_post("/v1/chat/completions", &long.to_string()))
+        .unwrap();
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_queued", "") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "b never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (st, text) = s.post("/v1/chat/completions", &chat_body("Hi", 2).to_string());
+    let (st, msg) = api_error(st, &text);
+    assert_eq!(st, 503, "{text}");
+    assert!(msg.contains("busy"), "{msg}");
+    assert_eq!(s.metric("kvrun_requests_total", "status=\"503\""), 1.0);
+    // both clients leave mid-generation
+    drop(a);
+    let _ = b.shutdown(std::net::Shutdown::Both);
+    drop(b);
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_processing", "") + s.metric("kvrun_requests_queued", "") > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "generation not cancelled after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cancelled = s.metric("kvrun_requests_cancelled_total", "");
+    assert!(cancelled >= 1.0);
+    // a non-streaming client that leaves cancels too
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    let mut nb = long.clone();
+    nb["stream"] = json!(false);
+    c.write_all(&raw_post("/v1/chat/completions", &nb.to_string()))
+        .unwrap();
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_processing", "") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "c never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_processing", "") > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "non-streaming generation not cancelled after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(s.metric("kvrun_requests_cancelled_total", "") > cancelled);
+    let t0 = Instant::now();
+    let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 4));
+    assert!(!content(&v).is_empty());
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "next request slow: {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Bounded load: 200 requests from 8 client threads against 2 slots, with
+/// streaming, client disconnects and malformed bodies mixed in. Every
+/// well-formed request gets the right (greedy) answer; the server ends healthy.
+#[test]
+fn load_200_requests_8_concurrent() {
+    const N: usize = 200;
+    const CONC: usize = 8;
+    const MAXT: usize = 6;
+    let s = Arc::new(Server::start(&[
+        "-t",
+        "2",
+        "--parallel",
+        "2",
+        "--queue",
+        "32",
+    ]));
+    let questions = ["Hi", "What is 2+2?", "Name a color.", "Say yes."];
+    let prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"];
+    // reference answers, one at a time
+    let want_chat: Vec<String> = questions
+        .iter()
+        .map(|q| content(&s.post_json("/v1/chat/completions", &chat_body(q, MAXT))))
+        .collect();
+    let comp_body = |p: &str| json!({"prompt": p, "max_tokens": MAXT, "temperature": 0});
+    let want_comp: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            s.post_json("/v1/completions", &comp_body(p))["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    let next = Arc::new(AtomicUsize::new(0));
+    let lat = Arc::new(Mutex::new(Vec::new()));
+    let counts = Arc::new(Mutex::new([0usize; 4])); // ok, streamed, disconnects, malformed
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..CONC)
+        .map(|_| {
+            let (s, next, lat, counts) = (s.clone(), next.clone(), lat.clone(), counts.clone());
+            let (wc, wp) = (want_chat.clone(), want_comp.clone());
+            std::thread::spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= N {
+                    break;
+                }
+                let t = Instant::now();
+                match i % 10 {
+                    3 | 8 => {
+                        let (st, body) = match i % 4 {
+                            0 => raw(&s.addr, &raw_post("/v1/chat/completions", "{\"messages\":")),
+                            1 => raw(
+                                &s.addr,
+                                &raw_post("/v1/chat/completions", "{\"messages\":[{\"role\":1}]}"),
+                            ),
+                            2 => raw(
+                                &s.addr,
+                                &raw_post("/v1/completions", "{\"prompt\":\"x\",\"top_p\":\"a\"}"),
+                            ),
+                            _ => raw(&s.addr, b"NOT HTTP AT ALL\r\n\r\n"),
+                        };
+                        if i % 4 == 3 {
+                            assert!(st == 400 || st == 0, "garbage got {st}");
+                        } else {
+                            assert_eq!(api_error(st, &body).0, 400, "{body}");
+                        }
+                        counts.lock().unwrap()[3] += 1;
+                        continue;
+                    }
+                    7 => {
+                        let mut b = chat_body(questions[i % 4], 200);
+                        b["stream"] = json!(true);
+                        b["ignore_eos"] = json!(true);
+                        drop(start_stream(&s.addr, &b));
+                        counts.lock().unwrap()[2] += 1;
+                        continue;
+                    }
+                    5 => {
+                        let mut b = chat_body(questions[i % 4], MAXT);
+                        b["stream"] = json!(true);
+                        let (text, _, _) = stream_text(&s.stream("/v1/chat/completions", &b));
+                        assert_eq!(text, wc[i % 4], "request {i} (stream)");
+                        counts.lock().unwrap()[1] += 1;
+                    }
+                    k if k % 2 == 0 => {
+                        let v =
+                            s.post_json("/v1/chat/completions", &chat_body(questions[i % 4], MAXT));
+                        assert_eq!(content(&v), wc[i % 4], "request {i}");
+                        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= MAXT as u64);
+                        counts.lock().unwrap()[0] += 1;
+                    }
+                    _ => {
+                        let v = s.post_json("/v1/completions", &comp_body(prompts[i % 3]));
+                        assert_eq!(v["choices"][0]["text"], wp[i % 3], "request {i}");
+                        counts.lock().unwrap()[0] += 1;
+                    }
+                }
+                lat.lock().unwrap().push(t.elapsed().as_secs_f64());
+            })
+        })
+        .collect();
+    // join every client before judging, so the server is always dropped (killed)
+    let failed = threads
+        .into_iter()
+        .map(|t| t.join())
+        .filter(Result::is_err)
+        .count();
+    assert_eq!(failed, 0, "{failed} client thread(s) failed (see above)");
+    let wall = t0.elapsed().as_secs_f64();
+    let mut l = lat.lock().unwrap().clone();
+    l.sort_by(f64::total_cmp);
+    let pct = |p: f64| l[((l.len() as f64 * p).ceil() as usize).clamp(1, l.len()) - 1] * 1e3;
+    let c = *counts.lock().unwrap();
+    println!(
+        "load: {N} requests, {CONC} concurrent, 2 slots: {:.1} requests/s over {wall:.1} s; \
+         answered {} (+{} streamed), {} disconnects, {} malformed; latency p50 {:.0} ms, p95 {:.0} ms",
+        N as f64 / wall,
+        c[0],
+        c[1],
+        c[2],
+        c[3],
+        pct(0.5),
+        pct(0.95)
+    );
+    assert_eq!(c.iter().sum::<usize>(), N);
+    // healthy afterwards, nothing left running, and still correct
+    let t0 = Instant::now();
+    while s.metric("kvrun_requests_processing", "") + s.metric("kvrun_requests_queued", "") > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "work left running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (st, _) = s.get("/health");
+    assert_eq!(st, 200);
+    let v = s.post_json("/v1/chat/completions", &chat_body(questions[0], MAXT));
+    assert_eq!(content(&v), want_chat[0]);
+    assert_eq!(s.metric("kvrun_requests_total", "status=\"500\""), 0.0);
+}
+
+/// The `openai` Python package against the server (tests/openai_client.py).
+/// Skipped with a notice when the package is missing, unless CI is set.
+#[test]
+fn openai_python_client() {
+    let have = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI is set but `python3 -c 'import openai'` fails (install: python3 -m pip install openai)"
+        );
+        eprintln!("SKIPPED openai_python_client: the openai Python package is not installed (python3 -m pip install openai)");
+        return;
+    }
+    let s = Server::start(&["-t", "1"]);
+    let out = Command::new("python3")
+        .arg(util::root().join("tests").join("openai_client.py"))
+        .arg(s.url("/v1"))
+        .output()
+        .expect("run python3");
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "openai_client.py failed:\n{so}\n{se}");
+    assert!(so.contains("openai client: ok"), "{so}");
+}
