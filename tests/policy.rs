@@ -479,9 +479,19 @@ fn budget_holds_random() {
 }
 
 #[test]
+fn budget_holds_epikv_variants() {
+    for name in ["epikv", "epikv-raw", "epikv-band", "epikv-lag", "epikv-seg"] {
+        budget_run(name, 600, 1);
+    }
+}
+
+#[test]
 fn every_policy_has_a_budget_test() {
     // the list above must cover the registry
-    let covered = ["full", "window", "h2o", "tova", "knorm", "random"];
+    let covered = [
+        "full", "window", "h2o", "tova", "knorm", "random", "epikv", "epikv-raw", "epikv-band",
+        "epikv-lag", "epikv-seg",
+    ];
     for n in names() {
         assert!(
             covered.contains(&n),
