@@ -36,7 +36,7 @@ use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session, StopReason};
 use crate::grade::{extract_answer, grade, Kind};
 use crate::load::Checkpoint;
-use crate::sample::{Sampler, SamplerConfig};
+use crate::sample::Sampler;
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -148,21 +148,8 @@ pub struct BatchArgs {
         allow_negative_numbers = true
     )]
     pub seed: i64,
-    /// Temperature (0 = greedy).
-    #[arg(long = "temp", alias = "temperature", default_value_t = 0.0)]
-    pub temp: f32,
-    /// Top-k (0 = off).
-    #[arg(long = "top-k", default_value_t = 40)]
-    pub top_k: usize,
-    /// Top-p (1.0 = off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Min-p (0.0 = off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Repeat penalty (1.0 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
-    pub repeat_penalty: f32,
+    #[command(flatten)]
+    pub sampling: crate::cli::SamplingArgs,
     /// System prompt (through the chat template).
     #[arg(long = "system-prompt")]
     pub system: Option<String>,
@@ -383,9 +370,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     if a.batch_size == 0 {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
-    if !a.temp.is_finite() || a.top_p.is_nan() || a.min_p.is_nan() {
-        return Err(Error::arg("--temp/--top-p/--min-p", "must be numbers"));
-    }
+    a.sampling.check()?;
     let shard = a.shard.as_deref().map(parse_shard).transpose()?;
     let n_threads = resolve_threads(a.model.threads)?;
     let seed = if a.seed < 0 {
@@ -509,15 +494,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                     n_ctx,
                 });
             }
-            let mut sampler = Sampler::new(SamplerConfig {
-                temp: a.temp,
-                top_k: a.top_k,
-                top_p: a.top_p,
-                min_p: a.min_p,
-                repeat_penalty: a.repeat_penalty,
-                repeat_last_n: 64,
-                seed: rec_seed,
-            });
+            let mut sampler = Sampler::new(a.sampling.config(0.0, rec_seed));
             let mut sess = match a.kv.build(rec_seed, &path)? {
                 None => Session::new(&w, n_ctx, n_threads, a.batch_size),
                 Some(p) => {

@@ -15,7 +15,7 @@ use crate::cli::{resolve_model, resolve_threads, RunArgs};
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session};
 use crate::load::Checkpoint;
-use crate::sample::{Sampler, SamplerConfig};
+use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
@@ -110,15 +110,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         None => Session::new(&w, n_ctx, n_threads, r.batch_size.max(1)),
         Some(p) => Session::with_policy(&w, n_ctx, n_threads, r.batch_size.max(1), p)?,
     };
-    let mut sampler = Sampler::new(SamplerConfig {
-        temp: r.temp,
-        top_k: r.top_k,
-        top_p: r.top_p,
-        min_p: r.min_p,
-        repeat_penalty: r.repeat_penalty,
-        repeat_last_n: r.repeat_last_n,
-        seed,
-    });
+    let mut sampler = Sampler::new(r.sampling.config(0.8, seed));
     let mut msgs: Vec<Message> = Vec::new();
     if let Some(s) = &r.system {
         msgs.push(Message {

@@ -210,6 +210,58 @@ impl KvArgs {
     }
 }
 
+/// Sampling flags shared by one-shot runs, chat, batch and the server.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature (0 = greedy; default 0.8, batch 0).
+    #[arg(long = "temp", alias = "temperature")]
+    pub temp: Option<f32>,
+    /// Top-k (0 = off).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Top-p (1.0 = off).
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p (0.0 = off).
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repeat penalty (1.0 = off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Tokens the repeat penalty looks back over.
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: usize,
+}
+
+impl SamplingArgs {
+    /// Reject values that are not numbers.
+    pub fn check(&self) -> Result<()> {
+        if self.temp.is_some_and(|t| !t.is_finite())
+            || self.top_p.is_nan()
+            || self.min_p.is_nan()
+            || self.repeat_penalty.is_nan()
+        {
+            return Err(Error::arg(
+                "--temp/--top-p/--min-p/--repeat-penalty",
+                "must be numbers",
+            ));
+        }
+        Ok(())
+    }
+    /// The sampler settings, with `default_temp` when --temp is absent.
+    pub fn config(&self, default_temp: f32, seed: u64) -> SamplerConfig {
+        SamplerConfig {
+            temp: self.temp.unwrap_or(default_temp),
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed,
+        }
+    }
+}
+
 /// One-shot generation flags.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
@@ -235,24 +287,8 @@ pub struct RunArgs {
     /// RNG seed (-1 = random).
     #[arg(short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
     pub seed: i64,
-    /// Temperature (0 = greedy).
-    #[arg(long = "temp", alias = "temperature", default_value_t = 0.8)]
-    pub temp: f32,
-    /// Top-k (0 = off).
-    #[arg(long = "top-k", default_value_t = 40)]
-    pub top_k: usize,
-    /// Top-p (1.0 = off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Min-p (0.0 = off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Repeat penalty (1.0 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Tokens the repeat penalty looks back over.
-    #[arg(long = "repeat-last-n", default_value_t = 64)]
-    pub repeat_last_n: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// System prompt (through the chat template).
     #[arg(long = "system-prompt")]
     pub system: Option<String>,
@@ -440,9 +476,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     if a.batch_size == 0 {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
-    if !(a.temp.is_finite()) || a.top_p.is_nan() || a.min_p.is_nan() {
-        return Err(Error::arg("--temp/--top-p/--min-p", "must be numbers"));
-    }
+    a.sampling.check()?;
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
         (None, Some(f)) => read_text(f, "-f/--file")?,
@@ -499,15 +533,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     } else {
         a.seed as u64
     };
-    let mut sampler = Sampler::new(SamplerConfig {
-        temp: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-        seed,
-    });
+    let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
     let mut sess = match a.kv.build(seed, &path)? {
         None => Session::new(&w, n_ctx, n_threads, a.batch_size),
         Some(p) => {

@@ -94,21 +94,8 @@ pub struct ServeArgs {
     /// Default seed (-1 = random per request).
     #[arg(short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
     pub seed: i64,
-    /// Default temperature (0 = greedy).
-    #[arg(long = "temp", alias = "temperature", default_value_t = 0.8)]
-    pub temp: f32,
-    /// Default top-k (0 = off).
-    #[arg(long = "top-k", default_value_t = 40)]
-    pub top_k: usize,
-    /// Default top-p (1.0 = off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Default min-p (0.0 = off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Default repeat penalty (1.0 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
-    pub repeat_penalty: f32,
+    #[command(flatten)]
+    pub sampling: crate::cli::SamplingArgs,
     /// Model id reported by /v1/models and in responses (default: the file name).
     #[arg(short = 'a', long = "alias")]
     pub alias: Option<String>,
@@ -812,21 +799,21 @@ fn parse_job(
         }
         (None, None) => d.n_predict,
     };
-    let temp = opt_f32(v, "temperature")?.unwrap_or(d.temp);
-    let top_p = opt_f32(v, "top_p")?.unwrap_or(d.top_p);
+    let temp = opt_f32(v, "temperature")?.unwrap_or(d.sampling.temp.unwrap_or(0.8));
+    let top_p = opt_f32(v, "top_p")?.unwrap_or(d.sampling.top_p);
     if !(0.0..=1.0).contains(&top_p) {
         return Err(ApiError::bad(format!(
             "'top_p' must be between 0 and 1, got {top_p}"
         )));
     }
-    let min_p = opt_f32(v, "min_p")?.unwrap_or(d.min_p);
+    let min_p = opt_f32(v, "min_p")?.unwrap_or(d.sampling.min_p);
     if !(0.0..=1.0).contains(&min_p) {
         return Err(ApiError::bad(format!(
             "'min_p' must be between 0 and 1, got {min_p}"
         )));
     }
-    let top_k = opt_usize(v, "top_k", usize::MAX >> 1)?.unwrap_or(d.top_k);
-    let repeat_penalty = opt_f32(v, "repeat_penalty")?.unwrap_or(d.repeat_penalty);
+    let top_k = opt_usize(v, "top_k", usize::MAX >> 1)?.unwrap_or(d.sampling.top_k);
+    let repeat_penalty = opt_f32(v, "repeat_penalty")?.unwrap_or(d.sampling.repeat_penalty);
     let seed = match opt_i64(v, "seed")?.unwrap_or(d.seed) {
         s if s < 0 => SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -900,7 +887,7 @@ fn parse_job(
             top_p,
             min_p,
             repeat_penalty,
-            repeat_last_n: 64,
+            repeat_last_n: d.sampling.repeat_last_n,
             seed,
         },
         stop,
@@ -1381,9 +1368,7 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
             "must be -1 (unlimited) or ≥ 0",
         ));
     }
-    if !a.temp.is_finite() || a.top_p.is_nan() || a.min_p.is_nan() {
-        return Err(Error::arg("--temp/--top-p/--min-p", "must be numbers"));
-    }
+    a.sampling.check()?;
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         return Err(Error::arg("--api-key", "must not be empty"));
     }

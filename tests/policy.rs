@@ -489,8 +489,17 @@ fn budget_holds_epikv_variants() {
 fn every_policy_has_a_budget_test() {
     // the list above must cover the registry
     let covered = [
-        "full", "window", "h2o", "tova", "knorm", "random", "epikv", "epikv-raw", "epikv-band",
-        "epikv-lag", "epikv-seg",
+        "full",
+        "window",
+        "h2o",
+        "tova",
+        "knorm",
+        "random",
+        "epikv",
+        "epikv-raw",
+        "epikv-band",
+        "epikv-lag",
+        "epikv-seg",
     ];
     for n in names() {
         assert!(
