@@ -8,6 +8,7 @@
 //! the tests (`tests/kernels.rs`).
 
 use crate::backend::pool::{split, SharedMut, ThreadPool};
+use crate::backend::qgemm::{self, MR, NT};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -142,6 +143,11 @@ pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, a
 /// `quantize_acts` for a matrix of the same format; split by output rows
 /// (tiles of ROW_TILE rows, each tile swept over every token).
 pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+    if n_tok >= NT && w.dtype == DType::Q4_1 {
+        if let Some(tile) = qgemm::q4_1_q8_1_tile() {
+            return matmul_q_tiled(pool, w, act, n_tok, out, tile);
+        }
+    }
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
@@ -160,6 +166,84 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
                     let s = w.traits.dot(n_in, w.row(r), a);
                     // SAFETY: row r belongs to this thread's tiles only.
                     unsafe { o.write(t * n_out + r, s) };
+                }
+            }
+        }
+    });
+}
+
+/// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
+/// thread takes ROW_TILE-row blocks; per block, token tiles stream past its
+/// MR-row micro tiles (block weights and one token tile stay in L1).
+/// Ragged edges repeat the last row / token and drop the extra results.
+fn matmul_q_tiled(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    tile: qgemm::TileFn,
+) {
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nb = n_in / w.dtype.block_len();
+    let n_tt = n_tok.div_ceil(NT);
+    // token rows of tile tt (the last one padded with its last token)
+    let toks = |tt: usize| -> [&[u8]; NT] {
+        std::array::from_fn(|k| {
+            let t = (tt * NT + k).min(n_tok - 1);
+            &act[t * ab..(t + 1) * ab]
+        })
+    };
+    // activation scales of every token tile, gathered once              (n_tt,)
+    let mut a_sc = vec![qgemm::TileScales::default(); n_tt];
+    {
+        let nt = pool.n_threads();
+        let sc = SharedMut::new(&mut a_sc[..]);
+        pool.run(|i| {
+            let (t0, t1) = split(n_tt, i, nt);
+            // SAFETY: token tiles t0..t1 belong to this thread.
+            let mine = unsafe { sc.slice(t0, t1 - t0) };
+            for (tt, s) in (t0..t1).zip(mine) {
+                s.q8_1(&toks(tt), nb);
+            }
+        });
+    }
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|i| {
+        let n_blocks = n_out.div_ceil(ROW_TILE);
+        let (blk0, blk1) = split(n_blocks, i, nt);
+        let mut w_sc = vec![qgemm::TileScales::default(); ROW_TILE / MR];
+        for blk in blk0..blk1 {
+            let r0 = blk * ROW_TILE;
+            let r1 = (r0 + ROW_TILE).min(n_out);
+            let n_micro = (r1 - r0).div_ceil(MR);
+            let rows = |m: usize| -> [&[u8]; MR] {
+                std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)))
+            };
+            for m in 0..n_micro {
+                w_sc[m].q4_1(&rows(m), nb);
+            }
+            for tt in 0..n_tt {
+                let a = toks(tt);
+                for m in 0..n_micro {
+                    let res = tile(nb, &rows(m), &w_sc[m], &a, &a_sc[tt]);
+                    for (k, rr) in res.iter().enumerate() {
+                        let r = r0 + m * MR + k;
+                        if r >= r1 {
+                            break;
+                        }
+                        for (j, &v) in rr.iter().enumerate() {
+                            let t = tt * NT + j;
+                            if t < n_tok {
+                                // SAFETY: rows r0..r1 belong to this thread only.
+                                unsafe { o.write(t * n_out + r, v) };
+                            }
+                        }
+                    }
                 }
             }
         }
