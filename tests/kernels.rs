@@ -5,7 +5,7 @@
 
 use half::f16;
 use kvrun::backend::cpu::{attend_group, attend_group_probs, attend_head, attend_prefill_group};
-use kvrun::backend::cpu::{matmul_q, QMat};
+use kvrun::backend::cpu::{matmul_q, prefill_group_dyn, QMat};
 use kvrun::backend::pool::ThreadPool;
 use kvrun::backend::qgemm::{q4_1_q8_1_tile, tile_q4_1_q8_1_scalar, TileScales, MR, NT};
 use kvrun::sample::Rng;
@@ -136,6 +136,8 @@ fn attend_prefill_group_matches_online_kernel() {
         (3, 64, 200, 260),
         (7, 128, 97, 97),
         (4, 32, 513, 600),
+        (2, 48, 37, 40),
+        (9, 16, 33, 33),
     ] {
         let q: Vec<f32> = (0..g * hd).map(|_| randn(&mut r) * 2.0).collect();
         let k: Vec<f16> = (0..n * hd)
@@ -177,6 +179,14 @@ fn attend_prefill_group_matches_online_kernel() {
             &mut o2,
             &mut st2,
         );
+        // the per-head reference: the same sums in the same order
+        let (mut o4, mut s4, mut st4) =
+            (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+        let val = |j: usize| &vf[j * hd..(j + 1) * hd];
+        prefill_group_dyn(&q, n, &kt, stride, &val, scale, &mut s4, &mut o4, &mut st4);
+        assert!(o4.iter().zip(&o2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(s4.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_eq!(st4, st2);
         // the decode kernel that exports probabilities, on the f16 rows
         let (mut o3, mut s3, mut st3) =
             (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);

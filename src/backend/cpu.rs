@@ -527,6 +527,140 @@ pub fn attend_prefill_group<'k>(
     let hd = q.len() / g;
     assert!(hd <= 256 && q.len() == g * hd && out.len() == g * hd && sc.len() >= g * n);
     assert!(n == 0 || kt.len() >= (hd - 1) * stride + n);
+    if hd % LANES == 0 {
+        type F<'k, V> =
+            fn(&[f32], usize, &[f32], usize, &V, f32, &mut [f32], &mut [f32], &mut [(f32, f32)]);
+        let f: F<'_, _> = match g {
+            1 => prefill_group::<1, _>,
+            2 => prefill_group::<2, _>,
+            3 => prefill_group::<3, _>,
+            4 => prefill_group::<4, _>,
+            5 => prefill_group::<5, _>,
+            6 => prefill_group::<6, _>,
+            7 => prefill_group::<7, _>,
+            8 => prefill_group::<8, _>,
+            _ => prefill_group_dyn,
+        };
+        return f(q, n, kt, stride, &val, scale, sc, out, &mut stats[..g]);
+    }
+    prefill_group_dyn(q, n, kt, stride, &val, scale, sc, out, &mut stats[..g]);
+}
+
+/// Lanes of the register tiles of `prefill_group` (one 512-bit vector).
+const LANES: usize = 16;
+
+/// `attend_prefill_group` for a group of G heads (head_dim a multiple of
+/// LANES): scores for LANES keys at a time with all G heads' accumulators
+/// in registers (each key row loaded once for the group), then the value
+/// sum LANES dimensions at a time over all keys. Every score and output
+/// element is summed in the same order as `prefill_group_dyn`, so the two
+/// agree bit for bit.
+fn prefill_group<'k, const G: usize, V: Fn(usize) -> &'k [f32]>(
+    q: &[f32],
+    n: usize,
+    kt: &[f32],
+    stride: usize,
+    val: &V,
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let hd = q.len() / G;
+    // queries rounded to f16, as elsewhere                       (G, hd)
+    let mut qr = [[0f32; 256]; G];
+    for h in 0..G {
+        for d in 0..hd {
+            qr[h][d] = f16::from_f32(q[h * hd + d]).to_f32();
+        }
+    }
+    // scores s[h][j] = Σ_d q[h][d] * K[j][d], LANES keys at a time
+    let mut j0 = 0;
+    while j0 < n {
+        let w = (n - j0).min(LANES);
+        let mut acc = [[0f32; LANES]; G];
+        if w == LANES {
+            for d in 0..hd {
+                let k: &[f32; LANES] = kt[d * stride + j0..][..LANES].try_into().unwrap();
+                for h in 0..G {
+                    let qd = qr[h][d];
+                    for l in 0..LANES {
+                        acc[h][l] += qd * k[l];
+                    }
+                }
+            }
+        } else {
+            for d in 0..hd {
+                let k = &kt[d * stride + j0..d * stride + j0 + w];
+                for h in 0..G {
+                    let qd = qr[h][d];
+                    for l in 0..w {
+                        acc[h][l] += qd * k[l];
+                    }
+                }
+            }
+        }
+        for h in 0..G {
+            for l in 0..w {
+                sc[h * n + j0 + l] = acc[h][l] * scale;
+            }
+        }
+        j0 += w;
+    }
+    // softmax weights
+    let mut sum = [0f32; G];
+    for h in 0..G {
+        let s = &mut sc[h * n..(h + 1) * n];
+        let m = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        for x in s.iter_mut() {
+            *x = (*x - m).exp();
+            sum[h] += *x;
+        }
+        stats[h] = (m, sum[h]);
+    }
+    // value sum o[h][d] = Σ_j p[h][j] * V[j][d], LANES dimensions at a time
+    for c in 0..hd / LANES {
+        let mut acc = [[0f32; LANES]; G];
+        for j in 0..n {
+            let v: &[f32; LANES] = val(j)[c * LANES..(c + 1) * LANES].try_into().unwrap();
+            for h in 0..G {
+                let p = sc[h * n + j];
+                for l in 0..LANES {
+                    acc[h][l] += p * v[l];
+                }
+            }
+        }
+        for h in 0..G {
+            out[h * hd + c * LANES..h * hd + (c + 1) * LANES].copy_from_slice(&acc[h]);
+        }
+    }
+    for h in 0..G {
+        let inv = if sum[h] == 0.0 { 0.0 } else { 1.0 / sum[h] };
+        for a in out[h * hd..(h + 1) * hd].iter_mut() {
+            *a *= inv;
+        }
+        // leave the normalized probabilities for scorers that asked for them
+        for x in sc[h * n..(h + 1) * n].iter_mut() {
+            *x *= inv;
+        }
+    }
+}
+
+/// `attend_prefill_group` for any group size, one head at a time (the
+/// reference of the register-tiled `prefill_group`; stats: (g,)).
+pub fn prefill_group_dyn<'k, V: Fn(usize) -> &'k [f32]>(
+    q: &[f32],
+    n: usize,
+    kt: &[f32],
+    stride: usize,
+    val: &V,
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let g = stats.len();
+    let hd = q.len() / g;
     for h in 0..g {
         let s = &mut sc[h * n..(h + 1) * n];
         s.fill(0.0);

@@ -292,11 +292,12 @@ fn forward_chunk(
             let mass_mode = if export { io.mass_mode } else { MassMode::None };
             let n_work = n * c.n_kv_heads;
             pool.run(|ti| {
-                let (w0, w1) = split(n_work, ti, n_threads);
                 // SAFETY: each thread uses its own rows of the score scratch.
                 let sc = unsafe { att.slice(ti * group * n_slots, group * n_slots) };
                 let mut stats = [(0f32, 0f32); MAX_GROUP];
-                for work in w0..w1 {
+                // interleaved, not contiguous: causal rows grow with i, so a
+                // contiguous split would leave the last thread most of the work
+                for work in (ti..n_work).step_by(n_threads) {
                     // token i, KV head g, serving query heads g*group .. (g+1)*group
                     let (i, g) = (work / c.n_kv_heads, work % c.n_kv_heads);
                     let qg = &q[i * q_dim + g * group * hd..i * q_dim + (g + 1) * group * hd];
