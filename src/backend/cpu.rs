@@ -221,27 +221,23 @@ fn matmul_q_tiled(
             let r0 = blk * ROW_TILE;
             let r1 = (r0 + ROW_TILE).min(n_out);
             let n_micro = (r1 - r0).div_ceil(MR);
-            let rows = |m: usize| -> [&[u8]; MR] {
-                std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)))
-            };
+            let mut rows = [[&[] as &[u8]; MR]; ROW_TILE / MR];
             for m in 0..n_micro {
-                w_sc[m].q4_1(&rows(m), nb);
+                rows[m] = std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)));
+                w_sc[m].q4_1(&rows[m], nb);
             }
             for tt in 0..n_tt {
                 let a = toks(tt);
+                let n_t = NT.min(n_tok - tt * NT);
                 for m in 0..n_micro {
-                    let res = tile(nb, &rows(m), &w_sc[m], &a, &a_sc[tt]);
-                    for (k, rr) in res.iter().enumerate() {
-                        let r = r0 + m * MR + k;
-                        if r >= r1 {
-                            break;
-                        }
-                        for (j, &v) in rr.iter().enumerate() {
-                            let t = tt * NT + j;
-                            if t < n_tok {
-                                // SAFETY: rows r0..r1 belong to this thread only.
-                                unsafe { o.write(t * n_out + r, v) };
-                            }
+                    let res = tile(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]);
+                    let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
+                    for j in 0..n_t {
+                        let t = tt * NT + j;
+                        // SAFETY: rows r0..r1 belong to this thread only.
+                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
+                        for (k, d) in dst.iter_mut().enumerate() {
+                            *d = res[k][j];
                         }
                     }
                 }

@@ -182,30 +182,42 @@ unsafe fn tile_vnni_impl(
     let mut summs = _mm512_setzero_ps();
     let ridx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     let low = _mm256_set1_epi8(0x0f);
-    for b in 0..nb {
-        // SAFETY (all loads below): b < nb, and every row holds nb blocks and
-        // every scale array nb * 4 floats (check_tile).
-        // offsets: m[r] in lanes r*4.., s[t] in lanes ..+t, one fma for the tile
-        let m4 = unsafe { _mm_loadu_ps(wm.add(b * 4)) };
-        let s4 = unsafe { _mm_loadu_ps(asum.add(b * 4)) };
-        let mv = _mm512_permutexvar_ps(ridx, _mm512_castps128_ps512(m4));
-        let sv = _mm512_broadcast_f32x4(s4);
-        summs = _mm512_fmadd_ps(mv, sv, summs);
-        // weights: 16 bytes of nibbles -> 32 u8 (low nibbles, then high)
-        let qw: [__m256i; MR] = std::array::from_fn(|r| {
-            let x = unsafe { _mm_loadu_si128(wp[r].add(b * Q4_1_BYTES + 4).cast()) };
-            let xx = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
-            _mm256_and_si256(xx, low)
-        });
-        let dw: [__m256; MR] =
-            std::array::from_fn(|r| unsafe { _mm256_set1_ps(*wd.add(b * 4 + r)) });
-        for t in 0..NT {
-            let qa = unsafe { _mm256_loadu_si256(ap[t].add(b * Q8_1_BYTES + 4).cast()) };
-            let da = unsafe { _mm256_set1_ps(*ad.add(b * 4 + t)) };
-            for r in 0..MR {
-                let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qw[r], qa);
-                let xy = _mm256_cvtepi32_ps(p);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dw[r], da), xy, acc[r][t]);
+    // dw·da of (r, t) in lane r*4 + t, for CHUNK blocks at a time
+    const CHUNK: usize = 32;
+    // (uninitialized: every lane read below was written first in its chunk)
+    let mut dd = std::mem::MaybeUninit::<[f32; CHUNK * 16]>::uninit();
+    let ddp = dd.as_mut_ptr().cast::<f32>();
+    for b0 in (0..nb).step_by(CHUNK) {
+        let nc = CHUNK.min(nb - b0);
+        for c in 0..nc {
+            let b = b0 + c;
+            // SAFETY (all loads below): b < nb, and every row holds nb blocks and
+            // every scale array nb * 4 floats (check_tile); c < CHUNK.
+            let (d4, a4) = unsafe { (_mm_loadu_ps(wd.add(b * 4)), _mm_loadu_ps(ad.add(b * 4))) };
+            let dv = _mm512_permutexvar_ps(ridx, _mm512_castps128_ps512(d4));
+            let prod = _mm512_mul_ps(dv, _mm512_broadcast_f32x4(a4));
+            // offsets: m[r] in lanes r*4.., s[t] in lanes ..+t
+            let (m4, s4) = unsafe { (_mm_loadu_ps(wm.add(b * 4)), _mm_loadu_ps(asum.add(b * 4))) };
+            let mv = _mm512_permutexvar_ps(ridx, _mm512_castps128_ps512(m4));
+            summs = _mm512_fmadd_ps(mv, _mm512_broadcast_f32x4(s4), summs);
+            unsafe { _mm512_storeu_ps(ddp.add(c * 16), prod) };
+        }
+        for c in 0..nc {
+            let b = b0 + c;
+            // weights: 16 bytes of nibbles -> 32 u8 (low nibbles, then high)
+            let qw: [__m256i; MR] = std::array::from_fn(|r| {
+                let x = unsafe { _mm_loadu_si128(wp[r].add(b * Q4_1_BYTES + 4).cast()) };
+                let xx = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+                _mm256_and_si256(xx, low)
+            });
+            for t in 0..NT {
+                let qa = unsafe { _mm256_loadu_si256(ap[t].add(b * Q8_1_BYTES + 4).cast()) };
+                for r in 0..MR {
+                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qw[r], qa);
+                    let xy = _mm256_cvtepi32_ps(p);
+                    let d = unsafe { _mm256_set1_ps(*ddp.add(c * 16 + r * 4 + t)) };
+                    acc[r][t] = _mm256_fmadd_ps(d, xy, acc[r][t]);
+                }
             }
         }
     }
