@@ -7,6 +7,7 @@
 //! auto-vectorize. Each kernel has a scalar reference in `crate::quant` or in
 //! the tests (`tests/kernels.rs`).
 
+use crate::backend::attn512;
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::backend::qgemm::{self, MR, NT};
 use crate::error::{Error, Result};
@@ -570,8 +571,14 @@ fn prefill_group<'k, const G: usize, V: Fn(usize) -> &'k [f32]>(
             qr[h][d] = f16::from_f32(q[h * hd + d]).to_f32();
         }
     }
-    // scores s[h][j] = Σ_d q[h][d] * K[j][d], LANES keys at a time
+    // scores s[h][j] = Σ_d q[h][d] * K[j][d], attn512::TILE keys at a
+    // time where the CPU has the tiles, then LANES at a time
+    let simd = attn512::available();
     let mut j0 = 0;
+    while simd && j0 + attn512::TILE <= n {
+        attn512::score_tile::<G>(&qr, hd, kt, stride, j0, scale, n, sc);
+        j0 += attn512::TILE;
+    }
     while j0 < n {
         let w = (n - j0).min(LANES);
         let mut acc = [[0f32; LANES]; G];
@@ -614,8 +621,14 @@ fn prefill_group<'k, const G: usize, V: Fn(usize) -> &'k [f32]>(
         }
         stats[h] = (m, sum[h]);
     }
-    // value sum o[h][d] = Σ_j p[h][j] * V[j][d], LANES dimensions at a time
-    for c in 0..hd / LANES {
+    // value sum o[h][d] = Σ_j p[h][j] * V[j][d], attn512::TILE dimensions
+    // at a time where the CPU has the tiles, then LANES at a time
+    let mut c0 = 0;
+    while simd && (c0 * LANES) + attn512::TILE <= hd {
+        attn512::value_tile::<G, V>(val, n, c0 * LANES, hd, sc, out);
+        c0 += attn512::TILE / LANES;
+    }
+    for c in c0..hd / LANES {
         let mut acc = [[0f32; LANES]; G];
         for j in 0..n {
             let v: &[f32; LANES] = val(j)[c * LANES..(c + 1) * LANES].try_into().unwrap();
