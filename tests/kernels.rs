@@ -5,7 +5,11 @@
 
 use half::f16;
 use kvrun::backend::cpu::{attend_group, attend_group_probs, attend_head, attend_prefill_group};
+use kvrun::backend::cpu::{matmul_q, prefill_group_dyn, QMat};
+use kvrun::backend::pool::ThreadPool;
+use kvrun::backend::qgemm::{q4_1_q8_1_tile, tile_q4_1_q8_1_scalar, TileScales, MR, NT};
 use kvrun::sample::Rng;
+use kvrun::tensor::DType;
 
 fn randn(r: &mut Rng) -> f32 {
     // Box-Muller
@@ -132,6 +136,8 @@ fn attend_prefill_group_matches_online_kernel() {
         (3, 64, 200, 260),
         (7, 128, 97, 97),
         (4, 32, 513, 600),
+        (2, 48, 37, 40),
+        (9, 16, 33, 33),
     ] {
         let q: Vec<f32> = (0..g * hd).map(|_| randn(&mut r) * 2.0).collect();
         let k: Vec<f16> = (0..n * hd)
@@ -173,6 +179,14 @@ fn attend_prefill_group_matches_online_kernel() {
             &mut o2,
             &mut st2,
         );
+        // the per-head reference: the same sums in the same order
+        let (mut o4, mut s4, mut st4) =
+            (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+        let val = |j: usize| &vf[j * hd..(j + 1) * hd];
+        prefill_group_dyn(&q, n, &kt, stride, &val, scale, &mut s4, &mut o4, &mut st4);
+        assert!(o4.iter().zip(&o2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(s4.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_eq!(st4, st2);
         // the decode kernel that exports probabilities, on the f16 rows
         let (mut o3, mut s3, mut st3) =
             (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
@@ -220,6 +234,100 @@ fn attend_prefill_group_matches_online_kernel() {
             for st in [st2[h], st3[h]] {
                 assert!((st.0 - m).abs() <= 1e-4 * (1.0 + m.abs()));
                 assert!((st.1 - sum).abs() <= 1e-3 * sum);
+            }
+        }
+    }
+}
+
+/// Random Q4_1 rows (n_out, n_in) and Q8_1 activations (n_tok, n_in) from
+/// ggml's own quantizers.
+fn q4_1_problem(r: &mut Rng, n_out: usize, n_in: usize, n_tok: usize) -> (Vec<u8>, Vec<u8>) {
+    let tr = ggml_sys::CpuTraits::of(DType::Q4_1.ggml_id()).unwrap();
+    let x: Vec<f32> = (0..n_out * n_in).map(|_| randn(r) * 0.1).collect();
+    let w = ggml_sys::quantize_ref(DType::Q4_1.ggml_id(), &x);
+    let ab = tr.act_bytes(n_in);
+    let mut act = vec![0u8; n_tok * ab];
+    for t in 0..n_tok {
+        // activations with a few outliers, like a residual stream
+        let a: Vec<f32> = (0..n_in)
+            .map(|i| randn(r) * if i % 97 == 0 { 8.0 } else { 1.0 })
+            .collect();
+        tr.quantize_act(&a, &mut act[t * ab..(t + 1) * ab]);
+    }
+    (w, act)
+}
+
+#[test]
+fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
+    let seed = 0x5eed_0401 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let tr = ggml_sys::CpuTraits::of(DType::Q4_1.ggml_id()).unwrap();
+    for &n_in in &[32usize, 576, 1536] {
+        let nb = n_in / 32;
+        let (rb, ab) = (DType::Q4_1.row_bytes(n_in), tr.act_bytes(n_in));
+        let (w, act) = q4_1_problem(&mut r, MR, n_in, NT);
+        let rows: [&[u8]; MR] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
+        let toks: [&[u8]; NT] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
+        let (mut ws, mut as_) = (TileScales::default(), TileScales::default());
+        ws.q4_1(&rows, nb);
+        as_.q8_1(&toks, nb);
+        let scalar = tile_q4_1_q8_1_scalar(nb, &rows, &ws, &toks, &as_);
+        let simd = q4_1_q8_1_tile().map(|f| f(nb, &rows, &ws, &toks, &as_));
+        for i in 0..MR {
+            for t in 0..NT {
+                let g = tr.dot(n_in, rows[i], toks[t]);
+                let f64_ref = kvrun::quant::dot_q_ref(DType::Q4_1, n_in, rows[i], toks[t]);
+                let s = scalar[i][t];
+                assert!(
+                    (s - f64_ref).abs() <= 1e-4 * (1.0 + f64_ref.abs()),
+                    "n_in {n_in} ({i},{t}): scalar {s} vs f64 ref {f64_ref}"
+                );
+                assert_eq!(
+                    s.to_bits(),
+                    g.to_bits(),
+                    "n_in {n_in} ({i},{t}): scalar {s} vs ggml {g}"
+                );
+                if let Some(v) = simd {
+                    let v = v[i][t];
+                    assert_eq!(
+                        v.to_bits(),
+                        g.to_bits(),
+                        "n_in {n_in} ({i},{t}): simd {v} vs ggml {g}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
+    let mut r = Rng::new(0x7113d);
+    let tr = ggml_sys::CpuTraits::of(DType::Q4_1.ggml_id()).unwrap();
+    for &(n_out, n_in, n_tok) in &[
+        (18usize, 64usize, 7usize),
+        (192, 576, 13),
+        (4, 32, 4),
+        (37, 96, 5),
+    ] {
+        let (w, act) = q4_1_problem(&mut r, n_out, n_in, n_tok);
+        let m = QMat::new(DType::Q4_1, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
+        let ab = tr.act_bytes(n_in);
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            let mut out = vec![f32::NAN; n_tok * n_out];
+            matmul_q(&pool, &m, &act, n_tok, &mut out);
+            for t in 0..n_tok {
+                for i in 0..n_out {
+                    let g = tr.dot(n_in, m.row(i), &act[t * ab..(t + 1) * ab]);
+                    let v = out[t * n_out + i];
+                    assert_eq!(
+                        v.to_bits(),
+                        g.to_bits(),
+                        "{n_out}x{n_in} tok {t} row {i}: {v} vs {g}"
+                    );
+                }
             }
         }
     }

@@ -7,7 +7,9 @@
 //! auto-vectorize. Each kernel has a scalar reference in `crate::quant` or in
 //! the tests (`tests/kernels.rs`).
 
+use crate::backend::attn512;
 use crate::backend::pool::{split, SharedMut, ThreadPool};
+use crate::backend::qgemm::{self, MR, NT};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -142,6 +144,11 @@ pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, a
 /// `quantize_acts` for a matrix of the same format; split by output rows
 /// (tiles of ROW_TILE rows, each tile swept over every token).
 pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+    if n_tok >= NT && w.dtype == DType::Q4_1 {
+        if let Some(tile) = qgemm::q4_1_q8_1_tile() {
+            return matmul_q_tiled(pool, w, act, n_tok, out, tile);
+        }
+    }
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
@@ -160,6 +167,80 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
                     let s = w.traits.dot(n_in, w.row(r), a);
                     // SAFETY: row r belongs to this thread's tiles only.
                     unsafe { o.write(t * n_out + r, s) };
+                }
+            }
+        }
+    });
+}
+
+/// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
+/// thread takes ROW_TILE-row blocks; per block, token tiles stream past its
+/// MR-row micro tiles (block weights and one token tile stay in L1).
+/// Ragged edges repeat the last row / token and drop the extra results.
+fn matmul_q_tiled(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    tile: qgemm::TileFn,
+) {
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nb = n_in / w.dtype.block_len();
+    let n_tt = n_tok.div_ceil(NT);
+    // token rows of tile tt (the last one padded with its last token)
+    let toks = |tt: usize| -> [&[u8]; NT] {
+        std::array::from_fn(|k| {
+            let t = (tt * NT + k).min(n_tok - 1);
+            &act[t * ab..(t + 1) * ab]
+        })
+    };
+    // activation scales of every token tile, gathered once              (n_tt,)
+    let mut a_sc = vec![qgemm::TileScales::default(); n_tt];
+    {
+        let nt = pool.n_threads();
+        let sc = SharedMut::new(&mut a_sc[..]);
+        pool.run(|i| {
+            let (t0, t1) = split(n_tt, i, nt);
+            // SAFETY: token tiles t0..t1 belong to this thread.
+            let mine = unsafe { sc.slice(t0, t1 - t0) };
+            for (tt, s) in (t0..t1).zip(mine) {
+                s.q8_1(&toks(tt), nb);
+            }
+        });
+    }
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|i| {
+        let n_blocks = n_out.div_ceil(ROW_TILE);
+        let (blk0, blk1) = split(n_blocks, i, nt);
+        let mut w_sc = vec![qgemm::TileScales::default(); ROW_TILE / MR];
+        for blk in blk0..blk1 {
+            let r0 = blk * ROW_TILE;
+            let r1 = (r0 + ROW_TILE).min(n_out);
+            let n_micro = (r1 - r0).div_ceil(MR);
+            let mut rows = [[&[] as &[u8]; MR]; ROW_TILE / MR];
+            for m in 0..n_micro {
+                rows[m] = std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)));
+                w_sc[m].q4_1(&rows[m], nb);
+            }
+            for tt in 0..n_tt {
+                let a = toks(tt);
+                let n_t = NT.min(n_tok - tt * NT);
+                for m in 0..n_micro {
+                    let res = tile(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]);
+                    let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
+                    for j in 0..n_t {
+                        let t = tt * NT + j;
+                        // SAFETY: rows r0..r1 belong to this thread only.
+                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
+                        for (k, d) in dst.iter_mut().enumerate() {
+                            *d = res[k][j];
+                        }
+                    }
                 }
             }
         }
@@ -443,6 +524,152 @@ pub fn attend_prefill_group<'k>(
     let hd = q.len() / g;
     assert!(hd <= 256 && q.len() == g * hd && out.len() == g * hd && sc.len() >= g * n);
     assert!(n == 0 || kt.len() >= (hd - 1) * stride + n);
+    if hd % LANES == 0 {
+        type F<'k, V> =
+            fn(&[f32], usize, &[f32], usize, &V, f32, &mut [f32], &mut [f32], &mut [(f32, f32)]);
+        let f: F<'_, _> = match g {
+            1 => prefill_group::<1, _>,
+            2 => prefill_group::<2, _>,
+            3 => prefill_group::<3, _>,
+            4 => prefill_group::<4, _>,
+            5 => prefill_group::<5, _>,
+            6 => prefill_group::<6, _>,
+            7 => prefill_group::<7, _>,
+            8 => prefill_group::<8, _>,
+            _ => prefill_group_dyn,
+        };
+        return f(q, n, kt, stride, &val, scale, sc, out, &mut stats[..g]);
+    }
+    prefill_group_dyn(q, n, kt, stride, &val, scale, sc, out, &mut stats[..g]);
+}
+
+/// Lanes of the register tiles of `prefill_group` (one 512-bit vector).
+const LANES: usize = 16;
+
+/// `attend_prefill_group` for a group of G heads (head_dim a multiple of
+/// LANES): scores for LANES keys at a time with all G heads' accumulators
+/// in registers (each key row loaded once for the group), then the value
+/// sum LANES dimensions at a time over all keys. Every score and output
+/// element is summed in the same order as `prefill_group_dyn`, so the two
+/// agree bit for bit.
+fn prefill_group<'k, const G: usize, V: Fn(usize) -> &'k [f32]>(
+    q: &[f32],
+    n: usize,
+    kt: &[f32],
+    stride: usize,
+    val: &V,
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let hd = q.len() / G;
+    // queries rounded to f16, as elsewhere                       (G, hd)
+    let mut qr = [[0f32; 256]; G];
+    for h in 0..G {
+        for d in 0..hd {
+            qr[h][d] = f16::from_f32(q[h * hd + d]).to_f32();
+        }
+    }
+    // scores s[h][j] = Σ_d q[h][d] * K[j][d], attn512::TILE keys at a
+    // time where the CPU has the tiles, then LANES at a time
+    let simd = attn512::available();
+    let mut j0 = 0;
+    while simd && j0 + attn512::TILE <= n {
+        attn512::score_tile::<G>(&qr, hd, kt, stride, j0, scale, n, sc);
+        j0 += attn512::TILE;
+    }
+    while j0 < n {
+        let w = (n - j0).min(LANES);
+        let mut acc = [[0f32; LANES]; G];
+        if w == LANES {
+            for d in 0..hd {
+                let k: &[f32; LANES] = kt[d * stride + j0..][..LANES].try_into().unwrap();
+                for h in 0..G {
+                    let qd = qr[h][d];
+                    for l in 0..LANES {
+                        acc[h][l] += qd * k[l];
+                    }
+                }
+            }
+        } else {
+            for d in 0..hd {
+                let k = &kt[d * stride + j0..d * stride + j0 + w];
+                for h in 0..G {
+                    let qd = qr[h][d];
+                    for l in 0..w {
+                        acc[h][l] += qd * k[l];
+                    }
+                }
+            }
+        }
+        for h in 0..G {
+            for l in 0..w {
+                sc[h * n + j0 + l] = acc[h][l] * scale;
+            }
+        }
+        j0 += w;
+    }
+    // softmax weights
+    let mut sum = [0f32; G];
+    for h in 0..G {
+        let s = &mut sc[h * n..(h + 1) * n];
+        let m = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        for x in s.iter_mut() {
+            *x = (*x - m).exp();
+            sum[h] += *x;
+        }
+        stats[h] = (m, sum[h]);
+    }
+    // value sum o[h][d] = Σ_j p[h][j] * V[j][d], attn512::TILE dimensions
+    // at a time where the CPU has the tiles, then LANES at a time
+    let mut c0 = 0;
+    while simd && (c0 * LANES) + attn512::TILE <= hd {
+        attn512::value_tile::<G, V>(val, n, c0 * LANES, hd, sc, out);
+        c0 += attn512::TILE / LANES;
+    }
+    for c in c0..hd / LANES {
+        let mut acc = [[0f32; LANES]; G];
+        for j in 0..n {
+            let v: &[f32; LANES] = val(j)[c * LANES..(c + 1) * LANES].try_into().unwrap();
+            for h in 0..G {
+                let p = sc[h * n + j];
+                for l in 0..LANES {
+                    acc[h][l] += p * v[l];
+                }
+            }
+        }
+        for h in 0..G {
+            out[h * hd + c * LANES..h * hd + (c + 1) * LANES].copy_from_slice(&acc[h]);
+        }
+    }
+    for h in 0..G {
+        let inv = if sum[h] == 0.0 { 0.0 } else { 1.0 / sum[h] };
+        for a in out[h * hd..(h + 1) * hd].iter_mut() {
+            *a *= inv;
+        }
+        // leave the normalized probabilities for scorers that asked for them
+        for x in sc[h * n..(h + 1) * n].iter_mut() {
+            *x *= inv;
+        }
+    }
+}
+
+/// `attend_prefill_group` for any group size, one head at a time (the
+/// reference of the register-tiled `prefill_group`; stats: (g,)).
+pub fn prefill_group_dyn<'k, V: Fn(usize) -> &'k [f32]>(
+    q: &[f32],
+    n: usize,
+    kt: &[f32],
+    stride: usize,
+    val: &V,
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let g = stats.len();
+    let hd = q.len() / g;
     for h in 0..g {
         let s = &mut sc[h * n..(h + 1) * n];
         s.fill(0.0);

@@ -1,4 +1,6 @@
 //! Compute backends. The CPU backend is the reference for every kernel.
 
+pub mod attn512;
 pub mod cpu;
 pub mod pool;
+pub mod qgemm;

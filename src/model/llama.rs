@@ -272,12 +272,15 @@ fn forward_chunk(
     let scale = 1.0 / (hd as f32).sqrt();
     for (l, lw) in w.layers.iter().enumerate() {
         // attention rmsnorm                                     (n, dim)
-        rmsnorm(
-            &mut s.xb[..n * dim],
-            &s.x[..n * dim],
-            &lw.attn_norm,
-            c.norm_eps,
-        );
+        {
+            let x = &s.x[..n * dim];
+            let xb = SharedMut::new(&mut s.xb[..n * dim]);
+            par_rows(pool, n, |t0, t1| {
+                // SAFETY: token rows t0..t1 belong to this thread.
+                let o = unsafe { xb.slice(t0 * dim, (t1 - t0) * dim) };
+                rmsnorm(o, &x[t0 * dim..t1 * dim], &lw.attn_norm, c.norm_eps);
+            });
+        }
 
         // qkv matmuls (+ biases for qwen2)                      (n, q_dim), (n, kv_dim) x2
         let xb = &s.xb[..n * dim];
@@ -305,16 +308,19 @@ fn forward_chunk(
         }
 
         // RoPE on q and k at each token's absolute position
-        for i in 0..n {
-            let pos = pos0 + i;
-            w.rope
-                .apply(&mut s.q[i * q_dim..(i + 1) * q_dim], c.n_heads, hd, pos);
-            w.rope.apply(
-                &mut s.k[i * kv_dim..(i + 1) * kv_dim],
-                c.n_kv_heads,
-                hd,
-                pos,
-            );
+        {
+            let qs = SharedMut::new(&mut s.q[..n * q_dim]);
+            let ks = SharedMut::new(&mut s.k[..n * kv_dim]);
+            par_rows(pool, n, |t0, t1| {
+                for i in t0..t1 {
+                    let pos = pos0 + i;
+                    // SAFETY: token rows t0..t1 belong to this thread.
+                    let (q, k) =
+                        unsafe { (qs.slice(i * q_dim, q_dim), ks.slice(i * kv_dim, kv_dim)) };
+                    w.rope.apply(q, c.n_heads, hd, pos);
+                    w.rope.apply(k, c.n_kv_heads, hd, pos);
+                }
+            });
         }
 
         // store k (post-RoPE) and v in the new tokens' slots
@@ -369,11 +375,12 @@ fn forward_chunk(
             let mass_mode = if export { io.mass_mode } else { MassMode::None };
             let n_work = n * c.n_kv_heads;
             pool.run(|ti| {
-                let (w0, w1) = split(n_work, ti, n_threads);
                 // SAFETY: each thread uses its own rows of the score scratch.
                 let sc = unsafe { att.slice(ti * group * n_slots, group * n_slots) };
                 let mut stats = [(0f32, 0f32); MAX_GROUP];
-                for work in w0..w1 {
+                // interleaved, not contiguous: causal rows grow with i, so a
+                // contiguous split would leave the last thread most of the work
+                for work in (ti..n_work).step_by(n_threads) {
                     // token i, KV head g, serving query heads g*group .. (g+1)*group
                     let (i, g) = (work / c.n_kv_heads, work % c.n_kv_heads);
                     let qg = &q[i * q_dim + g * group * hd..i * q_dim + (g + 1) * group * hd];
@@ -446,15 +453,22 @@ fn forward_chunk(
             &mut s.xb,
             &mut s.act,
         );
-        add(&mut s.x[..n * dim], &s.xb[..n * dim]);
-
-        // ffn rmsnorm                                            (n, dim)
-        rmsnorm(
-            &mut s.xb[..n * dim],
-            &s.x[..n * dim],
-            &lw.ffn_norm,
-            c.norm_eps,
-        );
+        // residual, then the ffn rmsnorm                         (n, dim)
+        {
+            let xs = SharedMut::new(&mut s.x[..n * dim]);
+            let xb = SharedMut::new(&mut s.xb[..n * dim]);
+            par_rows(pool, n, |t0, t1| {
+                // SAFETY: token rows t0..t1 belong to this thread.
+                let (x, b) = unsafe {
+                    (
+                        xs.slice(t0 * dim, (t1 - t0) * dim),
+                        xb.slice(t0 * dim, (t1 - t0) * dim),
+                    )
+                };
+                add(x, b);
+                rmsnorm(b, x, &lw.ffn_norm, c.norm_eps);
+            });
+        }
 
         // SwiGLU ffn: down(silu(gate(x)) * up(x))                (n, ffn) -> (n, dim)
         let xb = &s.xb[..n * dim];
@@ -466,11 +480,27 @@ fn forward_chunk(
             matmul(pool, &lw.w_gate, xb, n, &mut s.hb, &mut s.act);
             matmul(pool, &lw.w_up, xb, n, &mut s.hb2, &mut s.act);
         }
-        swiglu(&mut s.hb[..n * ffn], &s.hb2[..n * ffn]);
+        {
+            let hb = SharedMut::new(&mut s.hb[..n * ffn]);
+            let hb2 = &s.hb2[..n * ffn];
+            par_rows(pool, n, |t0, t1| {
+                // SAFETY: token rows t0..t1 belong to this thread.
+                let g = unsafe { hb.slice(t0 * ffn, (t1 - t0) * ffn) };
+                swiglu(g, &hb2[t0 * ffn..t1 * ffn]);
+            });
+        }
         matmul(pool, &lw.w_down, &s.hb[..n * ffn], n, &mut s.xb, &mut s.act);
 
         // residual                                               (n, dim)
-        add(&mut s.x[..n * dim], &s.xb[..n * dim]);
+        {
+            let xs = SharedMut::new(&mut s.x[..n * dim]);
+            let xb = &s.xb[..n * dim];
+            par_rows(pool, n, |t0, t1| {
+                // SAFETY: token rows t0..t1 belong to this thread.
+                let x = unsafe { xs.slice(t0 * dim, (t1 - t0) * dim) };
+                add(x, &xb[t0 * dim..t1 * dim]);
+            });
+        }
 
         // hidden-state taps: g_l(t) = ‖x_l(t) − x_l(t−1)‖       (n, n_taps)
         if let Some(t) = taps.as_deref_mut() {
@@ -522,4 +552,20 @@ fn forward_chunk(
         &mut s.act,
     );
     Ok(())
+}
+
+/// Run `f(t0, t1)` over the token rows `0..n` split across the pool's
+/// threads (inline when there is one row, as in decoding: no sync cost).
+fn par_rows(pool: &ThreadPool, n: usize, f: impl Fn(usize, usize) + Sync) {
+    if n < 2 {
+        f(0, n);
+        return;
+    }
+    let nt = pool.n_threads();
+    pool.run(|i| {
+        let (t0, t1) = split(n, i, nt);
+        if t0 < t1 {
+            f(t0, t1);
+        }
+    });
 }

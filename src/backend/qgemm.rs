@@ -1,0 +1,239 @@
+//! Quantized matrix-matrix microkernels for batched prefill: a tile of
+//! `MR` weight rows × `NT` tokens per call, so each unpacked weight block is
+//! used by `NT` tokens and each activation block by `MR` rows (ggml's
+//! `vec_dot` does one row × one token per call and repeats both).
+//!
+//! Q4_1 × Q8_1 (ggml block layouts, unchanged): per (row, token) the
+//! arithmetic is exactly that of ggml's x86 `ggml_vec_dot_q4_1_q8_1`, lane
+//! for lane: per block, 8 i32 lanes of 4 adjacent u8·i8 products, converted
+//! to f32 and accumulated as `acc = fma(dw·da, xy, acc)`; the offsets as a
+//! sequential f32 `summs = fma(m, s, summs)`; result `hsum(acc) + summs`.
+//! So the tile reproduces `vec_dot` bit for bit (tests/kernels.rs).
+//! [`tile_q4_1_q8_1_scalar`] is the scalar model of that arithmetic.
+
+use half::f16;
+
+/// Weight rows per tile.
+pub const MR: usize = 4;
+/// Tokens per tile.
+pub const NT: usize = 4;
+
+/// Bytes of a Q4_1 block: `d: f16`, `m: f16`, `qs[16]`.
+const Q4_1_BYTES: usize = 20;
+/// Bytes of a Q8_1 block: `d: f16`, `s: f16`, `qs[32]: i8`.
+const Q8_1_BYTES: usize = 36;
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// The f32 block scales of a tile: `d[b * 4 + k]` and `o[b * 4 + k]` are
+/// block b's scale and offset term of member k (row or token) of the tile;
+/// (n_blocks * 4,) each. For Q4_1 rows `o` is `m`; for Q8_1 tokens it is `s`.
+#[derive(Debug, Clone, Default)]
+pub struct TileScales {
+    pub d: Vec<f32>,
+    pub o: Vec<f32>,
+}
+
+impl TileScales {
+    /// Gather the scales of up to 4 rows of `nb` blocks of `block` bytes
+    /// each (`d` at byte 0, the offset term at byte 2); missing members
+    /// (fewer than 4 rows) get zeros.
+    pub fn fill(&mut self, rows: &[&[u8]], nb: usize, block: usize) {
+        assert!(rows.len() <= 4);
+        self.d.clear();
+        self.d.resize(nb * 4, 0.0);
+        self.o.clear();
+        self.o.resize(nb * 4, 0.0);
+        for (k, r) in rows.iter().enumerate() {
+            assert!(r.len() >= nb * block, "tile row too short");
+            for b in 0..nb {
+                self.d[b * 4 + k] = f16_at(r, b * block);
+                self.o[b * 4 + k] = f16_at(r, b * block + 2);
+            }
+        }
+    }
+
+    /// Scales of up to 4 Q4_1 weight rows (`d`, `m`).
+    pub fn q4_1(&mut self, rows: &[&[u8]], nb: usize) {
+        self.fill(rows, nb, Q4_1_BYTES);
+    }
+
+    /// Scales of up to 4 Q8_1 activation rows (`d`, `s`).
+    pub fn q8_1(&mut self, rows: &[&[u8]], nb: usize) {
+        self.fill(rows, nb, Q8_1_BYTES);
+    }
+}
+
+/// A tile kernel: `(nb, w rows, w scales, act rows, act scales) -> out[r][t]`.
+pub type TileFn =
+    fn(usize, &[&[u8]; MR], &TileScales, &[&[u8]; NT], &TileScales) -> [[f32; NT]; MR];
+
+/// The fastest Q4_1 × Q8_1 tile kernel this CPU runs, if any beats
+/// row-by-row `vec_dot` (AVX-512 VNNI).
+pub fn q4_1_q8_1_tile() -> Option<TileFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            return Some(tile_q4_1_q8_1_vnni);
+        }
+    }
+    None
+}
+
+fn check_tile(nb: usize, w: &[&[u8]; MR], ws: &TileScales, a: &[&[u8]; NT], as_: &TileScales) {
+    assert!(
+        w.iter().all(|r| r.len() >= nb * Q4_1_BYTES),
+        "tile: weight row too short"
+    );
+    assert!(
+        a.iter().all(|r| r.len() >= nb * Q8_1_BYTES),
+        "tile: activation row too short"
+    );
+    assert!(
+        ws.d.len() >= nb * 4 && ws.o.len() >= nb * 4,
+        "tile: weight scales too short"
+    );
+    assert!(
+        as_.d.len() >= nb * 4 && as_.o.len() >= nb * 4,
+        "tile: act scales too short"
+    );
+}
+
+/// Scalar model of the tile: out[r][t] = Σ_b (dw·da)·Σ qw·qa + m·s with
+/// ggml's lane structure and summation order (see the module doc).
+pub fn tile_q4_1_q8_1_scalar(
+    nb: usize,
+    w: &[&[u8]; MR],
+    ws: &TileScales,
+    a: &[&[u8]; NT],
+    as_: &TileScales,
+) -> [[f32; NT]; MR] {
+    check_tile(nb, w, ws, a, as_);
+    let mut out = [[0f32; NT]; MR];
+    for r in 0..MR {
+        for t in 0..NT {
+            let mut acc = [0f32; 8];
+            let mut summs = 0f32;
+            for b in 0..nb {
+                let qs = &w[r][b * Q4_1_BYTES + 4..b * Q4_1_BYTES + 20];
+                let qa = &a[t][b * Q8_1_BYTES + 4..b * Q8_1_BYTES + 36];
+                let d = ws.d[b * 4 + r] * as_.d[b * 4 + t];
+                summs = ws.o[b * 4 + r].mul_add(as_.o[b * 4 + t], summs);
+                for (l, x) in acc.iter_mut().enumerate() {
+                    let mut p = 0i32;
+                    for j in 4 * l..4 * l + 4 {
+                        let q = if j < 16 {
+                            qs[j] & 0x0f
+                        } else {
+                            qs[j - 16] >> 4
+                        };
+                        p += q as i32 * qa[j] as i8 as i32;
+                    }
+                    *x = d.mul_add(p as f32, *x);
+                }
+            }
+            // ggml's hsum_float_8: halves, then pairs, then the last two
+            let h: [f32; 4] = std::array::from_fn(|i| acc[4 + i] + acc[i]);
+            let (p0, p1) = (h[0] + h[2], h[1] + h[3]);
+            out[r][t] = (p0 + p1) + summs;
+        }
+    }
+    out
+}
+
+/// AVX-512 VNNI tile (256-bit lanes, as ggml's kernel, 32 registers).
+#[cfg(target_arch = "x86_64")]
+fn tile_q4_1_q8_1_vnni(
+    nb: usize,
+    w: &[&[u8]; MR],
+    ws: &TileScales,
+    a: &[&[u8]; NT],
+    as_: &TileScales,
+) -> [[f32; NT]; MR] {
+    check_tile(nb, w, ws, a, as_);
+    // SAFETY: q4_1_q8_1_tile hands this function out only after detecting
+    // avx512f/vl/vnni and fma; every row and scale array holds nb blocks
+    // (checked just above), which bounds all loads of the kernel.
+    unsafe { tile_vnni_impl(nb, w, ws, a, as_) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+unsafe fn tile_vnni_impl(
+    nb: usize,
+    w: &[&[u8]; MR],
+    ws: &TileScales,
+    a: &[&[u8]; NT],
+    as_: &TileScales,
+) -> [[f32; NT]; MR] {
+    use std::arch::x86_64::*;
+    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
+    let ap: [*const u8; NT] = std::array::from_fn(|t| a[t].as_ptr());
+    let (wd, wm, ad, asum) = (ws.d.as_ptr(), ws.o.as_ptr(), as_.d.as_ptr(), as_.o.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); NT]; MR];
+    // summs of (r, t) in lane r*4 + t
+    let mut summs = _mm512_setzero_ps();
+    let ridx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let low = _mm256_set1_epi8(0x0f);
+    // dw·da of (r, t) in lane r*4 + t, for CHUNK blocks at a time
+    const CHUNK: usize = 32;
+    // (uninitialized: every lane read below was written first in its chunk)
+    let mut dd = std::mem::MaybeUninit::<[f32; CHUNK * 16]>::uninit();
+    let ddp = dd.as_mut_ptr().cast::<f32>();
+    for b0 in (0..nb).step_by(CHUNK) {
+        let nc = CHUNK.min(nb - b0);
+        for c in 0..nc {
+            let b = b0 + c;
+            // SAFETY (all loads below): b < nb, and every row holds nb blocks and
+            // every scale array nb * 4 floats (check_tile); c < CHUNK.
+            let (d4, a4) = unsafe { (_mm_loadu_ps(wd.add(b * 4)), _mm_loadu_ps(ad.add(b * 4))) };
+            let dv = _mm512_permutexvar_ps(ridx, _mm512_castps128_ps512(d4));
+            let prod = _mm512_mul_ps(dv, _mm512_broadcast_f32x4(a4));
+            // offsets: m[r] in lanes r*4.., s[t] in lanes ..+t
+            let (m4, s4) = unsafe { (_mm_loadu_ps(wm.add(b * 4)), _mm_loadu_ps(asum.add(b * 4))) };
+            let mv = _mm512_permutexvar_ps(ridx, _mm512_castps128_ps512(m4));
+            summs = _mm512_fmadd_ps(mv, _mm512_broadcast_f32x4(s4), summs);
+            unsafe { _mm512_storeu_ps(ddp.add(c * 16), prod) };
+        }
+        for c in 0..nc {
+            let b = b0 + c;
+            // weights: 16 bytes of nibbles -> 32 u8 (low nibbles, then high)
+            let qw: [__m256i; MR] = std::array::from_fn(|r| {
+                let x = unsafe { _mm_loadu_si128(wp[r].add(b * Q4_1_BYTES + 4).cast()) };
+                let xx = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+                _mm256_and_si256(xx, low)
+            });
+            for t in 0..NT {
+                let qa = unsafe { _mm256_loadu_si256(ap[t].add(b * Q8_1_BYTES + 4).cast()) };
+                for r in 0..MR {
+                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qw[r], qa);
+                    let xy = _mm256_cvtepi32_ps(p);
+                    let d = unsafe { _mm256_set1_ps(*ddp.add(c * 16 + r * 4 + t)) };
+                    acc[r][t] = _mm256_fmadd_ps(d, xy, acc[r][t]);
+                }
+            }
+        }
+    }
+    let mut sm = [0f32; 16];
+    // SAFETY: sm holds 16 floats.
+    unsafe { _mm512_storeu_ps(sm.as_mut_ptr(), summs) };
+    let mut out = [[0f32; NT]; MR];
+    for r in 0..MR {
+        for t in 0..NT {
+            // ggml's hsum_float_8
+            let x = acc[r][t];
+            let mut h = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[r][t] = _mm_cvtss_f32(h) + sm[r * 4 + t];
+        }
+    }
+    out
+}
