@@ -33,6 +33,11 @@ pub struct KvCache {
     live_slots: Vec<u32>,
     /// (n_live,) absolute positions matching `live_slots`.
     live_pos: Vec<i64>,
+    /// (n_live,) the live slots in slot (memory) order, and their positions:
+    /// decoding attends to every live token, and walking K/V rows in memory
+    /// order keeps the hardware prefetcher useful after scattered evictions.
+    slot_order: Vec<u32>,
+    slot_order_pos: Vec<i64>,
     /// Most tokens ever resident at once since the last `clear`.
     pub peak_live: usize,
 }
@@ -51,6 +56,8 @@ impl KvCache {
             v: vec![f16::ZERO; n],
             live_slots: Vec::new(),
             live_pos: Vec::new(),
+            slot_order: Vec::new(),
+            slot_order_pos: Vec::new(),
             peak_live: 0,
         }
     }
@@ -65,6 +72,8 @@ impl KvCache {
         self.cells.clear();
         self.live_slots.clear();
         self.live_pos.clear();
+        self.slot_order.clear();
+        self.slot_order_pos.clear();
         self.peak_live = 0;
     }
 
@@ -103,15 +112,28 @@ impl KvCache {
             self.cells.set(s, p);
             slots.push(s as u32);
         }
-        let mut live: Vec<(i64, u32)> = self.cells.live().map(|(s, p)| (p, s as u32)).collect();
-        live.sort_unstable();
+        self.slot_order.clear();
+        self.slot_order_pos.clear();
+        for (s, p) in self.cells.live() {
+            self.slot_order.push(s as u32);
+            self.slot_order_pos.push(p);
+        }
+        // position order: sort slot indices by position
+        let pos_of = &self.slot_order_pos;
+        let mut idx: Vec<u32> = (0..pos_of.len() as u32).collect();
+        idx.sort_unstable_by_key(|&i| pos_of[i as usize]);
         self.live_slots.clear();
         self.live_pos.clear();
-        for (p, s) in live {
-            self.live_slots.push(s);
-            self.live_pos.push(p);
+        for i in idx {
+            self.live_slots.push(self.slot_order[i as usize]);
+            self.live_pos.push(self.slot_order_pos[i as usize]);
         }
         Ok(())
+    }
+
+    /// Live slots in slot (memory) order, with their positions.
+    pub fn live_by_slot(&self) -> (&[u32], &[i64]) {
+        (&self.slot_order, &self.slot_order_pos)
     }
 
     /// Live slots ordered by position, with their positions.

@@ -365,7 +365,12 @@ fn forward_chunk(
         // multi-head attention over live slots, causal by position:
         // att_out[i, h] = softmax(q[i,h]·K[j] * scale, pos_j ≤ pos_i) @ V[j]
         {
-            let (live_slots, live_pos) = kv.live();
+            // decoding sees every live token: walk them in memory order
+            let (live_slots, live_pos) = if prefill {
+                kv.live()
+            } else {
+                kv.live_by_slot()
+            };
             let kvr = &*kv;
             let q = &s.q;
             let (vf, kt) = (&s.vf, &s.kt);
@@ -385,7 +390,11 @@ fn forward_chunk(
                     let (i, g) = (work / c.n_kv_heads, work % c.n_kv_heads);
                     let qg = &q[i * q_dim + g * group * hd..i * q_dim + (g + 1) * group * hd];
                     let pos = (pos0 + i) as i64;
-                    let n_vis = live_pos.partition_point(|&p| p <= pos);
+                    let n_vis = if prefill {
+                        live_pos.partition_point(|&p| p <= pos)
+                    } else {
+                        live_pos.len()
+                    };
                     // SAFETY: (i, g) pairs are disjoint between threads.
                     let o = unsafe { out.slice(i * q_dim + g * group * hd, group * hd) };
                     let export_row = match mass_mode {
