@@ -4,7 +4,7 @@
 
 use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvType};
 use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, RunState, StepIo};
 use crate::model::Weights;
 use crate::policy::{Evictor, Scorer};
@@ -156,6 +156,29 @@ impl<'w> Session<'w> {
             victims: Vec::new(),
             logits: Vec::new(),
         }
+    }
+
+    /// Store K and V as `ty` (`--cache-type`). Only before any token is
+    /// fed: the cache is reallocated.
+    pub fn set_cache_type(&mut self, ty: KvType) -> Result<()> {
+        if ty == self.kv.ty {
+            return Ok(());
+        }
+        if self.kv.cells.n_live() > 0 {
+            return Err(Error::arg(
+                "--cache-type",
+                "the cache type can only change while the cache is empty",
+            ));
+        }
+        let c = &self.w.config;
+        self.kv = KvCache::with_type(
+            c.n_layers,
+            c.kv_dim(),
+            c.head_dim,
+            self.kv.cells.n_slots(),
+            ty,
+        )?;
+        Ok(())
     }
 
     /// Forget the sequence.

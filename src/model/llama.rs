@@ -9,9 +9,8 @@ use crate::backend::cpu::{
 };
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, LayerKv};
 use crate::model::Weights;
-use half::slice::HalfFloatSliceExt;
 
 /// Which rows of logits the caller wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -341,14 +340,15 @@ fn forward_chunk(
             let kto = SharedMut::new(&mut s.kt[..]);
             pool.run(|ti| {
                 let (j0, j1) = split(n_live, ti, n_threads);
+                let mut krow = vec![0f32; if j1 > j0 { kv_dim } else { 0 }];
                 for j in j0..j1 {
                     let sl = live_slots[j] as usize;
                     // SAFETY: rows j0..j1 belong to this thread.
                     let vd = unsafe { vfo.slice(j * kv_dim, kv_dim) };
-                    kvr.v_row(l, sl).convert_to_f32_slice(vd);
+                    kvr.v_f32(l, sl, vd);
                     // keys transposed: (kv_dim, n_live), column j
-                    for (d, x) in kvr.k_row(l, sl).iter().enumerate() {
-                        let x = x.to_f32();
+                    kvr.k_f32(l, sl, &mut krow);
+                    for (d, &x) in krow.iter().enumerate() {
                         // SAFETY: column j belongs to this thread.
                         unsafe { kto.write(d * n_live + j, x) };
                     }
@@ -405,23 +405,34 @@ fn forward_chunk(
                             &mut stats[..group],
                         );
                     } else {
-                        let key =
-                            |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                        let val =
-                            |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                         // one kernel whether or not probabilities are exported, so a
-                        // policy that never evicts reproduces the full cache bit for bit
-                        attend_group_probs(
-                            qg,
-                            group,
-                            n_vis,
-                            key,
-                            val,
-                            scale,
-                            &mut sc[..group * n_vis],
-                            o,
-                            &mut stats[..group],
-                        );
+                        // policy that never evicts reproduces the full cache bit for bit;
+                        // one monomorphized loop per cache type, chosen here per (token,
+                        // head), never per element. Head g is units g*hu..(g+1)*hu of a
+                        // row of rl units (hu = hd values, or hd/32 q8_0 blocks).
+                        let (rl, hu) = (kvr.row_len(), hd / kvr.ty.block_len());
+                        macro_rules! run {
+                            ($k:expr, $v:expr) => {{
+                                let (k, v) = ($k, $v);
+                                let at = |j: usize| live_slots[j] as usize * rl + g * hu;
+                                attend_group_probs(
+                                    qg,
+                                    group,
+                                    n_vis,
+                                    |j: usize| &k[at(j)..at(j) + hu],
+                                    |j: usize| &v[at(j)..at(j) + hu],
+                                    scale,
+                                    &mut sc[..group * n_vis],
+                                    o,
+                                    &mut stats[..group],
+                                )
+                            }};
+                        }
+                        match kvr.layer(l) {
+                            LayerKv::F32(k, v) => run!(k, v),
+                            LayerKv::F16(k, v) => run!(k, v),
+                            LayerKv::Q8(k, v) => run!(k, v),
+                        }
                     }
                     if export_row {
                         // SAFETY: each thread accumulates into its own row.
