@@ -113,6 +113,10 @@ pub struct KvArgs {
     /// KV cache storage type: f32, f16 or q8_0 (32-value blocks, 8.5 bits per value).
     #[arg(long = "cache-type", value_name = "TYPE", default_value = "f16")]
     pub cache_type: String,
+    /// RoPE positions: absolute (position in the text) or cache (StreamingLLM's
+    /// in-cache positions; needs --policy window).
+    #[arg(long = "pos-mode", value_name = "MODE", default_value = "absolute")]
+    pub pos_mode: String,
 }
 
 impl KvArgs {
@@ -124,10 +128,19 @@ impl KvArgs {
         }
     }
 
+    /// The `--pos-mode` value, checked.
+    pub fn pos_mode(&self) -> Result<crate::kv::PosMode> {
+        match self.pos_mode.as_str() {
+            "" => Ok(crate::kv::PosMode::default()),
+            m => crate::kv::PosMode::parse(m),
+        }
+    }
+
     /// Apply the cache settings that hold with and without a policy
-    /// (`--cache-type`) to a fresh session.
+    /// (`--cache-type`, `--pos-mode`) to a fresh session.
     pub fn configure(&self, s: &mut Session<'_>) -> Result<()> {
-        s.set_cache_type(self.kv_type()?)
+        s.set_cache_type(self.kv_type()?)?;
+        s.set_pos_mode(self.pos_mode()?)
     }
 
     /// Build the policy (None for `full`) for `model` (whose directory may
@@ -135,6 +148,22 @@ impl KvArgs {
     pub fn build(&self, seed: u64, model: &Path) -> Result<Option<crate::generate::KvPolicy>> {
         use crate::policy::epikv;
         self.kv_type()?;
+        if self.pos_mode()? == crate::kv::PosMode::Cache
+            && (self.policy != "window" || self.prompt_policy.is_some())
+        {
+            return Err(Error::arg(
+                "--pos-mode",
+                format!(
+                    "cache (StreamingLLM in-cache positions) needs --policy window, not {}{}",
+                    self.policy,
+                    if self.prompt_policy.is_some() {
+                        " with --prompt-policy"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         let Some(budget) = (match (self.policy.as_str(), self.kv_budget) {
             ("full", _) => None,
             (_, None) => {

@@ -415,6 +415,7 @@ struct KvKey {
     keep_prompt: bool,
     evict_every: usize,
     cache_type: String,
+    pos_mode: String,
 }
 
 impl KvKey {
@@ -427,6 +428,7 @@ impl KvKey {
             keep_prompt: k.keep_prompt,
             evict_every: k.evict_every,
             cache_type: k.cache_type.clone(),
+            pos_mode: k.pos_mode.clone(),
         }
     }
 }

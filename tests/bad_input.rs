@@ -648,3 +648,25 @@ fn c41_q8_0_cache_on_a_model_whose_heads_do_not_fit_blocks() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--pos-mode cache` needs `--policy window`; unknown modes are named.
+#[test]
+fn c42_pos_mode_cache_without_window() {
+    let m = model();
+    let mut a = gen_args(&m);
+    a.extend([
+        "--pos-mode",
+        "cache",
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "32",
+    ]);
+    expect_error(&a, &["--pos-mode", "window", "h2o"]);
+    let mut a = gen_args(&m);
+    a.extend(["--pos-mode", "cache"]);
+    expect_error(&a, &["--pos-mode", "window", "full"]);
+    let mut a = gen_args(&m);
+    a.extend(["--pos-mode", "relative"]);
+    expect_error(&a, &["--pos-mode", "relative", "absolute, cache"]);
+}

@@ -229,9 +229,15 @@ impl Rope {
     /// pair: the two differ in the last bits, and this model family turns
     /// last-bit differences into visible logit differences.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos: usize) {
+        self.apply_at(x, n_heads, head_dim, pos as f32)
+    }
+
+    /// `apply` at any real position, negative included (R(-p) undoes R(p);
+    /// rotations compose: R(a)R(b) = R(a+b)).
+    pub fn apply_at(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos: f32) {
         let half = self.n_rot / 2;
         let mut cs = [(0f32, 0f32); 128];
-        let mut theta = pos as f32;
+        let mut theta = pos;
         for i in 0..half {
             let t = match &self.freq_factors {
                 Some(ff) => theta / ff[i],
