@@ -512,6 +512,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                     s
                 }
             };
+            a.kv.configure(&mut sess)?;
             let mut text = String::new();
             let opts = GenOptions {
                 n_predict: a.max_tokens as i64,

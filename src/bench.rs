@@ -135,10 +135,11 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             policy: (*p).to_owned(),
             ..a.kv.clone()
         };
-        let s = match kv.build(0, &path)? {
+        let mut s = match kv.build(0, &path)? {
             None => Session::new(&w, n_ctx_ours, n_threads, 512),
             Some(pol) => Session::with_policy(&w, n_ctx_ours, n_threads, 512, pol)?,
         };
+        kv.configure(&mut s)?;
         sessions.push(s);
     }
     // the depth context is context, not a prompt to protect

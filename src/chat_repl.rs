@@ -110,6 +110,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         None => Session::new(&w, n_ctx, n_threads, r.batch_size.max(1)),
         Some(p) => Session::with_policy(&w, n_ctx, n_threads, r.batch_size.max(1), p)?,
     };
+    r.kv.configure(&mut sess)?;
     let mut sampler = Sampler::new(r.sampling.config(0.8, seed));
     let mut msgs: Vec<Message> = Vec::new();
     if let Some(s) = &r.system {

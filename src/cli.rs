@@ -110,13 +110,60 @@ pub struct KvArgs {
     /// EPIKV: score prompt tokens from the prefill's hidden states instead of keeping them all.
     #[arg(long = "epikv-score-prompt")]
     pub epikv_score_prompt: bool,
+    /// KV cache storage type: f32, f16 or q8_0 (32-value blocks, 8.5 bits per value).
+    #[arg(long = "cache-type", value_name = "TYPE", default_value = "f16")]
+    pub cache_type: String,
+    /// RoPE positions: absolute (position in the text) or cache (StreamingLLM's
+    /// in-cache positions; needs --policy window).
+    #[arg(long = "pos-mode", value_name = "MODE", default_value = "absolute")]
+    pub pos_mode: String,
 }
 
 impl KvArgs {
+    /// The `--cache-type` value, checked.
+    pub fn kv_type(&self) -> Result<crate::kv::KvType> {
+        match self.cache_type.as_str() {
+            "" => Ok(crate::kv::KvType::default()),
+            t => crate::kv::KvType::parse(t),
+        }
+    }
+
+    /// The `--pos-mode` value, checked.
+    pub fn pos_mode(&self) -> Result<crate::kv::PosMode> {
+        match self.pos_mode.as_str() {
+            "" => Ok(crate::kv::PosMode::default()),
+            m => crate::kv::PosMode::parse(m),
+        }
+    }
+
+    /// Apply the cache settings that hold with and without a policy
+    /// (`--cache-type`, `--pos-mode`) to a fresh session.
+    pub fn configure(&self, s: &mut Session<'_>) -> Result<()> {
+        s.set_cache_type(self.kv_type()?)?;
+        s.set_pos_mode(self.pos_mode()?)
+    }
+
     /// Build the policy (None for `full`) for `model` (whose directory may
     /// hold a calibrated `<stem>.epikv.json`).
     pub fn build(&self, seed: u64, model: &Path) -> Result<Option<crate::generate::KvPolicy>> {
         use crate::policy::epikv;
+        self.kv_type()?;
+        if self.pos_mode()? == crate::kv::PosMode::Cache
+            && (self.policy != "window" || self.prompt_policy.is_some())
+        {
+            return Err(Error::arg(
+                "--pos-mode",
+                format!(
+                    "cache (StreamingLLM in-cache positions) needs --policy window, not {}{}",
+                    self.policy,
+                    if self.prompt_policy.is_some() {
+                        " with --prompt-policy"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         let Some(budget) = (match (self.policy.as_str(), self.kv_budget) {
             ("full", _) => None,
             (_, None) => {
@@ -548,6 +595,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
             s
         }
     };
+    a.kv.configure(&mut sess)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.display_prompt {
@@ -568,8 +616,9 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         eprintln!("kvrun: load time = {load_ms:10.2} ms");
         eprint!("{}", stats.timing_lines("kvrun"));
         eprintln!(
-            "kvrun: kv: policy={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak)",
+            "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak)",
             a.kv.policy,
+            sess.kv.ty,
             a.kv.kv_budget
                 .map(|b| b.to_string())
                 .unwrap_or_else(|| "none".into()),

@@ -247,6 +247,8 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
         None => Session::new(&w, n, n_threads, a.chunk),
         Some(p) => Session::with_policy(&w, n, n_threads, a.chunk, p)?,
     };
+    // the reference stays a full f16 cache: --cache-type applies to the policy run
+    a.kv.configure(&mut pol)?;
     // teacher forcing has no prompt: --keep-prompt protects nothing here
     pol.protect_prompt(0);
     let vocab = w.config.vocab;

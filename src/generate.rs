@@ -4,7 +4,7 @@
 
 use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvType, PosMode};
 use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, RunState, StepIo};
 use crate::model::Weights;
 use crate::policy::{Evictor, Scorer};
@@ -61,6 +61,8 @@ pub struct Session<'w> {
     pub n_evicted: usize,
     /// Positions below this are the prompt (set by `protect_prompt`).
     pub prompt_end: usize,
+    /// RoPE positions of cached tokens (`--pos-mode`).
+    pub pos_mode: PosMode,
     /// Residual-stream taps the scorer asked for (None = no cost).
     taps: Option<HiddenTaps>,
     /// Step-level attention mass export buffer, (n_slots,).
@@ -150,12 +152,66 @@ impl<'w> Session<'w> {
             policy,
             n_evicted: 0,
             prompt_end: 0,
+            pos_mode: PosMode::Absolute,
             taps: None,
             mass: vec![0.0; n_slots],
             scores: Vec::new(),
             victims: Vec::new(),
             logits: Vec::new(),
         }
+    }
+
+    /// Store K and V as `ty` (`--cache-type`). Only before any token is
+    /// fed: the cache is reallocated.
+    pub fn set_cache_type(&mut self, ty: KvType) -> Result<()> {
+        if ty == self.kv.ty {
+            return Ok(());
+        }
+        if self.kv.cells.n_live() > 0 {
+            return Err(Error::arg(
+                "--cache-type",
+                "the cache type can only change while the cache is empty",
+            ));
+        }
+        let c = &self.w.config;
+        self.kv = KvCache::with_type(
+            c.n_layers,
+            c.kv_dim(),
+            c.head_dim,
+            self.kv.cells.n_slots(),
+            ty,
+        )?;
+        Ok(())
+    }
+
+    /// RoPE positions (`--pos-mode`). `Cache` (StreamingLLM's in-cache
+    /// positions) needs the `window` policy, whose resident set is sinks +
+    /// a contiguous recent window, as in the paper; only while the cache is
+    /// empty.
+    pub fn set_pos_mode(&mut self, mode: PosMode) -> Result<()> {
+        if mode == self.pos_mode {
+            return Ok(());
+        }
+        if mode == PosMode::Cache {
+            let ok = self
+                .policy
+                .as_ref()
+                .is_some_and(|p| p.scorer.name() == "window" && p.prompt.is_none());
+            if !ok {
+                return Err(Error::arg(
+                    "--pos-mode",
+                    "cache (StreamingLLM in-cache positions) needs --policy window (and no --prompt-policy)",
+                ));
+            }
+        }
+        if self.kv.cells.n_live() > 0 {
+            return Err(Error::arg(
+                "--pos-mode",
+                "the position mode can only change while the cache is empty",
+            ));
+        }
+        self.pos_mode = mode;
+        Ok(())
     }
 
     /// Forget the sequence.
@@ -268,6 +324,7 @@ impl<'w> Session<'w> {
                     None
                 },
                 taps: self.taps.as_mut(),
+                pos_mode: self.pos_mode,
             };
             let out = forward(
                 self.w,

@@ -143,10 +143,12 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                 let mut sess = if full {
                     Session::new(&w, n_ctx, n_threads, 256)
                 } else {
-                    match a.kv.build(a.seed, &path)? {
+                    let mut s = match a.kv.build(a.seed, &path)? {
                         None => Session::new(&w, n_ctx, n_threads, 256),
                         Some(p) => Session::with_policy(&w, n_ctx, n_threads, 256, p)?,
-                    }
+                    };
+                    a.kv.configure(&mut s)?;
+                    s
                 };
                 let mut sampler = Sampler::new(SamplerConfig {
                     temp: 0.0,

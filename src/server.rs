@@ -401,6 +401,8 @@ struct KvKey {
     recent: Option<usize>,
     keep_prompt: bool,
     evict_every: usize,
+    cache_type: String,
+    pos_mode: String,
 }
 
 impl KvKey {
@@ -412,6 +414,8 @@ impl KvKey {
             recent: k.kv_recent,
             keep_prompt: k.keep_prompt,
             evict_every: k.evict_every,
+            cache_type: k.cache_type.clone(),
+            pos_mode: k.pos_mode.clone(),
         }
     }
 }
@@ -494,10 +498,11 @@ fn run_job(
     let reuse = job.kv.policy != "random" && cache.as_ref().is_some_and(|(k, _)| *k == key);
     if !reuse {
         *cache = None;
-        let sess = match job.kv.build(job.sampler.seed, &eng.model_path)? {
+        let mut sess = match job.kv.build(job.sampler.seed, &eng.model_path)? {
             None => Session::new(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch),
             Some(p) => Session::with_policy(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?,
         };
+        job.kv.configure(&mut sess)?;
         *cache = Some((key, sess));
     }
     let Some((_, sess)) = cache.as_mut() else {

@@ -618,3 +618,55 @@ fn c19_partial_block_at_huge_offset() {
         ],
     );
 }
+
+// ---------------------------------------------------------------- KV cache flags
+
+/// An unknown `--cache-type` is one line naming the flag and the choices.
+#[test]
+fn c40_unknown_cache_type() {
+    let m = model();
+    let mut a = gen_args(&m);
+    a.extend(["--cache-type", "q4_0"]);
+    expect_error(&a, &["--cache-type", "q4_0", "f32, f16, q8_0"]);
+}
+
+/// q8_0 needs head_dim to be a multiple of 32: the tiny model's is not.
+#[test]
+fn c41_q8_0_cache_on_a_model_whose_heads_do_not_fit_blocks() {
+    let tmp = Scratch::new("q8cache");
+    let m = s(&tiny_llama().write(&tmp, "tiny.gguf"));
+    let mut a = gen_args(&m);
+    a.extend(["--cache-type", "q8_0"]);
+    expect_error(&a, &["--cache-type", "q8_0", "multiple of 32"]);
+    // f32 works on it
+    let mut a = gen_args(&m);
+    a.extend(["--cache-type", "f32"]);
+    let out = run(&a);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `--pos-mode cache` needs `--policy window`; unknown modes are named.
+#[test]
+fn c42_pos_mode_cache_without_window() {
+    let m = model();
+    let mut a = gen_args(&m);
+    a.extend([
+        "--pos-mode",
+        "cache",
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "32",
+    ]);
+    expect_error(&a, &["--pos-mode", "window", "h2o"]);
+    let mut a = gen_args(&m);
+    a.extend(["--pos-mode", "cache"]);
+    expect_error(&a, &["--pos-mode", "window", "full"]);
+    let mut a = gen_args(&m);
+    a.extend(["--pos-mode", "relative"]);
+    expect_error(&a, &["--pos-mode", "relative", "absolute, cache"]);
+}

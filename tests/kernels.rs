@@ -183,7 +183,18 @@ fn attend_prefill_group_matches_online_kernel() {
         let (mut o4, mut s4, mut st4) =
             (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
         let val = |j: usize| &vf[j * hd..(j + 1) * hd];
-        prefill_group_dyn(&q, n, &kt, stride, &val, scale, &mut s4, &mut o4, &mut st4);
+        prefill_group_dyn(
+            &q,
+            &[n],
+            n,
+            &kt,
+            stride,
+            &val,
+            scale,
+            &mut s4,
+            &mut o4,
+            &mut st4,
+        );
         assert!(o4.iter().zip(&o2).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert!(s4.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert_eq!(st4, st2);
@@ -329,6 +340,171 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Scalar f32 reference attention for one query head in f64: softmax(q·k_j
+/// · scale) @ V over the original (unquantized) f32 rows.
+fn attend_ref(q: &[f32], k: &[f32], v: &[f32], hd: usize, scale: f32) -> (Vec<f64>, Vec<f64>) {
+    let n = k.len() / hd;
+    let s: Vec<f64> = (0..n)
+        .map(|j| {
+            (0..hd)
+                .map(|d| q[d] as f64 * k[j * hd + d] as f64)
+                .sum::<f64>()
+                * scale as f64
+        })
+        .collect();
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+    let p: Vec<f64> = s.iter().map(|x| (x - mx).exp() / z).collect();
+    let out = (0..hd)
+        .map(|d| (0..n).map(|j| p[j] * v[j * hd + d] as f64).sum())
+        .collect();
+    (out, p)
+}
+
+/// `--cache-type`: the decode kernel reads f32, f16 and q8_0 rows (one
+/// monomorphized loop each) and matches the scalar f32 reference within a
+/// per-type tolerance (query rounding to f16 + storage rounding), output and
+/// exported probabilities alike; with one segment the segmented kernel is
+/// the plain kernel bit for bit.
+#[test]
+fn attention_parity_per_cache_type() {
+    use kvrun::backend::cpu::attend_group_probs_seg;
+    use kvrun::kv::{dequantize_q8_0, quantize_q8_0, BlockQ8_0, KvType, QK8_0};
+    let mut r = Rng::new(0xcac4e);
+    let mut worst = [0f64; 3];
+    for &(g, hd, n) in &[
+        (1usize, 64usize, 1usize),
+        (3, 64, 37),
+        (4, 128, 300),
+        (2, 32, 1000),
+    ] {
+        let q: Vec<f32> = (0..g * hd).map(|_| randn(&mut r)).collect();
+        let k: Vec<f32> = (0..n * hd).map(|_| randn(&mut r)).collect();
+        let v: Vec<f32> = (0..n * hd).map(|_| randn(&mut r)).collect();
+        let (k16, v16): (Vec<f16>, Vec<f16>) = (
+            k.iter().map(|&x| f16::from_f32(x)).collect(),
+            v.iter().map(|&x| f16::from_f32(x)).collect(),
+        );
+        let nb = hd / QK8_0;
+        let (mut k8, mut v8) = (
+            vec![BlockQ8_0::default(); n * nb],
+            vec![BlockQ8_0::default(); n * nb],
+        );
+        quantize_q8_0(&k, &mut k8);
+        quantize_q8_0(&v, &mut v8);
+        // q8_0 round trip: each value within half a step of its block scale
+        let mut kd = vec![0f32; n * hd];
+        dequantize_q8_0(&k8, &mut kd);
+        for (b, (x, y)) in k8.iter().zip(k.chunks(QK8_0).zip(kd.chunks(QK8_0))) {
+            let d = b.d.to_f32();
+            for (a, c) in x.iter().zip(y) {
+                assert!(
+                    (a - c).abs() <= 0.5 * d + 127.0 * d / 2048.0,
+                    "q8_0 round trip {a} {c} d {d}"
+                );
+            }
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (ti, ty) in KvType::ALL.into_iter().enumerate() {
+            let (mut out, mut sc, mut st) =
+                (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+            macro_rules! run {
+                ($k:expr, $v:expr, $u:expr) => {{
+                    let (kk, vv, u) = (&$k, &$v, $u);
+                    attend_group_probs(
+                        &q,
+                        g,
+                        n,
+                        |j| &kk[j * u..(j + 1) * u],
+                        |j| &vv[j * u..(j + 1) * u],
+                        scale,
+                        &mut sc,
+                        &mut out,
+                        &mut st,
+                    );
+                    // the segmented kernel with one segment is the same code path
+                    let (mut o2, mut s2, mut st2) =
+                        (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+                    attend_group_probs_seg(
+                        &q,
+                        &[n],
+                        g,
+                        n,
+                        |j| &kk[j * u..(j + 1) * u],
+                        |j| &vv[j * u..(j + 1) * u],
+                        scale,
+                        &mut s2,
+                        &mut o2,
+                        &mut st2,
+                    );
+                    assert!(o2 == out && s2 == sc, "{ty}: one-segment kernel differs");
+                }};
+            }
+            match ty {
+                KvType::F32 => run!(k, v, hd),
+                KvType::F16 => run!(k16, v16, hd),
+                KvType::Q8_0 => run!(k8, v8, nb),
+            }
+            // tolerance: f16 query rounding (all types) + storage rounding
+            let tol = match ty {
+                KvType::F32 => 2e-3,
+                KvType::F16 => 4e-3,
+                KvType::Q8_0 => 3e-2,
+            };
+            for h in 0..g {
+                let (o_ref, p_ref) = attend_ref(&q[h * hd..(h + 1) * hd], &k, &v, hd, scale);
+                for d in 0..hd {
+                    let e = (out[h * hd + d] as f64 - o_ref[d]).abs();
+                    worst[ti] = worst[ti].max(e);
+                    assert!(e <= tol, "{ty} g{g} hd{hd} n{n} head {h} dim {d}: err {e}");
+                }
+                for j in 0..n {
+                    let e = (sc[h * n + j] as f64 - p_ref[j]).abs();
+                    assert!(e <= tol, "{ty} probability {h},{j}: err {e}");
+                }
+            }
+        }
+    }
+    eprintln!(
+        "max |out - f32 reference|: f32 {:.2e}, f16 {:.2e}, q8_0 {:.2e}",
+        worst[0], worst[1], worst[2]
+    );
+}
+
+/// The q8_0 cache blocks have ggml's layout and values: serialized as
+/// 34-byte blocks, ggml's dequantizer (our reference in `quant`) reads them
+/// back to exactly what the cache kernels see, and the quants agree with
+/// ggml's x86 activation quantizer to within one step.
+#[test]
+fn q8_0_cache_blocks_are_ggml_blocks() {
+    use kvrun::kv::{dequantize_q8_0, quantize_q8_0, BlockQ8_0};
+    use kvrun::tensor::DType;
+    assert_eq!(std::mem::size_of::<BlockQ8_0>(), 34);
+    let mut r = Rng::new(7);
+    let n = 32 * 24;
+    let mut x: Vec<f32> = (0..n).map(|_| randn(&mut r) * 3.0).collect();
+    x[32..64].fill(0.0); // an all-zero block
+    let mut b = vec![BlockQ8_0::default(); n / 32];
+    quantize_q8_0(&x, &mut b);
+    let mut bytes = Vec::new();
+    for blk in &b {
+        bytes.extend_from_slice(&blk.d.to_le_bytes());
+        bytes.extend(blk.qs.iter().map(|&q| q as u8));
+    }
+    let (mut ours, mut theirs) = (vec![0f32; n], vec![0f32; n]);
+    dequantize_q8_0(&b, &mut ours);
+    kvrun::quant::dequantize_row(DType::Q8_0, &bytes, &mut theirs);
+    assert_eq!(ours, theirs);
+    let mut g = vec![0u8; bytes.len()];
+    kvrun::quant::quantize_row_q8_0(&x, &mut g);
+    for (a, c) in bytes.chunks(34).zip(g.chunks(34)) {
+        assert_eq!(a[..2], c[..2], "scales differ");
+        for (p, q) in a[2..].iter().zip(&c[2..]) {
+            assert!((*p as i8 as i32 - *q as i8 as i32).abs() <= 1);
         }
     }
 }

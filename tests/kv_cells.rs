@@ -463,3 +463,48 @@ fn slot_order_view_matches_position_order_view() {
         assert_eq!(a, b);
     }
 }
+
+/// Bytes per token by cache type: 2 · L · kv_dim · {4, 2, 34/32}; q8_0
+/// needs whole 32-value blocks per head and says so.
+#[test]
+fn bytes_per_token_by_cache_type() {
+    use kvrun::kv::{KvCache, KvType};
+    for (ty, b) in [
+        (KvType::F32, 4 * 64),
+        (KvType::F16, 2 * 64),
+        (KvType::Q8_0, 2 * 34),
+    ] {
+        let kv = KvCache::with_type(3, 64, 32, 5, ty).unwrap();
+        assert_eq!(kv.bytes_per_token(), 2 * 3 * b, "{ty}");
+        assert_eq!(kv.bytes_allocated(), 5 * kv.bytes_per_token());
+    }
+    let e = KvCache::with_type(2, 48, 16, 4, KvType::Q8_0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--cache-type") && e.contains("head_dim 16") && e.contains("32"),
+        "{e}"
+    );
+    // rows round-trip through every type
+    let k: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) / 7.0).collect();
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    for ty in KvType::ALL {
+        let mut kv = KvCache::with_type(2, 64, 32, 3, ty).unwrap();
+        kv.write(1, 2, &k, &v);
+        let (mut ko, mut vo) = (vec![0f32; 64], vec![0f32; 64]);
+        kv.k_f32(1, 2, &mut ko);
+        kv.v_f32(1, 2, &mut vo);
+        let tol = match ty {
+            KvType::F32 => 0.0,
+            KvType::F16 => 2e-3,
+            // half a step of the largest block scale (max |x| 33/7) + f16 scale rounding
+            KvType::Q8_0 => 0.5 * 33.0 / 7.0 / 127.0 + 33.0 / 7.0 / 2048.0,
+        };
+        for i in 0..64 {
+            assert!(
+                (ko[i] - k[i]).abs() <= tol && (vo[i] - v[i]).abs() <= tol,
+                "{ty} {i}"
+            );
+        }
+    }
+}

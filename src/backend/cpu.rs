@@ -310,9 +310,15 @@ impl Rope {
     /// pair: the two differ in the last bits, and this model family turns
     /// last-bit differences into visible logit differences.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos: usize) {
+        self.apply_at(x, n_heads, head_dim, pos as f32)
+    }
+
+    /// `apply` at any real position, negative included (R(-p) undoes R(p);
+    /// rotations compose: R(a)R(b) = R(a+b)).
+    pub fn apply_at(&self, x: &mut [f32], n_heads: usize, head_dim: usize, pos: f32) {
         let half = self.n_rot / 2;
         let mut cs = [(0f32, 0f32); 128];
-        let mut theta = pos as f32;
+        let mut theta = pos;
         for i in 0..half {
             let t = match &self.freq_factors {
                 Some(ff) => theta / ff[i],
@@ -406,7 +412,9 @@ pub fn attend_head<'k>(
     (m, sum)
 }
 
-/// A cached K or V row as stored (f16) or pre-converted for a prefill chunk (f32).
+/// A cached K or V head row as stored (f32, f16 or q8_0 blocks; f32 also
+/// for rows pre-converted for a prefill chunk). Kernels are generic over it,
+/// so each cache type gets its own monomorphized loop.
 pub trait KvRow {
     /// The row as f32: converted into `buf`, or borrowed as is.
     fn as_f32<'a>(&'a self, buf: &'a mut [f32]) -> &'a [f32];
@@ -417,6 +425,15 @@ impl KvRow for [f16] {
     fn as_f32<'a>(&'a self, buf: &'a mut [f32]) -> &'a [f32] {
         let b = &mut buf[..self.len()];
         self.convert_to_f32_slice(b);
+        b
+    }
+}
+
+impl KvRow for [crate::kv::BlockQ8_0] {
+    #[inline]
+    fn as_f32<'a>(&'a self, buf: &'a mut [f32]) -> &'a [f32] {
+        let b = &mut buf[..self.len() * crate::kv::QK8_0];
+        crate::kv::dequantize_q8_0(self, b);
         b
     }
 }
@@ -521,10 +538,36 @@ pub fn attend_prefill_group<'k>(
     out: &mut [f32],
     stats: &mut [(f32, f32)],
 ) {
-    let hd = q.len() / g;
-    assert!(hd <= 256 && q.len() == g * hd && out.len() == g * hd && sc.len() >= g * n);
+    attend_prefill_group_seg(q, &[n], g, n, kt, stride, val, scale, sc, out, stats)
+}
+
+/// `attend_prefill_group` with one query per key segment: keys
+/// `seg_end[s-1]..seg_end[s]` are scored against query `s` (q: (n_seg, g,
+/// head_dim)). Used by `--pos-mode cache`, where keys stored at absolute
+/// RoPE positions meet a query rotated per segment (see `model::llama`).
+/// With one segment it is `attend_prefill_group`, operation for operation.
+pub fn attend_prefill_group_seg<'k>(
+    q: &[f32],
+    seg_end: &[usize],
+    g: usize,
+    n: usize,
+    kt: &[f32],
+    stride: usize,
+    val: impl Fn(usize) -> &'k [f32],
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let ns = seg_end.len();
+    let hd = q.len() / (g * ns);
+    assert!(hd <= 256 && q.len() == ns * g * hd && out.len() == g * hd && sc.len() >= g * n);
+    assert!(
+        seg_end.last().is_some_and(|&e| e >= n),
+        "segments must cover the keys"
+    );
     assert!(n == 0 || kt.len() >= (hd - 1) * stride + n);
-    if hd % LANES == 0 {
+    if ns == 1 && hd % LANES == 0 {
         type F<'k, V> =
             fn(&[f32], usize, &[f32], usize, &V, f32, &mut [f32], &mut [f32], &mut [(f32, f32)]);
         let f: F<'_, _> = match g {
@@ -536,11 +579,35 @@ pub fn attend_prefill_group<'k>(
             6 => prefill_group::<6, _>,
             7 => prefill_group::<7, _>,
             8 => prefill_group::<8, _>,
-            _ => prefill_group_dyn,
+            _ => {
+                return prefill_group_dyn(
+                    q,
+                    seg_end,
+                    n,
+                    kt,
+                    stride,
+                    &val,
+                    scale,
+                    sc,
+                    out,
+                    &mut stats[..g],
+                )
+            }
         };
         return f(q, n, kt, stride, &val, scale, sc, out, &mut stats[..g]);
     }
-    prefill_group_dyn(q, n, kt, stride, &val, scale, sc, out, &mut stats[..g]);
+    prefill_group_dyn(
+        q,
+        seg_end,
+        n,
+        kt,
+        stride,
+        &val,
+        scale,
+        sc,
+        out,
+        &mut stats[..g],
+    );
 }
 
 /// Lanes of the register tiles of `prefill_group` (one 512-bit vector).
@@ -655,10 +722,13 @@ fn prefill_group<'k, const G: usize, V: Fn(usize) -> &'k [f32]>(
     }
 }
 
-/// `attend_prefill_group` for any group size, one head at a time (the
-/// reference of the register-tiled `prefill_group`; stats: (g,)).
+/// `attend_prefill_group_seg` for any group size and any key segments, one
+/// head at a time (the reference of the register-tiled `prefill_group`,
+/// which it equals bit for bit with one segment; q: (n_seg, g, head_dim),
+/// stats: (g,)).
 pub fn prefill_group_dyn<'k, V: Fn(usize) -> &'k [f32]>(
     q: &[f32],
+    seg_end: &[usize],
     n: usize,
     kt: &[f32],
     stride: usize,
@@ -669,17 +739,27 @@ pub fn prefill_group_dyn<'k, V: Fn(usize) -> &'k [f32]>(
     stats: &mut [(f32, f32)],
 ) {
     let g = stats.len();
-    let hd = q.len() / g;
+    let hd = q.len() / (g * seg_end.len());
     for h in 0..g {
         let s = &mut sc[h * n..(h + 1) * n];
         s.fill(0.0);
         // scores: s[j] = Σ_d q[d] * K[j][d], query rounded to f16 as elsewhere
-        for d in 0..hd {
-            let qd = f16::from_f32(q[h * hd + d]).to_f32();
-            let row = &kt[d * stride..d * stride + n];
-            for (x, &k) in s.iter_mut().zip(row) {
-                *x += qd * k;
+        let mut j0 = 0;
+        for (si, &j1) in seg_end.iter().enumerate() {
+            let j1 = j1.min(n);
+            if j1 <= j0 {
+                continue;
             }
+            let qs = &q[si * g * hd..(si + 1) * g * hd];
+            let ss = &mut s[j0..j1];
+            for d in 0..hd {
+                let qd = f16::from_f32(qs[h * hd + d]).to_f32();
+                let row = &kt[d * stride + j0..d * stride + j1];
+                for (x, &k) in ss.iter_mut().zip(row) {
+                    *x += qd * k;
+                }
+            }
+            j0 = j1;
         }
         let mut m = f32::NEG_INFINITY;
         for x in s.iter_mut() {
@@ -711,43 +791,73 @@ pub fn prefill_group_dyn<'k, V: Fn(usize) -> &'k [f32]>(
 }
 
 /// Decode attention for the `g` query heads of one KV head when a scorer
-/// wants the probabilities: two passes over the f16 rows (scores, then one
+/// wants the probabilities: two passes over the stored rows (scores, then one
 /// exp per score shared by the value sum and the export) instead of the
 /// online pass plus a second exp per score. `sc` (g, n) holds the
 /// normalized probabilities on return. Same outputs as `attend_group`.
-pub fn attend_group_probs<'k>(
+/// Generic over the row type (f32, f16, q8_0): one loop per cache type.
+pub fn attend_group_probs<'k, R: KvRow + ?Sized + 'k>(
     q: &[f32],
     g: usize,
     n: usize,
-    key: impl Fn(usize) -> &'k [f16],
-    val: impl Fn(usize) -> &'k [f16],
+    key: impl Fn(usize) -> &'k R,
+    val: impl Fn(usize) -> &'k R,
     scale: f32,
     sc: &mut [f32],
     out: &mut [f32],
     stats: &mut [(f32, f32)],
 ) {
-    let hd = q.len() / g;
+    attend_group_probs_seg(q, &[n], g, n, key, val, scale, sc, out, stats)
+}
+
+/// `attend_group_probs` with one query per key segment: keys
+/// `seg_end[s-1]..seg_end[s]` are scored against query `s` (q: (n_seg, g,
+/// head_dim)); see `attend_prefill_group_seg`. One segment is
+/// `attend_group_probs`, operation for operation.
+pub fn attend_group_probs_seg<'k, R: KvRow + ?Sized + 'k>(
+    q: &[f32],
+    seg_end: &[usize],
+    g: usize,
+    n: usize,
+    key: impl Fn(usize) -> &'k R,
+    val: impl Fn(usize) -> &'k R,
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let ns = seg_end.len();
+    let hd = q.len() / (g * ns);
     assert!(
         g <= MAX_GROUP
             && hd <= 256
-            && q.len() == g * hd
+            && q.len() == ns * g * hd
             && out.len() == g * hd
             && sc.len() >= g * n
+            && seg_end.last().is_some_and(|&e| e >= n)
     );
     let mut qr = [0f32; MAX_GROUP * 256];
-    for (d, &x) in qr.iter_mut().zip(q) {
-        *d = f16::from_f32(x).to_f32();
-    }
     let mut k32 = [0f32; 256];
     let mut m = [f32::NEG_INFINITY; MAX_GROUP];
     // pass 1: scores (each key row converted once for the whole group)
-    for j in 0..n {
-        key(j).convert_to_f32_slice(&mut k32[..hd]);
-        for h in 0..g {
-            let x = dot_f32(&qr[h * hd..(h + 1) * hd], &k32[..hd]) * scale;
-            sc[h * n + j] = x;
-            m[h] = m[h].max(x);
+    let mut j0 = 0;
+    for (si, &j1) in seg_end.iter().enumerate() {
+        let j1 = j1.min(n);
+        if j1 <= j0 {
+            continue;
         }
+        for (d, &x) in qr.iter_mut().zip(&q[si * g * hd..(si + 1) * g * hd]) {
+            *d = f16::from_f32(x).to_f32();
+        }
+        for j in j0..j1 {
+            let kr = key(j).as_f32(&mut k32[..hd]);
+            for h in 0..g {
+                let x = dot_f32(&qr[h * hd..(h + 1) * hd], kr) * scale;
+                sc[h * n + j] = x;
+                m[h] = m[h].max(x);
+            }
+        }
+        j0 = j1;
     }
     // pass 2: weights
     let mut sum = [0f32; MAX_GROUP];
@@ -761,10 +871,10 @@ pub fn attend_group_probs<'k>(
     out.fill(0.0);
     let mut v32 = [0f32; 256];
     for j in 0..n {
-        val(j).convert_to_f32_slice(&mut v32[..hd]);
+        let vr = val(j).as_f32(&mut v32[..hd]);
         for h in 0..g {
             let p = sc[h * n + j];
-            for (a, &v) in out[h * hd..(h + 1) * hd].iter_mut().zip(&v32[..hd]) {
+            for (a, &v) in out[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
                 *a += p * v;
             }
         }

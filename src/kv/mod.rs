@@ -1,8 +1,12 @@
 //! The KV cache: slot metadata (`cells`) kept apart from K/V storage.
 //!
 //! Keys are stored after RoPE, at their absolute positions, so evicting a
-//! token (freeing its slot) never moves or re-rotates data. Storage is f16,
-//! laid out (n_layers, n_slots, kv_dim) for K and for V.
+//! token (freeing its slot) never moves or re-rotates data. Storage is laid
+//! out (n_layers, n_slots, kv_dim) for K and for V, in the cache type
+//! (`KvType`, `--cache-type`): f32, f16 (default) or q8_0 (ggml's block
+//! layout: 32 values per block, one f16 scale + 32 i8, 34 bytes). Attention
+//! kernels read a layer through `layer()`, which dispatches on the type once
+//! per layer; each row type implements `backend::cpu::KvRow`.
 //!
 //! Protocol for a forward step over `n` new tokens: `apply(victims,
 //! positions)` frees the evicted slots and picks slots for the new tokens (it
@@ -15,6 +19,157 @@ pub mod cells;
 use crate::error::{Error, Result};
 use cells::KvCells;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// Storage type of cached K and V (`--cache-type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvType {
+    F32,
+    #[default]
+    F16,
+    /// ggml q8_0: blocks of 32 values, f16 scale d, x = d * q (q in -127..=127).
+    Q8_0,
+}
+
+impl KvType {
+    /// Every type, in `--cache-type` order.
+    pub const ALL: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
+
+    /// Name as `--cache-type` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Parse a `--cache-type` value.
+    pub fn parse(s: &str) -> Result<KvType> {
+        KvType::ALL
+            .into_iter()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| {
+                Error::arg(
+                    "--cache-type",
+                    format!("unknown cache type '{s}' (known: f32, f16, q8_0)"),
+                )
+            })
+    }
+
+    /// Values per storage unit (1, or 32 per q8_0 block).
+    pub fn block_len(self) -> usize {
+        match self {
+            KvType::Q8_0 => QK8_0,
+            _ => 1,
+        }
+    }
+
+    /// Bytes of one row of `n` values (`n` a multiple of `block_len`).
+    pub fn row_bytes(self, n: usize) -> usize {
+        match self {
+            KvType::F32 => 4 * n,
+            KvType::F16 => 2 * n,
+            KvType::Q8_0 => n / QK8_0 * std::mem::size_of::<BlockQ8_0>(),
+        }
+    }
+}
+
+impl std::fmt::Display for KvType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which RoPE position a cached token's key meets the query at (`--pos-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PosMode {
+    /// The token's position in the text (keys rotated once, at write).
+    #[default]
+    Absolute,
+    /// StreamingLLM's pos-shift: a token's position is its index in the
+    /// cache (0..n_resident), the query's is the number of resident tokens
+    /// before it. See `model::llama::forward` for how it is computed exactly.
+    Cache,
+}
+
+impl PosMode {
+    /// Name as `--pos-mode` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PosMode::Absolute => "absolute",
+            PosMode::Cache => "cache",
+        }
+    }
+
+    /// Parse a `--pos-mode` value.
+    pub fn parse(s: &str) -> Result<PosMode> {
+        match s {
+            "absolute" => Ok(PosMode::Absolute),
+            "cache" => Ok(PosMode::Cache),
+            _ => Err(Error::arg(
+                "--pos-mode",
+                format!("unknown position mode '{s}' (known: absolute, cache)"),
+            )),
+        }
+    }
+}
+
+/// Values per q8_0 block.
+pub const QK8_0: usize = 32;
+
+/// One q8_0 block, ggml's `block_q8_0`: 34 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BlockQ8_0 {
+    /// Scale: x = d * q.
+    pub d: f16,
+    /// Quantized values.
+    pub qs: [i8; QK8_0],
+}
+
+/// Quantize x (n) into n/32 blocks as ggml's `quantize_row_q8_0_ref` does:
+/// d = max|x| / 127, q = round(x / d).
+pub fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
+    for (b, xb) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
+        let amax = xb.iter().fold(0f32, |m, &v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = f16::from_f32(d);
+        for (q, &v) in b.qs.iter_mut().zip(xb) {
+            *q = (v * id).round() as i8;
+        }
+    }
+}
+
+/// Dequantize blocks into out (32 per block).
+#[inline]
+pub fn dequantize_q8_0(b: &[BlockQ8_0], out: &mut [f32]) {
+    for (blk, o) in b.iter().zip(out.chunks_exact_mut(QK8_0)) {
+        let d = blk.d.to_f32();
+        for (y, &q) in o.iter_mut().zip(&blk.qs) {
+            *y = q as f32 * d;
+        }
+    }
+}
+
+/// K and V storage of every layer, in the cache type.
+#[derive(Debug, Clone)]
+enum Store {
+    F32(Vec<f32>, Vec<f32>),
+    F16(Vec<f16>, Vec<f16>),
+    Q8(Vec<BlockQ8_0>, Vec<BlockQ8_0>),
+}
+
+/// One layer's K and V as stored, (n_slots, row units) each, where a row is
+/// kv_dim values (f32/f16) or kv_dim/32 blocks (q8_0). Kernels match on
+/// this once per layer and run a monomorphized loop per type.
+#[derive(Clone, Copy, Debug)]
+pub enum LayerKv<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [f16], &'a [f16]),
+    Q8(&'a [BlockQ8_0], &'a [BlockQ8_0]),
+}
 
 /// K/V storage plus slot metadata.
 #[derive(Debug, Clone)]
@@ -25,10 +180,12 @@ pub struct KvCache {
     pub kv_dim: usize,
     /// Dimensions per KV head.
     pub head_dim: usize,
-    /// (n_layers, n_slots, kv_dim) keys after RoPE.
-    k: Vec<f16>,
-    /// (n_layers, n_slots, kv_dim) values.
-    v: Vec<f16>,
+    /// Storage type.
+    pub ty: KvType,
+    /// (n_layers, n_slots, kv_dim) keys after RoPE and values, in `ty`.
+    store: Store,
+    /// Storage units per row: kv_dim (f32, f16) or kv_dim/32 (q8_0).
+    row_len: usize,
     /// (n_live,) slots of the live entries, ordered by position (rebuilt by `reserve`).
     live_slots: Vec<u32>,
     /// (n_live,) absolute positions matching `live_slots`.
@@ -43,28 +200,66 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A cache of `n_slots` slots per layer, each holding `kv_dim` =
+    /// An f16 cache of `n_slots` slots per layer, each holding `kv_dim` =
     /// n_kv_heads * `head_dim` values of K and of V.
     pub fn new(n_layers: usize, kv_dim: usize, head_dim: usize, n_slots: usize) -> KvCache {
-        let n = n_layers * n_slots * kv_dim;
-        KvCache {
+        // f16 has no block constraint: this cannot fail
+        match Self::with_type(n_layers, kv_dim, head_dim, n_slots, KvType::F16) {
+            Ok(c) => c,
+            Err(_) => unreachable!("f16 caches accept any shape"),
+        }
+    }
+
+    /// A cache storing K and V as `ty`. q8_0 blocks must not straddle
+    /// heads: head_dim (hence kv_dim) must be a multiple of 32.
+    pub fn with_type(
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        n_slots: usize,
+        ty: KvType,
+    ) -> Result<KvCache> {
+        let bl = ty.block_len();
+        if head_dim == 0 || head_dim % bl != 0 || kv_dim % bl != 0 {
+            return Err(Error::arg(
+                "--cache-type",
+                format!(
+                    "{ty} stores blocks of {bl} values, but this model's head_dim {head_dim} (kv_dim {kv_dim}) is not a multiple of {bl}: use f16 or f32"
+                ),
+            ));
+        }
+        let row_len = kv_dim / bl;
+        let n = n_layers * n_slots * row_len;
+        let store = match ty {
+            KvType::F32 => Store::F32(vec![0.0; n], vec![0.0; n]),
+            KvType::F16 => Store::F16(vec![f16::ZERO; n], vec![f16::ZERO; n]),
+            KvType::Q8_0 => Store::Q8(vec![BlockQ8_0::default(); n], vec![BlockQ8_0::default(); n]),
+        };
+        Ok(KvCache {
             cells: KvCells::new(n_slots),
             n_layers,
             kv_dim,
             head_dim,
-            k: vec![f16::ZERO; n],
-            v: vec![f16::ZERO; n],
+            ty,
+            store,
+            row_len,
             live_slots: Vec::new(),
             live_pos: Vec::new(),
             slot_order: Vec::new(),
             slot_order_pos: Vec::new(),
             peak_live: 0,
-        }
+        })
     }
 
-    /// Bytes of K/V storage held by one resident token (all layers).
+    /// Bytes of K/V storage held by one resident token (all layers):
+    /// 2 · n_layers · kv_dim · {4, 2, 34/32}.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.n_layers * self.kv_dim * std::mem::size_of::<f16>()
+        2 * self.n_layers * self.ty.row_bytes(self.kv_dim)
+    }
+
+    /// Bytes of K/V storage allocated for every slot.
+    pub fn bytes_allocated(&self) -> usize {
+        self.cells.n_slots() * self.bytes_per_token()
     }
 
     /// Drop every cached token.
@@ -141,34 +336,94 @@ impl KvCache {
         (&self.live_slots, &self.live_pos)
     }
 
+    /// Storage units from the start of the store to (layer, slot).
     #[inline]
     fn off(&self, layer: usize, slot: usize) -> usize {
-        (layer * self.cells.n_slots() + slot) * self.kv_dim
+        (layer * self.cells.n_slots() + slot) * self.row_len
+    }
+
+    /// Storage units per row: kv_dim (f32, f16) or kv_dim/32 blocks (q8_0).
+    #[inline]
+    pub fn row_len(&self) -> usize {
+        self.row_len
+    }
+
+    /// Layer `layer`'s K and V, (n_slots, row_len) each, in the stored type.
+    #[inline]
+    pub fn layer(&self, layer: usize) -> LayerKv<'_> {
+        let (a, b) = (self.off(layer, 0), self.off(layer + 1, 0));
+        match &self.store {
+            Store::F32(k, v) => LayerKv::F32(&k[a..b], &v[a..b]),
+            Store::F16(k, v) => LayerKv::F16(&k[a..b], &v[a..b]),
+            Store::Q8(k, v) => LayerKv::Q8(&k[a..b], &v[a..b]),
+        }
     }
 
     /// Store one token's K and V rows (kv_dim each) for `layer`.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let o = self.off(layer, slot);
-        let d = self.kv_dim;
-        for (dst, &x) in self.k[o..o + d].iter_mut().zip(k) {
-            *dst = f16::from_f32(x);
-        }
-        for (dst, &x) in self.v[o..o + d].iter_mut().zip(v) {
-            *dst = f16::from_f32(x);
+        let (d, r) = (self.kv_dim, self.row_len);
+        let (k, v) = (&k[..d], &v[..d]);
+        match &mut self.store {
+            Store::F32(ks, vs) => {
+                ks[o..o + r].copy_from_slice(k);
+                vs[o..o + r].copy_from_slice(v);
+            }
+            Store::F16(ks, vs) => {
+                for (dst, &x) in ks[o..o + r].iter_mut().zip(k) {
+                    *dst = f16::from_f32(x);
+                }
+                for (dst, &x) in vs[o..o + r].iter_mut().zip(v) {
+                    *dst = f16::from_f32(x);
+                }
+            }
+            Store::Q8(ks, vs) => {
+                quantize_q8_0(k, &mut ks[o..o + r]);
+                quantize_q8_0(v, &mut vs[o..o + r]);
+            }
         }
     }
 
-    /// Key row of (layer, slot), kv_dim long.
+    /// Key row of (layer, slot) as f32 into `out` (kv_dim), whatever the type.
+    pub fn k_f32(&self, layer: usize, slot: usize, out: &mut [f32]) {
+        self.row_f32(true, layer, slot, out)
+    }
+
+    /// Value row of (layer, slot) as f32 into `out` (kv_dim), whatever the type.
+    pub fn v_f32(&self, layer: usize, slot: usize, out: &mut [f32]) {
+        self.row_f32(false, layer, slot, out)
+    }
+
+    fn row_f32(&self, key: bool, layer: usize, slot: usize, out: &mut [f32]) {
+        let o = self.off(layer, slot);
+        let (d, r) = (self.kv_dim, self.row_len);
+        let out = &mut out[..d];
+        match &self.store {
+            Store::F32(k, v) => out.copy_from_slice(&(if key { k } else { v })[o..o + r]),
+            Store::F16(k, v) => (if key { k } else { v })[o..o + r].convert_to_f32_slice(out),
+            Store::Q8(k, v) => dequantize_q8_0(&(if key { k } else { v })[o..o + r], out),
+        }
+    }
+
+    /// Key row of (layer, slot), kv_dim long, of an f16 cache (the default).
+    /// Panics on other types: use `k_f32` or `layer` there.
     #[inline]
     pub fn k_row(&self, layer: usize, slot: usize) -> &[f16] {
         let o = self.off(layer, slot);
-        &self.k[o..o + self.kv_dim]
+        match &self.store {
+            Store::F16(k, _) => &k[o..o + self.kv_dim],
+            _ => panic!("k_row on a {} cache (use k_f32)", self.ty),
+        }
     }
 
-    /// Value row of (layer, slot), kv_dim long.
+    /// Value row of (layer, slot), kv_dim long, of an f16 cache (the default).
+    /// Panics on other types: use `v_f32` or `layer` there.
     #[inline]
     pub fn v_row(&self, layer: usize, slot: usize) -> &[f16] {
         let o = self.off(layer, slot);
-        &self.v[o..o + self.kv_dim]
+        match &self.store {
+            Store::F16(_, v) => &v[o..o + self.kv_dim],
+            _ => panic!("v_row on a {} cache (use v_f32)", self.ty),
+        }
     }
 }

@@ -4,14 +4,13 @@
 //! chunk, or one token when decoding) against the KV cache.
 
 use crate::backend::cpu::{
-    add, attend_group_probs, attend_prefill_group, matmul, matmul_q, quantize_acts, rmsnorm,
-    same_act_format, swiglu, MAX_GROUP,
+    add, attend_group_probs_seg, attend_prefill_group_seg, matmul, matmul_q, quantize_acts,
+    rmsnorm, same_act_format, swiglu, MAX_GROUP,
 };
 use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, LayerKv, PosMode};
 use crate::model::Weights;
-use half::slice::HalfFloatSliceExt;
 
 /// Which rows of logits the caller wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +31,13 @@ pub struct RunState {
     xb: Vec<f32>,
     /// (n_batch, q_dim) queries
     q: Vec<f32>,
+    /// (n_batch, q_dim) queries before RoPE (`PosMode::Cache` only)
+    q_raw: Vec<f32>,
+    /// (n_seg,) end (exclusive, in the live list) of each run of live
+    /// entries sharing one offset position − in-cache index
+    seg_end: Vec<usize>,
+    /// (n_seg,) that offset, nondecreasing
+    seg_off: Vec<i64>,
     /// (n_batch, kv_dim) keys of the new tokens
     k: Vec<f32>,
     /// (n_batch, kv_dim) values of the new tokens
@@ -83,6 +89,9 @@ impl RunState {
             x: vec![0.0; n_batch * c.dim],
             xb: vec![0.0; n_batch * c.dim.max(c.q_dim())],
             q: vec![0.0; n_batch * c.q_dim()],
+            q_raw: Vec::new(),
+            seg_end: Vec::new(),
+            seg_off: Vec::new(),
             k: vec![0.0; n_batch * c.kv_dim()],
             v: vec![0.0; n_batch * c.kv_dim()],
             att_out: vec![0.0; n_batch * c.q_dim()],
@@ -189,6 +198,8 @@ pub struct StepIo<'a> {
     pub mass: Option<&'a mut [f32]>,
     /// Residual-stream taps to fill (None = no taps, no cost).
     pub taps: Option<&'a mut HiddenTaps>,
+    /// RoPE positions: absolute (default) or in-cache (StreamingLLM pos-shift).
+    pub pos_mode: PosMode,
 }
 
 /// Run `tokens` (at absolute positions `pos0..pos0+n`, n ≤ `s.n_batch`)
@@ -245,6 +256,37 @@ fn forward_chunk(
     kv.apply(io.victims, &s.positions, &mut s.slots)?;
     let n_slots = kv.cells.n_slots();
     let group = c.n_heads / c.n_kv_heads;
+    // In-cache positions (StreamingLLM pos-shift), computed exactly without
+    // moving or re-rotating stored keys. Live entry j (position order) has
+    // in-cache index j and stored key R(p_j)k; the query of a token at
+    // position p with in-cache index c must score R(c)q · R(j)k. By RoPE's
+    // relative property that equals R(a)q · R(p_j)k with a = c + (p_j − j).
+    // The offset p_j − j is constant over runs of the live list (it only
+    // grows where tokens were evicted), so each run gets one query rotated
+    // at a = c + offset: a handful of runs (two for sinks + window), one
+    // extra query rotation per run, and the run holding the query itself
+    // uses the query rotated at its absolute position as usual. With no
+    // eviction there is one run and the pass is the absolute one, bit for bit.
+    let cache_pos = io.pos_mode == PosMode::Cache;
+    s.seg_end.clear();
+    s.seg_off.clear();
+    {
+        let (_, live_pos) = kv.live();
+        if cache_pos {
+            for (j, &p) in live_pos.iter().enumerate() {
+                let off = p - j as i64;
+                if s.seg_off.last() != Some(&off) {
+                    if !s.seg_off.is_empty() {
+                        s.seg_end.push(j);
+                    }
+                    s.seg_off.push(off);
+                }
+            }
+        } else {
+            s.seg_off.push(0);
+        }
+        s.seg_end.push(live_pos.len());
+    }
     if s.att.len() < n_threads * group * n_slots {
         s.att.resize(n_threads * group * n_slots, 0.0);
     }
@@ -307,7 +349,12 @@ fn forward_chunk(
             }
         }
 
-        // RoPE on q and k at each token's absolute position
+        // RoPE on q and k at each token's absolute position (in-cache
+        // positions are applied in attention, from the unrotated queries)
+        if cache_pos {
+            s.q_raw.clear();
+            s.q_raw.extend_from_slice(&s.q[..n * q_dim]);
+        }
         {
             let qs = SharedMut::new(&mut s.q[..n * q_dim]);
             let ks = SharedMut::new(&mut s.k[..n * kv_dim]);
@@ -347,14 +394,15 @@ fn forward_chunk(
             let kto = SharedMut::new(&mut s.kt[..]);
             pool.run(|ti| {
                 let (j0, j1) = split(n_live, ti, n_threads);
+                let mut krow = vec![0f32; if j1 > j0 { kv_dim } else { 0 }];
                 for j in j0..j1 {
                     let sl = live_slots[j] as usize;
                     // SAFETY: rows j0..j1 belong to this thread.
                     let vd = unsafe { vfo.slice(j * kv_dim, kv_dim) };
-                    kvr.v_row(l, sl).convert_to_f32_slice(vd);
+                    kvr.v_f32(l, sl, vd);
                     // keys transposed: (kv_dim, n_live), column j
-                    for (d, x) in kvr.k_row(l, sl).iter().enumerate() {
-                        let x = x.to_f32();
+                    kvr.k_f32(l, sl, &mut krow);
+                    for (d, &x) in krow.iter().enumerate() {
                         // SAFETY: column j belongs to this thread.
                         unsafe { kto.write(d * n_live + j, x) };
                     }
@@ -366,13 +414,16 @@ fn forward_chunk(
         // att_out[i, h] = softmax(q[i,h]·K[j] * scale, pos_j ≤ pos_i) @ V[j]
         {
             // decoding sees every live token: walk them in memory order
-            let (live_slots, live_pos) = if prefill {
+            // (in-cache positions need position order for their key runs)
+            let (live_slots, live_pos) = if prefill || cache_pos {
                 kv.live()
             } else {
                 kv.live_by_slot()
             };
             let kvr = &*kv;
             let q = &s.q;
+            let (q_raw, seg_end, seg_off) = (&s.q_raw, &s.seg_end, &s.seg_off);
+            let rope = &w.rope;
             let (vf, kt) = (&s.vf, &s.kt);
             let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
             let att = SharedMut::new(&mut s.att[..n_threads * group * n_slots]);
@@ -383,6 +434,9 @@ fn forward_chunk(
                 // SAFETY: each thread uses its own rows of the score scratch.
                 let sc = unsafe { att.slice(ti * group * n_slots, group * n_slots) };
                 let mut stats = [(0f32, 0f32); MAX_GROUP];
+                // (n_seg, group, hd) per-run queries and (n_seg,) run ends
+                let mut qsegs: Vec<f32> = Vec::new();
+                let mut ends: Vec<usize> = Vec::new();
                 // interleaved, not contiguous: causal rows grow with i, so a
                 // contiguous split would leave the last thread most of the work
                 for work in (ti..n_work).step_by(n_threads) {
@@ -390,11 +444,41 @@ fn forward_chunk(
                     let (i, g) = (work / c.n_kv_heads, work % c.n_kv_heads);
                     let qg = &q[i * q_dim + g * group * hd..i * q_dim + (g + 1) * group * hd];
                     let pos = (pos0 + i) as i64;
-                    let n_vis = if prefill {
+                    let n_vis = if prefill || cache_pos {
                         live_pos.partition_point(|&p| p <= pos)
                     } else {
                         live_pos.len()
                     };
+                    // the query of each run of keys (one run unless in-cache positions)
+                    qsegs.clear();
+                    ends.clear();
+                    if cache_pos {
+                        // the query's own offset: position − in-cache index
+                        let off_q = pos - (n_vis as i64 - 1);
+                        let mut start = 0;
+                        for (&e, &off) in seg_end.iter().zip(seg_off) {
+                            if start >= n_vis {
+                                break;
+                            }
+                            let q0 = qsegs.len();
+                            if off == off_q {
+                                qsegs.extend_from_slice(qg);
+                            } else {
+                                qsegs.extend_from_slice(
+                                    &q_raw[i * q_dim + g * group * hd
+                                        ..i * q_dim + (g + 1) * group * hd],
+                                );
+                                // a = c + off, c = n_vis − 1
+                                let a = (n_vis as i64 - 1 + off) as usize;
+                                rope.apply(&mut qsegs[q0..], group, hd, a);
+                            }
+                            ends.push(e.min(n_vis));
+                            start = e;
+                        }
+                    } else {
+                        qsegs.extend_from_slice(qg);
+                        ends.push(n_vis);
+                    }
                     // SAFETY: (i, g) pairs are disjoint between threads.
                     let o = unsafe { out.slice(i * q_dim + g * group * hd, group * hd) };
                     let export_row = match mass_mode {
@@ -408,8 +492,9 @@ fn forward_chunk(
                         let n_live = live_slots.len();
                         let kt_g = &kt[g * hd * n_live..];
                         let val = |j: usize| &vf[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                        attend_prefill_group(
-                            qg,
+                        attend_prefill_group_seg(
+                            &qsegs,
+                            &ends,
                             group,
                             n_vis,
                             kt_g,
@@ -421,23 +506,35 @@ fn forward_chunk(
                             &mut stats[..group],
                         );
                     } else {
-                        let key =
-                            |j: usize| &kvr.k_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
-                        let val =
-                            |j: usize| &kvr.v_row(l, live_slots[j] as usize)[g * hd..(g + 1) * hd];
                         // one kernel whether or not probabilities are exported, so a
-                        // policy that never evicts reproduces the full cache bit for bit
-                        attend_group_probs(
-                            qg,
-                            group,
-                            n_vis,
-                            key,
-                            val,
-                            scale,
-                            &mut sc[..group * n_vis],
-                            o,
-                            &mut stats[..group],
-                        );
+                        // policy that never evicts reproduces the full cache bit for bit;
+                        // one monomorphized loop per cache type, chosen here per (token,
+                        // head), never per element. Head g is units g*hu..(g+1)*hu of a
+                        // row of rl units (hu = hd values, or hd/32 q8_0 blocks).
+                        let (rl, hu) = (kvr.row_len(), hd / kvr.ty.block_len());
+                        macro_rules! run {
+                            ($k:expr, $v:expr) => {{
+                                let (k, v) = ($k, $v);
+                                let at = |j: usize| live_slots[j] as usize * rl + g * hu;
+                                attend_group_probs_seg(
+                                    &qsegs,
+                                    &ends,
+                                    group,
+                                    n_vis,
+                                    |j: usize| &k[at(j)..at(j) + hu],
+                                    |j: usize| &v[at(j)..at(j) + hu],
+                                    scale,
+                                    &mut sc[..group * n_vis],
+                                    o,
+                                    &mut stats[..group],
+                                )
+                            }};
+                        }
+                        match kvr.layer(l) {
+                            LayerKv::F32(k, v) => run!(k, v),
+                            LayerKv::F16(k, v) => run!(k, v),
+                            LayerKv::Q8(k, v) => run!(k, v),
+                        }
                     }
                     if export_row {
                         // SAFETY: each thread accumulates into its own row.

@@ -30,16 +30,14 @@ impl Scorer for KNorm {
     }
     fn on_write(&mut self, kv: &KvCache, slots: &[u32], _pos: &[i64]) {
         let hd = kv.head_dim;
+        let mut row = vec![0f32; kv.kv_dim];
         for &s in slots {
             let mut total = 0f32;
             let mut n = 0;
             for l in 0..kv.n_layers {
-                for k in kv.k_row(l, s as usize).chunks_exact(hd) {
-                    total += k
-                        .iter()
-                        .map(|x| x.to_f32() * x.to_f32())
-                        .sum::<f32>()
-                        .sqrt();
+                kv.k_f32(l, s as usize, &mut row);
+                for k in row.chunks_exact(hd) {
+                    total += k.iter().map(|x| x * x).sum::<f32>().sqrt();
                     n += 1;
                 }
             }

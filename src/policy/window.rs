@@ -5,7 +5,8 @@
 //! plus the most recent tokens keeps a model fluent over unbounded streams.
 //! Score = position, so the evictor drops the oldest token outside the
 //! protected sinks (`--kv-sink`, default 4). Keys keep their absolute RoPE
-//! positions (as kvpress does); the paper's in-cache positions are not applied.
+//! positions by default (as kvpress does); `--pos-mode cache` applies the
+//! paper's in-cache positions (see `model::llama::forward`).
 
 use super::Scorer;
 use crate::kv::KvCache;

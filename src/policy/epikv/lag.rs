@@ -57,6 +57,7 @@ impl Lag {
         let d = self.kv_dim;
         self.head_dim = kv.head_dim;
         let inv = 1.0 / kv.n_layers as f32;
+        let (mut kr, mut vr) = (vec![0f32; d], vec![0f32; d]);
         for &s in slots {
             let s = s as usize;
             let (kb, vb) = (
@@ -66,13 +67,11 @@ impl Lag {
             kb.fill(0.0);
             vb.fill(0.0);
             for l in 0..kv.n_layers {
-                for ((a, b), (k, v)) in kb
-                    .iter_mut()
-                    .zip(vb.iter_mut())
-                    .zip(kv.k_row(l, s).iter().zip(kv.v_row(l, s)))
-                {
-                    *a += k.to_f32();
-                    *b += v.to_f32();
+                kv.k_f32(l, s, &mut kr);
+                kv.v_f32(l, s, &mut vr);
+                for ((a, b), (k, v)) in kb.iter_mut().zip(vb.iter_mut()).zip(kr.iter().zip(&vr)) {
+                    *a += k;
+                    *b += v;
                 }
             }
             kb.iter_mut().chain(vb.iter_mut()).for_each(|x| *x *= inv);

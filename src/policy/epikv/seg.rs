@@ -56,12 +56,14 @@ impl Seg {
     /// Key variance of the new tokens.
     pub fn on_write(&mut self, kv: &KvCache, slots: &[u32]) {
         let hd = kv.head_dim;
+        let mut row = vec![0f32; kv.kv_dim];
         for &s in slots {
             let (mut total, mut n) = (0f32, 0usize);
             for l in 0..kv.n_layers {
-                for k in kv.k_row(l, s as usize).chunks_exact(hd) {
-                    let m = k.iter().map(|x| x.to_f32()).sum::<f32>() / hd as f32;
-                    total += k.iter().map(|x| (x.to_f32() - m).powi(2)).sum::<f32>() / hd as f32;
+                kv.k_f32(l, s as usize, &mut row);
+                for k in row.chunks_exact(hd) {
+                    let m = k.iter().sum::<f32>() / hd as f32;
+                    total += k.iter().map(|x| (x - m).powi(2)).sum::<f32>() / hd as f32;
                     n += 1;
                 }
             }
