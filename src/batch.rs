@@ -33,7 +33,7 @@
 
 use crate::cli::{prompt_tokens, resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::error::{Error, Result};
-use crate::generate::{generate, GenOptions, Session, StopReason};
+use crate::generate::{generate, GenOptions, StopReason};
 use crate::grade::{extract_answer, grade, Kind};
 use crate::load::Checkpoint;
 use crate::sample::Sampler;
@@ -495,24 +495,15 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 });
             }
             let mut sampler = Sampler::new(a.sampling.config(0.0, rec_seed));
-            let mut sess = match a.kv.build(rec_seed, &path)? {
-                None => Session::new(&w, n_ctx, n_threads, a.batch_size),
-                Some(p) => {
-                    if p.evictor.keep_prompt_until > 0
-                        && p.prompt.is_none()
-                        && ids.len() + p.evictor.n_recent >= p.evictor.budget
-                    {
-                        return Err(Error::arg(
-                            "--kv-budget",
-                            format!("budget {} cannot hold the {}-token prompt (kept) plus the recent window {}; raise it or use --prompt-policy", p.evictor.budget, ids.len(), p.evictor.n_recent),
-                        ));
-                    }
-                    let mut s = Session::with_policy(&w, n_ctx, n_threads, a.batch_size, p)?;
-                    s.protect_prompt(ids.len());
-                    s
-                }
-            };
-            a.kv.configure(&mut sess)?;
+            let mut sess = a.kv.session(
+                &w,
+                rec_seed,
+                &path,
+                n_ctx,
+                n_threads,
+                a.batch_size,
+                ids.len(),
+            )?;
             let mut text = String::new();
             let opts = GenOptions {
                 n_predict: a.max_tokens as i64,

@@ -143,6 +143,45 @@ impl KvArgs {
         s.set_pos_mode(self.pos_mode()?)
     }
 
+    /// A session for one generation from an `n_prompt`-token prompt: the
+    /// policy built for `model`, a clear error when a kept prompt cannot fit
+    /// next to the recent window, the prompt marked, cache type and position
+    /// mode applied.
+    pub fn session<'w>(
+        &self,
+        w: &'w crate::model::Weights<'w>,
+        seed: u64,
+        model: &Path,
+        n_ctx: usize,
+        n_threads: usize,
+        n_batch: usize,
+        n_prompt: usize,
+    ) -> Result<Session<'w>> {
+        let mut s = match self.build(seed, model)? {
+            None => Session::new(w, n_ctx, n_threads, n_batch),
+            Some(p) => {
+                let e = &p.evictor;
+                if e.keep_prompt_until > 0
+                    && p.prompt.is_none()
+                    && n_prompt + e.n_recent >= e.budget
+                {
+                    return Err(Error::arg(
+                        "--kv-budget",
+                        format!(
+                            "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use --prompt-policy",
+                            e.budget, e.n_recent
+                        ),
+                    ));
+                }
+                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
+                s.protect_prompt(n_prompt);
+                s
+            }
+        };
+        self.configure(&mut s)?;
+        Ok(s)
+    }
+
     /// Build the policy (None for `full`) for `model` (whose directory may
     /// hold a calibrated `<stem>.epikv.json`).
     pub fn build(&self, seed: u64, model: &Path) -> Result<Option<crate::generate::KvPolicy>> {
@@ -581,21 +620,8 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         a.seed as u64
     };
     let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
-    let mut sess = match a.kv.build(seed, &path)? {
-        None => Session::new(&w, n_ctx, n_threads, a.batch_size),
-        Some(p) => {
-            if a.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
-                return Err(Error::arg(
-                    "--kv-budget",
-                    format!("budget {} cannot hold the {}-token prompt (--keep-prompt) plus the recent window {}", p.evictor.budget, ids.len(), p.evictor.n_recent),
-                ));
-            }
-            let mut s = Session::with_policy(&w, n_ctx, n_threads, a.batch_size, p)?;
-            s.protect_prompt(ids.len());
-            s
-        }
-    };
-    a.kv.configure(&mut sess)?;
+    let mut sess =
+        a.kv.session(&w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.display_prompt {
