@@ -739,3 +739,107 @@ fn the_shipped_config_is_found_next_to_the_model() {
     .unwrap();
     assert_eq!(resolved, cfg);
 }
+
+#[test]
+fn cli_errors_are_one_line() {
+    let long = util::shared("README.md");
+    for (args, want) in [
+        (
+            vec![
+                "-f",
+                long.to_str().unwrap(),
+                "-n",
+                "4",
+                "--policy",
+                "epikv",
+                "--kv-budget",
+                "256",
+            ],
+            "--prompt-policy",
+        ),
+        (
+            vec![
+                "-p",
+                "Hi",
+                "-n",
+                "4",
+                "--policy",
+                "epikv",
+                "--kv-budget",
+                "64",
+                "--epikv-layers",
+                "3,30",
+            ],
+            "out of range",
+        ),
+        (
+            vec![
+                "-p",
+                "Hi",
+                "-n",
+                "4",
+                "--policy",
+                "epikv",
+                "--kv-budget",
+                "64",
+                "--epikv-bands",
+                "9-3,10-12",
+            ],
+            "band",
+        ),
+        (
+            vec![
+                "-p",
+                "Hi",
+                "-n",
+                "4",
+                "--policy",
+                "epikv",
+                "--kv-budget",
+                "64",
+                "--prompt-budget",
+                "32",
+            ],
+            "--prompt-policy",
+        ),
+        (
+            vec!["-p", "Hi", "-n", "4", "--prompt-policy", "window"],
+            "budgeted",
+        ),
+    ] {
+        let o = Command::new(util::kvrun_bin())
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+    // and with a prompt phase the same long prompt runs inside the budget
+    let o = Command::new(util::kvrun_bin())
+        .args([
+            "-f",
+            long.to_str().unwrap(),
+            "-n",
+            "4",
+            "-t",
+            "1",
+            "--policy",
+            "epikv",
+            "--kv-budget",
+            "256",
+        ])
+        .args(["--prompt-policy", "window"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("policy=epikv") && err.contains("peak=") && !err.contains("peak=257"),
+        "{err}"
+    );
+}
