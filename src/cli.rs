@@ -454,7 +454,7 @@ pub fn resolve_threads(t: Option<i64>) -> Result<usize> {
         None | Some(-1) => Ok(std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)),
-        Some(n) if n >= 1 && n <= 1024 => Ok(n as usize),
+        Some(n) if (1..=1024).contains(&n) => Ok(n as usize),
         Some(n) => Err(Error::arg(
             "-t/--threads",
             format!("must be between 1 and 1024 (got {n})"),

@@ -409,7 +409,7 @@ fn budget_run(name: &str, n_tokens: usize, evict_every: usize) {
     let mut s = Session::with_policy(&w, n_tokens, THREADS, 512, p).unwrap();
     let nb = s.state.n_batch;
     assert!(
-        nb >= 1 && nb <= 256 - 4 - 32,
+        (1..=256 - 4 - 32).contains(&nb),
         "prefill chunk {nb} must fit next to the protected tokens"
     );
     assert!(nb < 300, "the 300-token prompt must take several chunks");

@@ -40,7 +40,7 @@ impl<'a> QMat<'a> {
     pub fn new(dtype: DType, n_in: usize, n_out: usize, bytes: Cow<'a, [u8]>) -> Result<QMat<'a>> {
         let traits = CpuTraits::of(dtype.ggml_id())
             .ok_or_else(|| Error::Other(format!("no CPU dot product for {dtype}")))?;
-        if n_in % dtype.block_len() != 0 || bytes.len() != dtype.row_bytes(n_in) * n_out {
+        if !n_in.is_multiple_of(dtype.block_len()) || bytes.len() != dtype.row_bytes(n_in) * n_out {
             return Err(Error::Other(format!(
                 "matrix {n_out}x{n_in} of {dtype} does not match its {} bytes",
                 bytes.len()
@@ -48,7 +48,7 @@ impl<'a> QMat<'a> {
         }
         // The activation partner's block must divide the row too.
         let (pbl, _) = ggml_sys::block_geometry(traits.vec_dot_type);
-        if n_in % pbl != 0 {
+        if !n_in.is_multiple_of(pbl) {
             return Err(Error::Other(format!(
                 "row length {n_in} not a multiple of {pbl}"
             )));
@@ -567,7 +567,7 @@ pub fn attend_prefill_group_seg<'k>(
         "segments must cover the keys"
     );
     assert!(n == 0 || kt.len() >= (hd - 1) * stride + n);
-    if ns == 1 && hd % LANES == 0 {
+    if ns == 1 && hd.is_multiple_of(LANES) {
         type F<'k, V> =
             fn(&[f32], usize, &[f32], usize, &V, f32, &mut [f32], &mut [f32], &mut [(f32, f32)]);
         let f: F<'_, _> = match g {

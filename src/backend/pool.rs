@@ -139,7 +139,7 @@ fn worker(s: Arc<Shared>, index: usize) {
             }
             spins += 1;
             if spins < SPIN_LIMIT {
-                if spins % 1024 == 0 {
+                if spins.is_multiple_of(1024) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

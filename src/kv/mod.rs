@@ -220,7 +220,7 @@ impl KvCache {
         ty: KvType,
     ) -> Result<KvCache> {
         let bl = ty.block_len();
-        if head_dim == 0 || head_dim % bl != 0 || kv_dim % bl != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(bl) || !kv_dim.is_multiple_of(bl) {
             return Err(Error::arg(
                 "--cache-type",
                 format!(

@@ -227,7 +227,7 @@ impl<'a> Cursor<'a> {
                 let min = match elem {
                     0 | 1 | 7 => 1,
                     2 | 3 => 2,
-                    4 | 5 | 6 => 4,
+                    4..=6 => 4,
                     8 | 10 | 11 | 12 => 8,
                     9 => 12,
                     t => return Err(self.err(format!("unknown array element type {t}"))),
@@ -425,7 +425,7 @@ impl Gguf {
             });
         };
         let Some(n) = t.n_bytes() else {
-            let what = if t.dims[0] % dtype.block_len() as u64 != 0 {
+            let what = if !t.dims[0].is_multiple_of(dtype.block_len() as u64) {
                 format!(
                     "tensor '{}' row length {} is not a multiple of the {} block size {}",
                     t.name,
