@@ -54,10 +54,7 @@ impl ThinkFilter {
                 continue;
             }
             // keep a possible partial tag back
-            let keep = (1..tag.len())
-                .rev()
-                .find(|&k| self.pending.ends_with(&tag[..k]))
-                .unwrap_or(0);
+            let keep = crate::chat::partial_tag_suffix(&self.pending, tag);
             let cut = self.pending.len() - keep;
             let text: String = self.pending[..cut].to_owned();
             self.emit(&text, out);

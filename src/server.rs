@@ -351,10 +351,7 @@ impl ThinkSplit {
                 self.strip = true;
                 continue;
             }
-            let keep = (1..tag.len())
-                .rev()
-                .find(|&k| self.pending.ends_with(&tag[..k]))
-                .unwrap_or(0);
+            let keep = crate::chat::partial_tag_suffix(&self.pending, tag);
             let cut = self.pending.len() - keep;
             let text = self.pending[..cut].to_owned();
             self.emit(&text, out);

@@ -195,6 +195,8 @@ pub struct KvCache {
     /// order keeps the hardware prefetcher useful after scattered evictions.
     slot_order: Vec<u32>,
     slot_order_pos: Vec<i64>,
+    /// (n_live,) (position, slot) scratch for the position sort.
+    by_pos: Vec<(i64, u32)>,
     /// Most tokens ever resident at once since the last `clear`.
     pub peak_live: usize,
 }
@@ -247,6 +249,7 @@ impl KvCache {
             live_pos: Vec::new(),
             slot_order: Vec::new(),
             slot_order_pos: Vec::new(),
+            by_pos: Vec::new(),
             peak_live: 0,
         })
     }
@@ -313,15 +316,20 @@ impl KvCache {
             self.slot_order.push(s as u32);
             self.slot_order_pos.push(p);
         }
-        // position order: sort slot indices by position
-        let pos_of = &self.slot_order_pos;
-        let mut idx: Vec<u32> = (0..pos_of.len() as u32).collect();
-        idx.sort_unstable_by_key(|&i| pos_of[i as usize]);
+        // position order (reusing one scratch buffer: no allocation per step)
+        self.by_pos.clear();
+        self.by_pos.extend(
+            self.slot_order_pos
+                .iter()
+                .copied()
+                .zip(self.slot_order.iter().copied()),
+        );
+        self.by_pos.sort_unstable();
         self.live_slots.clear();
         self.live_pos.clear();
-        for i in idx {
-            self.live_slots.push(self.slot_order[i as usize]);
-            self.live_pos.push(self.slot_order_pos[i as usize]);
+        for &(p, sl) in &self.by_pos {
+            self.live_slots.push(sl);
+            self.live_pos.push(p);
         }
         Ok(())
     }

@@ -434,7 +434,8 @@ fn forward_chunk(
                 // SAFETY: each thread uses its own rows of the score scratch.
                 let sc = unsafe { att.slice(ti * group * n_slots, group * n_slots) };
                 let mut stats = [(0f32, 0f32); MAX_GROUP];
-                // (n_seg, group, hd) per-run queries and (n_seg,) run ends
+                // (n_seg, group, hd) per-run queries and (n_seg,) run ends,
+                // only filled for in-cache positions (no allocation otherwise)
                 let mut qsegs: Vec<f32> = Vec::new();
                 let mut ends: Vec<usize> = Vec::new();
                 // interleaved, not contiguous: causal rows grow with i, so a
@@ -450,9 +451,10 @@ fn forward_chunk(
                         live_pos.len()
                     };
                     // the query of each run of keys (one run unless in-cache positions)
-                    qsegs.clear();
-                    ends.clear();
-                    if cache_pos {
+                    let one_run = [n_vis];
+                    let (qs, es): (&[f32], &[usize]) = if cache_pos {
+                        qsegs.clear();
+                        ends.clear();
                         // the query's own offset: position − in-cache index
                         let off_q = pos - (n_vis as i64 - 1);
                         let mut start = 0;
@@ -475,10 +477,10 @@ fn forward_chunk(
                             ends.push(e.min(n_vis));
                             start = e;
                         }
+                        (&qsegs, &ends)
                     } else {
-                        qsegs.extend_from_slice(qg);
-                        ends.push(n_vis);
-                    }
+                        (qg, &one_run)
+                    };
                     // SAFETY: (i, g) pairs are disjoint between threads.
                     let o = unsafe { out.slice(i * q_dim + g * group * hd, group * hd) };
                     let export_row = match mass_mode {
@@ -493,8 +495,8 @@ fn forward_chunk(
                         let kt_g = &kt[g * hd * n_live..];
                         let val = |j: usize| &vf[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
                         attend_prefill_group_seg(
-                            &qsegs,
-                            &ends,
+                            qs,
+                            es,
                             group,
                             n_vis,
                             kt_g,
@@ -517,8 +519,8 @@ fn forward_chunk(
                                 let (k, v) = ($k, $v);
                                 let at = |j: usize| live_slots[j] as usize * rl + g * hu;
                                 attend_group_probs_seg(
-                                    &qsegs,
-                                    &ends,
+                                    qs,
+                                    es,
                                     group,
                                     n_vis,
                                     |j: usize| &k[at(j)..at(j) + hu],
