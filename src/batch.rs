@@ -532,7 +532,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 (Some(k), Some(g)) => Some(pred.as_deref().is_some_and(|p| grade(p, g, k))),
                 _ => None,
             };
-            let peak = sess.kv.peak_live * sess.kv.bytes_per_token();
+            let peak = sess.kv.peak_bytes();
             let tok_s = if st.gen_ms > 0.0 {
                 st.n_gen as f64 * 1e3 / st.gen_ms
             } else {

@@ -195,7 +195,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
                     .map(|b| b.to_string())
                     .unwrap_or_else(|| "none".into()),
                 sess.kv.peak_live,
-                (sess.kv.peak_live * sess.kv.bytes_per_token()) as f64 / (1 << 20) as f64,
+                sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
                 sess.n_evicted,
                 sess.state.prob_exports
             )

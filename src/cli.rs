@@ -79,15 +79,17 @@ pub struct KvArgs {
     /// First positions never evicted (attention sinks).
     #[arg(long = "kv-sink", default_value_t = 4)]
     pub kv_sink: usize,
-    /// Newest positions never evicted (default: min(128, budget/4)).
+    /// Newest positions never evicted (default: min(128, budget/4); the
+    /// observation window for snapkv/adakv/pyramidkv).
     #[arg(long = "kv-recent")]
     pub kv_recent: Option<usize>,
     /// Never evict prompt tokens.
     #[arg(long = "keep-prompt")]
     pub keep_prompt: bool,
-    /// Evict in batches: free this many slots at a time once over budget.
-    #[arg(long = "evict-every", default_value_t = 1)]
-    pub evict_every: usize,
+    /// Evict in batches: free this many slots at a time once over budget
+    /// (default 1; snapkv/adakv/pyramidkv: budget/8, at most 128).
+    #[arg(long = "evict-every")]
+    pub evict_every: Option<usize>,
     /// Policy for the prompt phase (the prompt is trimmed to --prompt-budget
     /// with it, the survivors are kept, then --policy takes over).
     #[arg(long = "prompt-policy")]
@@ -110,6 +112,18 @@ pub struct KvArgs {
     /// EPIKV: score prompt tokens from the prefill's hidden states instead of keeping them all.
     #[arg(long = "epikv-score-prompt")]
     pub epikv_score_prompt: bool,
+    /// snapkv/adakv/pyramidkv: query rows that vote (observation window; default 32).
+    #[arg(long = "obs-window", value_name = "W")]
+    pub obs_window: Option<usize>,
+    /// snapkv/adakv/pyramidkv: average-pooling kernel over the votes (odd; 1 = none; default 5).
+    #[arg(long = "pool-kernel", value_name = "K")]
+    pub pool_kernel: Option<usize>,
+    /// adakv: fraction of the per-head budget every head always keeps (default 0.2).
+    #[arg(long = "adakv-safeguard", value_name = "F")]
+    pub adakv_safeguard: Option<f32>,
+    /// pyramidkv: ratio between the largest and smallest layer budgets' terms (default 20).
+    #[arg(long = "pyramid-beta", value_name = "B")]
+    pub pyramid_beta: Option<f32>,
     /// KV cache storage type: f32, f16 or q8_0 (32-value blocks, 8.5 bits per value).
     #[arg(long = "cache-type", value_name = "TYPE", default_value = "f16")]
     pub cache_type: String,
@@ -182,6 +196,39 @@ impl KvArgs {
         Ok(s)
     }
 
+    /// The observation-window options, checked.
+    pub fn snap_options(&self) -> Result<crate::policy::snapkv::SnapOptions> {
+        let d = crate::policy::snapkv::SnapOptions::default();
+        let o = crate::policy::snapkv::SnapOptions {
+            window: self.obs_window.unwrap_or(d.window),
+            kernel: self.pool_kernel.unwrap_or(d.kernel),
+            safeguard: self.adakv_safeguard.unwrap_or(d.safeguard),
+            beta: self.pyramid_beta.unwrap_or(d.beta),
+        };
+        if o.window == 0 {
+            return Err(Error::arg("--obs-window", "must be at least 1"));
+        }
+        if o.kernel.is_multiple_of(2) {
+            return Err(Error::arg(
+                "--pool-kernel",
+                format!("must be odd (1 = no pooling), got {}", o.kernel),
+            ));
+        }
+        if !(0.0..=1.0).contains(&o.safeguard) {
+            return Err(Error::arg(
+                "--adakv-safeguard",
+                format!("must be in 0..1, got {}", o.safeguard),
+            ));
+        }
+        if !(o.beta >= 1.0) {
+            return Err(Error::arg(
+                "--pyramid-beta",
+                format!("must be at least 1, got {}", o.beta),
+            ));
+        }
+        Ok(o)
+    }
+
     /// Build the policy (None for `full`) for `model` (whose directory may
     /// hold a calibrated `<stem>.epikv.json`).
     pub fn build(&self, seed: u64, model: &Path) -> Result<Option<crate::generate::KvPolicy>> {
@@ -221,9 +268,14 @@ impl KvArgs {
             }
             return Ok(None);
         };
-        if self.evict_every == 0 {
-            return Err(Error::arg("--evict-every", "must be at least 1"));
-        }
+        let streams = crate::policy::is_stream_policy(&self.policy);
+        let evict_every = match self.evict_every {
+            Some(0) => return Err(Error::arg("--evict-every", "must be at least 1")),
+            Some(e) => e,
+            None if streams => (budget / 8).clamp(1, 128),
+            None => 1,
+        };
+        let snap = self.snap_options()?;
         let is_epikv = epikv::Variant::from_name(&self.policy).is_some();
         let config = match &self.epikv_config {
             Some(p) => Some(epikv::EpikvLayers::load(p)?),
@@ -236,7 +288,11 @@ impl KvArgs {
                 }
             }
         };
-        let n_recent = self.kv_recent.unwrap_or((budget / 4).min(128));
+        let n_recent = self.kv_recent.unwrap_or(if streams {
+            snap.window
+        } else {
+            (budget / 4).min(128)
+        });
         let args = crate::policy::PolicyArgs {
             seed,
             n_recent,
@@ -255,6 +311,7 @@ impl KvArgs {
                 config,
                 score_prompt: self.epikv_score_prompt,
             },
+            snap,
         };
         let scorer = crate::policy::by_name(&self.policy, budget, &args)?
             .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
@@ -268,7 +325,7 @@ impl KvArgs {
             n_sink: self.kv_sink,
             n_recent,
             keep_prompt_until: if keep_prompt { usize::MAX } else { 0 },
-            evict_every: self.evict_every,
+            evict_every,
         };
         let mut policy = crate::generate::KvPolicy::new(scorer, evictor.clone());
         if let Some(pp) = &self.prompt_policy {
@@ -642,16 +699,25 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         eprintln!("kvrun: load time = {load_ms:10.2} ms");
         eprint!("{}", stats.timing_lines("kvrun"));
         eprintln!(
-            "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak)",
+            "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak){}",
             a.kv.policy,
             sess.kv.ty,
             a.kv.kv_budget
                 .map(|b| b.to_string())
                 .unwrap_or_else(|| "none".into()),
             sess.n_evicted,
-            sess.kv.cells.n_live(),
+            sess.kv.resident_tokens(),
             sess.kv.peak_live,
-            (sess.kv.peak_live * sess.kv.bytes_per_token()) as f64 / (1 << 20) as f64
+            sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
+            match sess.kv.layout() {
+                crate::kv::Layout::Streams => format!(
+                    " streams={} entries={} peak_entries={}",
+                    sess.kv.n_streams(),
+                    sess.kv.cells.n_live(),
+                    sess.kv.peak_entries
+                ),
+                crate::kv::Layout::Uniform => String::new(),
+            }
         );
     }
     Ok(())

@@ -300,7 +300,7 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
         segment: seg_start.map(|_| seg.finish()),
         segment_start: seg_start,
         peak_kv_entries: pol.kv.peak_live,
-        peak_kv_bytes: pol.kv.peak_live * pol.kv.bytes_per_token(),
+        peak_kv_bytes: pol.kv.peak_bytes(),
         evicted: pol.n_evicted,
         tokens_per_second: (n - 1) as f64 / secs,
     })

@@ -4,9 +4,10 @@
 
 use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, KvType, PosMode};
-use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, RunState, StepIo};
+use crate::kv::{KvCache, KvType, Layout, PosMode};
+use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, QueryWindow, RunState, StepIo};
 use crate::model::Weights;
+use crate::policy::streams::{stream_offsets, StreamPlan};
 use crate::policy::{Evictor, Scorer};
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -20,6 +21,8 @@ pub struct KvPolicy {
     pub evictor: Evictor,
     /// A different policy for the prompt (`--prompt-policy`).
     pub prompt: Option<PromptPhase>,
+    /// Per-(layer, KV-head) budgets of a stream scorer (set by the session).
+    pub plan: Option<StreamPlan>,
 }
 
 impl KvPolicy {
@@ -29,6 +32,7 @@ impl KvPolicy {
             scorer,
             evictor,
             prompt: None,
+            plan: None,
         }
     }
 }
@@ -41,6 +45,11 @@ impl KvPolicy {
 pub struct PromptPhase {
     pub scorer: Box<dyn Scorer>,
     pub evictor: Evictor,
+}
+
+/// Tokens the evictor always keeps per stream (sinks + recent window).
+fn e_protected(e: &Evictor) -> usize {
+    e.n_sink + e.n_recent
 }
 
 /// One sequence being decoded: weights (shared, immutable), run state and
@@ -65,6 +74,14 @@ pub struct Session<'w> {
     pub pos_mode: PosMode,
     /// Residual-stream taps the scorer asked for (None = no cost).
     taps: Option<HiddenTaps>,
+    /// Recent query rows the scorer asked for (None = no cost).
+    queries: Option<QueryWindow>,
+    /// (n_streams + 1,) score offsets of the streams (stream policies).
+    offsets: Vec<usize>,
+    /// (n_streams,) streams whose group must evict this step.
+    want: Vec<bool>,
+    /// Entries evicted so far (all streams; `n_evicted` is this / streams).
+    evicted_entries: usize,
     /// Step-level attention mass export buffer, (n_slots,).
     mass: Vec<f32>,
     scores: Vec<f32>,
@@ -125,9 +142,45 @@ impl<'w> Session<'w> {
             pp.scorer.set_budget(pe.budget);
         }
         let taps = policy.scorer.tap_layers();
+        let qwin = policy.scorer.query_window();
+        let c = &w.config;
+        // per-(layer, KV-head) policies: a pool of head rows sized by the plan
+        let plan = policy.scorer.stream_plan(c, budget)?;
+        if let Some(plan) = &plan {
+            if policy.prompt.is_some() {
+                return Err(Error::arg(
+                    "--prompt-policy",
+                    format!(
+                        "{} keeps per-head streams; a prompt phase works with token-uniform policies only",
+                        policy.scorer.name()
+                    ),
+                ));
+            }
+            let mb = plan.min_stream_budget();
+            if mb <= e_protected(&policy.evictor) {
+                return Err(Error::arg(
+                    "--kv-budget",
+                    format!(
+                        "{}: the smallest per-head budget {mb} cannot hold the protected tokens (sinks {} + recent {}) plus one new token",
+                        policy.scorer.name(),
+                        policy.evictor.n_sink,
+                        policy.evictor.n_recent
+                    ),
+                ));
+            }
+            n_batch = n_batch.min(mb - e_protected(&policy.evictor)).max(1);
+        }
+        policy.plan = plan;
+        let pool_rows = policy.plan.as_ref().map(|p| p.pool());
         let mut s = Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy));
+        if let Some(n_pool) = pool_rows {
+            s.kv = KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, n_pool, KvType::F16)?;
+        }
         if !taps.is_empty() {
-            s.taps = Some(HiddenTaps::new(taps, w.config.dim));
+            s.taps = Some(HiddenTaps::new(taps, c.dim));
+        }
+        if qwin > 0 {
+            s.queries = Some(QueryWindow::new(qwin, c.n_layers, c.q_dim()));
         }
         Ok(s)
     }
@@ -154,6 +207,10 @@ impl<'w> Session<'w> {
             prompt_end: 0,
             pos_mode: PosMode::Absolute,
             taps: None,
+            queries: None,
+            offsets: Vec::new(),
+            want: Vec::new(),
+            evicted_entries: 0,
             mass: vec![0.0; n_slots],
             scores: Vec::new(),
             victims: Vec::new(),
@@ -174,13 +231,11 @@ impl<'w> Session<'w> {
             ));
         }
         let c = &self.w.config;
-        self.kv = KvCache::with_type(
-            c.n_layers,
-            c.kv_dim(),
-            c.head_dim,
-            self.kv.cells.n_slots(),
-            ty,
-        )?;
+        let n = self.kv.cells.n_slots();
+        self.kv = match self.kv.layout() {
+            Layout::Uniform => KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, n, ty)?,
+            Layout::Streams => KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, n, ty)?,
+        };
         Ok(())
     }
 
@@ -214,13 +269,22 @@ impl<'w> Session<'w> {
         Ok(())
     }
 
+    /// The recent query rows kept for the scorer (stream policies), if any.
+    pub fn queries(&self) -> Option<&QueryWindow> {
+        self.queries.as_ref()
+    }
+
     /// Forget the sequence.
     pub fn reset(&mut self) {
         self.kv.clear();
         self.n_past = 0;
         self.n_evicted = 0;
+        self.evicted_entries = 0;
         if let Some(t) = &mut self.taps {
             t.reset();
+        }
+        if let Some(q) = &mut self.queries {
+            q.reset();
         }
         if let Some(p) = &mut self.policy {
             p.scorer.reset();
@@ -240,9 +304,12 @@ impl<'w> Session<'w> {
         }
         self.evict_range(n, self.n_past)?;
         self.n_past = n;
-        // the previous token's hidden state is gone with it
+        // the previous token's hidden state (and recent queries) are gone with it
         if let Some(t) = &mut self.taps {
             t.reset();
+        }
+        if let Some(q) = &mut self.queries {
+            q.reset();
         }
         Ok(())
     }
@@ -250,13 +317,7 @@ impl<'w> Session<'w> {
     /// Evict every cached token with a position in `lo..hi` (the rest of the
     /// cache and `n_past` stay as they are).
     pub fn evict_range(&mut self, lo: usize, hi: usize) -> Result<()> {
-        let (slots, pos) = self.kv.live();
-        let victims: Vec<u32> = slots
-            .iter()
-            .zip(pos)
-            .filter(|(_, &p)| (lo..hi).contains(&(p as usize)))
-            .map(|(&s, _)| s)
-            .collect();
+        let victims = self.kv.entries_in(lo, hi);
         let mut none = Vec::new();
         self.kv.apply(&victims, &[], &mut none)
     }
@@ -304,11 +365,36 @@ impl<'w> Session<'w> {
                         (Some(pp), true) => (&mut pp.scorer, &pp.evictor),
                         _ => (&mut p.scorer, &p.evictor),
                     };
-                    let (slots, pos) = self.kv.live();
-                    if slots.len() + n > evictor.budget {
+                    let newest = (pos0 + n - 1) as i64;
+                    if let (Some(plan), Some(qw)) = (&p.plan, &self.queries) {
+                        // per-(layer, KV-head) streams: score every entry,
+                        // evict per group
+                        if plan.over(&self.kv, n, &mut self.want) {
+                            stream_offsets(&self.kv, &mut self.offsets);
+                            let total = self.offsets.last().copied().unwrap_or(0);
+                            self.scores.resize(total, 0.0);
+                            scorer.score_streams(
+                                &self.kv,
+                                qw,
+                                &self.pool,
+                                &self.want,
+                                &self.offsets,
+                                &mut self.scores,
+                            );
+                            evictor.select_streams(
+                                plan,
+                                &self.kv,
+                                &self.scores,
+                                &self.offsets,
+                                n,
+                                newest,
+                                &mut self.victims,
+                            )?;
+                        }
+                    } else if self.kv.live().0.len() + n > evictor.budget {
+                        let (slots, pos) = self.kv.live();
                         self.scores.resize(slots.len(), 0.0);
                         scorer.score(&self.kv, slots, pos, &mut self.scores);
-                        let newest = (pos0 + n - 1) as i64;
                         evictor.select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
                     }
                     scorer.mass_mode()
@@ -324,6 +410,7 @@ impl<'w> Session<'w> {
                     None
                 },
                 taps: self.taps.as_mut(),
+                queries: self.queries.as_mut(),
                 pos_mode: self.pos_mode,
             };
             let out = forward(
@@ -337,7 +424,10 @@ impl<'w> Session<'w> {
                 io,
             )?;
             self.logits.extend_from_slice(out);
-            self.n_evicted += self.victims.len();
+            // tokens evicted (stream caches: entries over streams, i.e.
+            // token equivalents)
+            self.evicted_entries += self.victims.len();
+            self.n_evicted = self.evicted_entries / self.kv.n_streams();
             self.n_past += n;
             if let Some(p) = &mut self.policy {
                 let (new_slots, new_pos) = (self.state.step_slots(), self.state.step_positions());

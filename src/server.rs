@@ -397,7 +397,7 @@ struct KvKey {
     sink: usize,
     recent: Option<usize>,
     keep_prompt: bool,
-    evict_every: usize,
+    evict_every: Option<usize>,
     cache_type: String,
     pos_mode: String,
 }
@@ -863,7 +863,7 @@ fn parse_job(
         kv.keep_prompt = k;
     }
     if let Some(e) = opt_usize(v, "evict_every", app.n_ctx)? {
-        kv.evict_every = e;
+        kv.evict_every = Some(e);
     }
     if kv.policy == "full" && budget.is_some() {
         return Err(ApiError::bad(

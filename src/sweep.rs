@@ -92,9 +92,10 @@ pub struct SweepArgs {
     /// Newest positions never evicted (default: min(128, budget/4)).
     #[arg(long = "kv-recent")]
     pub kv_recent: Option<usize>,
-    /// Evict in batches: free this many slots at a time once over budget.
-    #[arg(long = "evict-every", default_value_t = 1)]
-    pub evict_every: usize,
+    /// Evict in batches: free this many slots at a time once over budget
+    /// (default 1; snapkv/adakv/pyramidkv: budget/8, at most 128).
+    #[arg(long = "evict-every")]
+    pub evict_every: Option<usize>,
     /// Also report fidelity on the tokens after the first occurrence of MARKER.
     #[arg(long = "segment-after")]
     pub segment_after: Option<String>,

@@ -476,7 +476,7 @@ fn kv_args(policy: &str, budget: usize) -> KvArgs {
         policy: policy.into(),
         kv_budget: Some(budget),
         kv_sink: 4,
-        evict_every: 1,
+        evict_every: Some(1),
         ..Default::default()
     }
 }

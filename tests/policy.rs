@@ -500,6 +500,11 @@ fn every_policy_has_a_budget_test() {
         "epikv-band",
         "epikv-lag",
         "epikv-seg",
+        // per-(layer, KV-head) streams: tests/streams.rs
+        // (stream_budgets_hold_and_lengths_vary_per_head)
+        "snapkv",
+        "adakv",
+        "pyramidkv",
     ];
     for n in names() {
         assert!(
@@ -618,10 +623,12 @@ fn budget_never_reached_is_bit_identical_to_full() {
     assert!(first == again, "Session::new is not deterministic");
     for name in names().into_iter().filter(|&n| n != "full") {
         // budget exactly the text length (boundary: resident + new == budget) and a larger one
-        let budgets: &[usize] = if name == "window" {
-            &[200, 1024]
-        } else {
-            &[200]
+        // (pyramidkv's smallest layer budget is w + (B − w)/20: a budget
+        // whose top layer holds 200 tokens)
+        let budgets: &[usize] = match name {
+            "window" => &[200, 1024],
+            "pyramidkv" => &[3400],
+            _ => &[200],
         };
         for &budget in budgets {
             let mut s = Session::with_policy(

@@ -8,6 +8,12 @@
 //! kernels read a layer through `layer()`, which dispatches on the type once
 //! per layer; each row type implements `backend::cpu::KvRow`.
 //!
+//! Two layouts (`Layout`): token-uniform (one slot map shared by every layer
+//! and head: a slot holds one token's K/V rows of all layers) and per-(layer,
+//! KV-head) streams (`streams`: every stream keeps its own tokens in a shared
+//! pool of head_dim rows, so heads and layers can hold different tokens and
+//! different counts, with memory really freed on eviction).
+//!
 //! Protocol for a forward step over `n` new tokens: `apply(victims,
 //! positions)` frees the evicted slots and picks slots for the new tokens (it
 //! is the only place that mutates `cells`); the forward pass then writes each
@@ -15,11 +21,13 @@
 //! are reused ring-style, so eviction never moves data.
 
 pub mod cells;
+pub mod streams;
 
 use crate::error::{Error, Result};
 use cells::KvCells;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use streams::StreamLists;
 
 /// Storage type of cached K and V (`--cache-type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -115,6 +123,27 @@ impl PosMode {
     }
 }
 
+/// How cache entries are organized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Layout {
+    /// One slot map for every layer and head (one decision per token).
+    #[default]
+    Uniform,
+    /// One stream per (layer, KV head) over a shared pool of head rows.
+    Streams,
+}
+
+/// The keys one KV head of one layer attends over: live slots, their
+/// positions, and where head `g`'s row of slot `s` starts in `layer()`'s
+/// storage (`s * stride + off`, in storage units).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadView<'a> {
+    pub slots: &'a [u32],
+    pub pos: &'a [i64],
+    pub stride: usize,
+    pub off: usize,
+}
+
 /// Values per q8_0 block.
 pub const QK8_0: usize = 32;
 
@@ -197,8 +226,15 @@ pub struct KvCache {
     slot_order_pos: Vec<i64>,
     /// (n_live,) (position, slot) scratch for the position sort.
     by_pos: Vec<(i64, u32)>,
-    /// Most tokens ever resident at once since the last `clear`.
+    /// Per-stream lists (None = token-uniform layout).
+    streams: Option<StreamLists>,
+    /// KV heads per layer.
+    n_kv_heads: usize,
+    /// Most tokens ever resident at once since the last `clear` (with
+    /// streams: peak entries / streams, rounded up: token equivalents).
     pub peak_live: usize,
+    /// Most (layer, KV head, token) entries ever resident at once.
+    pub peak_entries: usize,
 }
 
 impl KvCache {
@@ -232,12 +268,52 @@ impl KvCache {
         }
         let row_len = kv_dim / bl;
         let n = n_layers * n_slots * row_len;
+        Ok(Self::alloc(
+            n_layers, kv_dim, head_dim, n_slots, ty, n, row_len, None,
+        ))
+    }
+
+    /// A per-(layer, KV head) stream cache over a pool of `n_pool` rows of
+    /// `head_dim` values (K and V), shared by all streams.
+    pub fn with_streams(
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        n_pool: usize,
+        ty: KvType,
+    ) -> Result<KvCache> {
+        let c = Self::with_type(n_layers, kv_dim, head_dim, 0, ty)?;
+        let row_len = head_dim / ty.block_len();
+        let lists = StreamLists::new(n_layers, kv_dim / head_dim, n_pool);
+        Ok(Self::alloc(
+            n_layers,
+            kv_dim,
+            head_dim,
+            n_pool,
+            c.ty,
+            n_pool * row_len,
+            row_len,
+            Some(lists),
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn alloc(
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        n_slots: usize,
+        ty: KvType,
+        n: usize,
+        row_len: usize,
+        streams: Option<StreamLists>,
+    ) -> KvCache {
         let store = match ty {
             KvType::F32 => Store::F32(vec![0.0; n], vec![0.0; n]),
             KvType::F16 => Store::F16(vec![f16::ZERO; n], vec![f16::ZERO; n]),
             KvType::Q8_0 => Store::Q8(vec![BlockQ8_0::default(); n], vec![BlockQ8_0::default(); n]),
         };
-        Ok(KvCache {
+        KvCache {
             cells: KvCells::new(n_slots),
             n_layers,
             kv_dim,
@@ -250,8 +326,30 @@ impl KvCache {
             slot_order: Vec::new(),
             slot_order_pos: Vec::new(),
             by_pos: Vec::new(),
+            n_kv_heads: kv_dim / head_dim,
+            streams,
             peak_live: 0,
-        })
+            peak_entries: 0,
+        }
+    }
+
+    /// The layout of this cache.
+    pub fn layout(&self) -> Layout {
+        if self.streams.is_some() {
+            Layout::Streams
+        } else {
+            Layout::Uniform
+        }
+    }
+
+    /// Per-stream lists (stream layout only).
+    pub fn streams(&self) -> Option<&StreamLists> {
+        self.streams.as_ref()
+    }
+
+    /// Number of streams: n_layers · n_kv_heads with streams, 1 token-uniform.
+    pub fn n_streams(&self) -> usize {
+        self.streams.as_ref().map_or(1, |s| s.n_streams())
     }
 
     /// Bytes of K/V storage held by one resident token (all layers):
@@ -260,9 +358,26 @@ impl KvCache {
         2 * self.n_layers * self.ty.row_bytes(self.kv_dim)
     }
 
-    /// Bytes of K/V storage allocated for every slot.
+    /// Bytes of K/V storage allocated for every slot (pool row).
     pub fn bytes_allocated(&self) -> usize {
-        self.cells.n_slots() * self.bytes_per_token()
+        match &self.streams {
+            None => self.cells.n_slots() * self.bytes_per_token(),
+            Some(_) => self.cells.n_slots() * 2 * self.ty.row_bytes(self.head_dim),
+        }
+    }
+
+    /// Resident tokens: live slots, or with streams live entries over
+    /// streams, rounded up (token equivalents).
+    pub fn resident_tokens(&self) -> usize {
+        self.cells.n_live().div_ceil(self.n_streams())
+    }
+
+    /// Bytes of K/V held at the peak (`peak_entries` rows or tokens).
+    pub fn peak_bytes(&self) -> usize {
+        match &self.streams {
+            None => self.peak_live * self.bytes_per_token(),
+            Some(_) => self.peak_entries * 2 * self.ty.row_bytes(self.head_dim),
+        }
     }
 
     /// Drop every cached token.
@@ -272,7 +387,11 @@ impl KvCache {
         self.live_pos.clear();
         self.slot_order.clear();
         self.slot_order_pos.clear();
+        if let Some(st) = &mut self.streams {
+            st.clear();
+        }
         self.peak_live = 0;
+        self.peak_entries = 0;
     }
 
     /// The single mutation point: free the `victims` slots, occupy one slot
@@ -284,6 +403,9 @@ impl KvCache {
         positions: &[i64],
         slots: &mut Vec<u32>,
     ) -> Result<()> {
+        if self.streams.is_some() {
+            return self.apply_streams(victims, positions, slots);
+        }
         // Check capacity first so a failed step leaves the cache untouched.
         if self.cells.n_live() - victims.len().min(self.cells.n_live()) + positions.len()
             > self.cells.n_slots()
@@ -298,6 +420,7 @@ impl KvCache {
             self.cells.free(v as usize);
         }
         self.peak_live = self.peak_live.max(self.cells.n_live() + positions.len());
+        self.peak_entries = self.peak_live;
         slots.clear();
         for &p in positions {
             let s = self.cells.find_free().ok_or_else(|| {
@@ -334,6 +457,129 @@ impl KvCache {
         Ok(())
     }
 
+    /// `apply` for the stream layout: victims are pool slots of any
+    /// streams; every stream receives one entry per new position, and
+    /// `slots` is filled (n_streams, n) stream-major.
+    fn apply_streams(
+        &mut self,
+        victims: &[u32],
+        positions: &[i64],
+        slots: &mut Vec<u32>,
+    ) -> Result<()> {
+        let Some(st) = self.streams.as_mut() else {
+            return Ok(());
+        };
+        let ns = st.n_streams();
+        let after =
+            self.cells.n_live() - victims.len().min(self.cells.n_live()) + positions.len() * ns;
+        if after > self.cells.n_slots() {
+            return Err(Error::Other(format!(
+                "KV pool full: {} entries would exceed its {} rows",
+                after,
+                self.cells.n_slots()
+            )));
+        }
+        for &v in victims {
+            self.cells.free(v as usize);
+        }
+        let cells = &self.cells;
+        st.remove(victims, |s| cells.pos(s).is_some());
+        slots.clear();
+        for s in 0..ns {
+            for &p in positions {
+                let Some(sl) = self.cells.find_free() else {
+                    unreachable!("capacity was checked above");
+                };
+                self.cells.set(sl, p);
+                st.push(s, sl as u32, p);
+                slots.push(sl as u32);
+            }
+        }
+        self.peak_entries = self.peak_entries.max(self.cells.n_live());
+        self.peak_live = self.peak_entries.div_ceil(ns);
+        Ok(())
+    }
+
+    /// The keys KV head `g` of `layer` attends over. Token-uniform caches
+    /// give the shared live list, by position or (`memory_order`) by slot;
+    /// stream caches give the stream's own list, always by position.
+    #[inline]
+    pub fn head(&self, layer: usize, g: usize, memory_order: bool) -> HeadView<'_> {
+        let hu = self.head_dim / self.ty.block_len();
+        match &self.streams {
+            Some(st) => {
+                let (slots, pos) = st.stream(st.id(layer, g));
+                HeadView {
+                    slots,
+                    pos,
+                    stride: hu,
+                    off: 0,
+                }
+            }
+            None => {
+                let (slots, pos) = if memory_order {
+                    self.live_by_slot()
+                } else {
+                    self.live()
+                };
+                HeadView {
+                    slots,
+                    pos,
+                    stride: self.row_len,
+                    off: g * hu,
+                }
+            }
+        }
+    }
+
+    /// Pool slots (or token slots) holding positions in `lo..hi`.
+    pub fn entries_in(&self, lo: usize, hi: usize) -> Vec<u32> {
+        self.cells
+            .live()
+            .filter(|&(_, p)| (lo..hi).contains(&(p as usize)))
+            .map(|(s, _)| s as u32)
+            .collect()
+    }
+
+    /// Store token `i` of the current step (the step wrote `n` tokens and
+    /// `apply` returned `step_slots`) for `layer`: K and V rows of kv_dim.
+    pub fn write_token(
+        &mut self,
+        layer: usize,
+        i: usize,
+        n: usize,
+        step_slots: &[u32],
+        k: &[f32],
+        v: &[f32],
+    ) {
+        let Some(st) = &self.streams else {
+            self.write(layer, step_slots[i] as usize, k, v);
+            return;
+        };
+        let (hd, hu) = (self.head_dim, self.row_len);
+        for g in 0..self.n_kv_heads {
+            let sl = step_slots[st.id(layer, g) * n + i] as usize;
+            let r = g * hd..(g + 1) * hd;
+            Self::put(&mut self.store, sl * hu, hu, &k[r.clone()], &v[r]);
+        }
+    }
+
+    /// Key (or value) row of KV head `g` of (layer, slot) as f32 into `out`
+    /// (head_dim), for either layout.
+    pub fn head_f32(&self, key: bool, layer: usize, g: usize, slot: usize, out: &mut [f32]) {
+        let hu = self.head_dim / self.ty.block_len();
+        let o = match &self.streams {
+            Some(_) => slot * hu,
+            None => self.off(layer, slot) + g * hu,
+        };
+        let out = &mut out[..self.head_dim];
+        match &self.store {
+            Store::F32(k, v) => out.copy_from_slice(&(if key { k } else { v })[o..o + hu]),
+            Store::F16(k, v) => (if key { k } else { v })[o..o + hu].convert_to_f32_slice(out),
+            Store::Q8(k, v) => dequantize_q8_0(&(if key { k } else { v })[o..o + hu], out),
+        }
+    }
+
     /// Live slots in slot (memory) order, with their positions.
     pub fn live_by_slot(&self) -> (&[u32], &[i64]) {
         (&self.slot_order, &self.slot_order_pos)
@@ -344,9 +590,13 @@ impl KvCache {
         (&self.live_slots, &self.live_pos)
     }
 
-    /// Storage units from the start of the store to (layer, slot).
+    /// Storage units from the start of the store to (layer, slot)
+    /// (stream layout: to pool row `slot`; the pool serves every layer).
     #[inline]
     fn off(&self, layer: usize, slot: usize) -> usize {
+        if self.streams.is_some() {
+            return slot * self.row_len;
+        }
         (layer * self.cells.n_slots() + slot) * self.row_len
     }
 
@@ -356,10 +606,15 @@ impl KvCache {
         self.row_len
     }
 
-    /// Layer `layer`'s K and V, (n_slots, row_len) each, in the stored type.
+    /// Layer `layer`'s K and V, (n_slots, row_len) each, in the stored type
+    /// (stream layout: the whole pool, (n_pool, head units)).
     #[inline]
     pub fn layer(&self, layer: usize) -> LayerKv<'_> {
-        let (a, b) = (self.off(layer, 0), self.off(layer + 1, 0));
+        let (a, b) = if self.streams.is_some() {
+            (0, self.cells.n_slots() * self.row_len)
+        } else {
+            (self.off(layer, 0), self.off(layer + 1, 0))
+        };
         match &self.store {
             Store::F32(k, v) => LayerKv::F32(&k[a..b], &v[a..b]),
             Store::F16(k, v) => LayerKv::F16(&k[a..b], &v[a..b]),
@@ -367,12 +622,18 @@ impl KvCache {
         }
     }
 
-    /// Store one token's K and V rows (kv_dim each) for `layer`.
+    /// Store one token's K and V rows (kv_dim each) for `layer`
+    /// (token-uniform layout; streams write through `write_token`).
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        debug_assert!(self.streams.is_none());
         let o = self.off(layer, slot);
         let (d, r) = (self.kv_dim, self.row_len);
-        let (k, v) = (&k[..d], &v[..d]);
-        match &mut self.store {
+        Self::put(&mut self.store, o, r, &k[..d], &v[..d]);
+    }
+
+    /// Convert and store `k`, `v` as `r` storage units at offset `o`.
+    fn put(store: &mut Store, o: usize, r: usize, k: &[f32], v: &[f32]) {
+        match store {
             Store::F32(ks, vs) => {
                 ks[o..o + r].copy_from_slice(k);
                 vs[o..o + r].copy_from_slice(v);

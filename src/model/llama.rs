@@ -52,10 +52,12 @@ pub struct RunState {
     att: Vec<f32>,
     /// (n_out, vocab) logits of the requested rows
     pub logits: Vec<f32>,
-    /// (n_live, kv_dim) f32 copies of the live values for a prefill chunk
+    /// per KV head g: (n_g, hd) f32 copies of its live values for a prefill chunk
     vf: Vec<f32>,
-    /// (kv_dim, n_live) transposed f32 keys for a prefill chunk
+    /// per KV head g: (hd, n_g) transposed f32 keys for a prefill chunk
     kt: Vec<f32>,
+    /// (n_kv_heads + 1,) start of each KV head's block in `kt` and `vf`
+    koff: Vec<usize>,
     /// (n_threads, n_slots) per-thread attention-mass accumulators
     mass_thr: Vec<f32>,
     /// quantized activations scratch
@@ -101,6 +103,7 @@ impl RunState {
             logits: Vec::new(),
             vf: Vec::new(),
             kt: Vec::new(),
+            koff: Vec::new(),
             mass_thr: Vec::new(),
             act: Vec::new(),
             slots: Vec::new(),
@@ -186,6 +189,89 @@ impl HiddenTaps {
     }
 }
 
+/// The post-RoPE queries of the last `w` tokens at every layer (SnapKV's
+/// observation window): the scorers that vote with recent queries read them
+/// when they rank, instead of any stored attention matrix. A ring of `w`
+/// rows per layer; row order does not matter, positions say which keys
+/// each row could see.
+#[derive(Debug, Clone, Default)]
+pub struct QueryWindow {
+    /// Rows kept per layer.
+    pub w: usize,
+    /// Query width (n_heads · head_dim).
+    pub q_dim: usize,
+    /// (n_layers, w, q_dim) query rows.
+    rows: Vec<f32>,
+    /// (w,) absolute position of each ring row.
+    pos: Vec<i64>,
+    /// Filled rows (≤ w).
+    len: usize,
+    /// Next ring row to overwrite.
+    head: usize,
+}
+
+impl QueryWindow {
+    /// A window of `w` rows for `n_layers` layers of `q_dim` queries.
+    pub fn new(w: usize, n_layers: usize, q_dim: usize) -> QueryWindow {
+        QueryWindow {
+            w,
+            q_dim,
+            rows: vec![0.0; n_layers * w * q_dim],
+            pos: vec![0; w],
+            len: 0,
+            head: 0,
+        }
+    }
+    /// Forget every row (new sequence).
+    pub fn reset(&mut self) {
+        self.len = 0;
+        self.head = 0;
+    }
+    /// Rows held (≤ w).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Row `r`'s (r < len) query at `layer`, (q_dim,), and its position.
+    #[inline]
+    pub fn row(&self, layer: usize, r: usize) -> (&[f32], i64) {
+        let o = (layer * self.w + r) * self.q_dim;
+        (&self.rows[o..o + self.q_dim], self.pos[r])
+    }
+    /// The smallest position held (the window's first token), if any.
+    pub fn first_pos(&self) -> Option<i64> {
+        self.pos[..self.len].iter().copied().min()
+    }
+    /// Keep the last rows of `q` (n, q_dim) at `layer`, for tokens at
+    /// `pos0..pos0+n`. Called for every layer of a step, layer 0 first.
+    fn record(&mut self, layer: usize, q: &[f32], n: usize, pos0: usize) {
+        if self.w == 0 {
+            return;
+        }
+        let skip = n.saturating_sub(self.w);
+        for (k, i) in (skip..n).enumerate() {
+            let r = (self.head + k) % self.w;
+            let o = (layer * self.w + r) * self.q_dim;
+            self.rows[o..o + self.q_dim].copy_from_slice(&q[i * self.q_dim..(i + 1) * self.q_dim]);
+            if layer == 0 {
+                self.pos[r] = (pos0 + i) as i64;
+            }
+        }
+    }
+    /// After the last layer of a step of `n` tokens: advance the ring.
+    fn advance(&mut self, n: usize) {
+        if self.w == 0 {
+            return;
+        }
+        let k = n.min(self.w);
+        self.head = (self.head + k) % self.w;
+        self.len = (self.len + k).min(self.w);
+    }
+}
+
 /// What one forward step reads and exports besides logits.
 #[derive(Debug, Default)]
 pub struct StepIo<'a> {
@@ -198,6 +284,8 @@ pub struct StepIo<'a> {
     pub mass: Option<&'a mut [f32]>,
     /// Residual-stream taps to fill (None = no taps, no cost).
     pub taps: Option<&'a mut HiddenTaps>,
+    /// Query rows to keep (None = no cost).
+    pub queries: Option<&'a mut QueryWindow>,
     /// RoPE positions: absolute (default) or in-cache (StreamingLLM pos-shift).
     pub pos_mode: PosMode,
 }
@@ -298,6 +386,7 @@ fn forward_chunk(
         s.prob_exports += 1;
     }
     let mut taps = io.taps;
+    let mut queries = io.queries;
     if let Some(t) = taps.as_deref_mut() {
         t.g.clear();
         t.g.resize(n * t.n_taps(), 0.0);
@@ -370,41 +459,60 @@ fn forward_chunk(
             });
         }
 
+        // keep the newest queries for scorers that vote with them
+        if let Some(qw) = queries.as_deref_mut() {
+            qw.record(l, &s.q[..n * q_dim], n, pos0);
+        }
+
         // store k (post-RoPE) and v in the new tokens' slots
         for i in 0..n {
-            let sl = s.slots[i] as usize;
-            kv.write(
+            kv.write_token(
                 l,
-                sl,
+                i,
+                n,
+                &s.slots,
                 &s.k[i * kv_dim..(i + 1) * kv_dim],
                 &s.v[i * kv_dim..(i + 1) * kv_dim],
             );
         }
 
-        // prefill chunks: convert the live K/V rows to f32 once per layer
-        // (n_live, kv_dim) each, O(n) memory, instead of once per query
+        // prefill chunks: convert each KV head's live K/V rows to f32 once
+        // per layer, O(n) memory, instead of once per query: head g's keys
+        // transposed (hd, n_g) at kt[koff[g]..], values (n_g, hd) at
+        // vf[koff[g]..] (n_g = that head's live entries; every head has the
+        // shared list in the token-uniform layout)
         let prefill = n > 1;
         if prefill {
-            let (live_slots, _) = kv.live();
-            let n_live = live_slots.len();
-            s.kt.resize(n_live * kv_dim, 0.0);
-            s.vf.resize(n_live * kv_dim, 0.0);
+            s.koff.clear();
+            s.koff.push(0);
+            for g in 0..c.n_kv_heads {
+                let n_g = kv.head(l, g, false).slots.len();
+                s.koff.push(s.koff[g] + n_g * hd);
+            }
+            let total = s.koff[c.n_kv_heads];
+            s.kt.resize(total, 0.0);
+            s.vf.resize(total, 0.0);
             let kvr = &*kv;
+            let koff = &s.koff;
             let vfo = SharedMut::new(&mut s.vf[..]);
             let kto = SharedMut::new(&mut s.kt[..]);
             pool.run(|ti| {
-                let (j0, j1) = split(n_live, ti, n_threads);
-                let mut krow = vec![0f32; if j1 > j0 { kv_dim } else { 0 }];
-                for j in j0..j1 {
-                    let sl = live_slots[j] as usize;
-                    // SAFETY: rows j0..j1 belong to this thread.
-                    let vd = unsafe { vfo.slice(j * kv_dim, kv_dim) };
-                    kvr.v_f32(l, sl, vd);
-                    // keys transposed: (kv_dim, n_live), column j
-                    kvr.k_f32(l, sl, &mut krow);
-                    for (d, &x) in krow.iter().enumerate() {
-                        // SAFETY: column j belongs to this thread.
-                        unsafe { kto.write(d * n_live + j, x) };
+                let mut krow = [0f32; 256];
+                for g in 0..c.n_kv_heads {
+                    let view = kvr.head(l, g, false);
+                    let n_g = view.slots.len();
+                    let (j0, j1) = split(n_g, ti, n_threads);
+                    for j in j0..j1 {
+                        let sl = view.slots[j] as usize;
+                        // SAFETY: rows j0..j1 of head g belong to this thread.
+                        let vd = unsafe { vfo.slice(koff[g] + j * hd, hd) };
+                        kvr.head_f32(false, l, g, sl, vd);
+                        // keys transposed: (hd, n_g), column j
+                        kvr.head_f32(true, l, g, sl, &mut krow[..hd]);
+                        for (d, &x) in krow[..hd].iter().enumerate() {
+                            // SAFETY: column j of head g belongs to this thread.
+                            unsafe { kto.write(koff[g] + d * n_g + j, x) };
+                        }
                     }
                 }
             });
@@ -415,16 +523,12 @@ fn forward_chunk(
         {
             // decoding sees every live token: walk them in memory order
             // (in-cache positions need position order for their key runs)
-            let (live_slots, live_pos) = if prefill || cache_pos {
-                kv.live()
-            } else {
-                kv.live_by_slot()
-            };
+            let memory_order = !(prefill || cache_pos);
             let kvr = &*kv;
             let q = &s.q;
             let (q_raw, seg_end, seg_off) = (&s.q_raw, &s.seg_end, &s.seg_off);
             let rope = &w.rope;
-            let (vf, kt) = (&s.vf, &s.kt);
+            let (vf, kt, koff) = (&s.vf, &s.kt, &s.koff);
             let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
             let att = SharedMut::new(&mut s.att[..n_threads * group * n_slots]);
             let mthr = SharedMut::new(&mut s.mass_thr[..]);
@@ -443,6 +547,8 @@ fn forward_chunk(
                 for work in (ti..n_work).step_by(n_threads) {
                     // token i, KV head g, serving query heads g*group .. (g+1)*group
                     let (i, g) = (work / c.n_kv_heads, work % c.n_kv_heads);
+                    let view = kvr.head(l, g, memory_order);
+                    let (live_slots, live_pos) = (view.slots, view.pos);
                     let qg = &q[i * q_dim + g * group * hd..i * q_dim + (g + 1) * group * hd];
                     let pos = (pos0 + i) as i64;
                     let n_vis = if prefill || cache_pos {
@@ -489,11 +595,12 @@ fn forward_chunk(
                         MassMode::AllRows => true,
                     };
                     if prefill {
-                        // rows pre-converted for this chunk (j indexes the live list):
-                        // keys transposed, values row-major
+                        // rows pre-converted for this chunk (j indexes the head's
+                        // live list): keys transposed, values row-major
                         let n_live = live_slots.len();
-                        let kt_g = &kt[g * hd * n_live..];
-                        let val = |j: usize| &vf[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+                        let kt_g = &kt[koff[g]..];
+                        let vf_g = &vf[koff[g]..];
+                        let val = |j: usize| &vf_g[j * hd..(j + 1) * hd];
                         attend_prefill_group_seg(
                             qs,
                             es,
@@ -513,11 +620,11 @@ fn forward_chunk(
                         // one monomorphized loop per cache type, chosen here per (token,
                         // head), never per element. Head g is units g*hu..(g+1)*hu of a
                         // row of rl units (hu = hd values, or hd/32 q8_0 blocks).
-                        let (rl, hu) = (kvr.row_len(), hd / kvr.ty.block_len());
+                        let (rl, off, hu) = (view.stride, view.off, hd / kvr.ty.block_len());
                         macro_rules! run {
                             ($k:expr, $v:expr) => {{
                                 let (k, v) = ($k, $v);
-                                let at = |j: usize| live_slots[j] as usize * rl + g * hu;
+                                let at = |j: usize| live_slots[j] as usize * rl + off;
                                 attend_group_probs_seg(
                                     qs,
                                     es,
@@ -619,6 +726,9 @@ fn forward_chunk(
     }
     if let Some(t) = taps {
         t.has_prev = true;
+    }
+    if let Some(qw) = queries {
+        qw.advance(n);
     }
 
     // reduce the per-thread attention mass into the caller's (n_slots,) buffer

@@ -11,20 +11,28 @@
 //! `POLICIES` is the single registry: the CLI's `--policy` values, `--help`
 //! and the tests all read it.
 
+pub mod adakv;
 pub mod epikv;
 pub mod h2o;
 pub mod knorm;
+pub mod pyramidkv;
 pub mod random;
+pub mod snapkv;
+pub mod streams;
 pub mod tova;
 pub mod window;
 
+use crate::backend::pool::ThreadPool;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::llama::{HiddenTaps, MassMode};
+use crate::model::llama::{HiddenTaps, MassMode, QueryWindow};
 use crate::model::Config;
+use streams::StreamPlan;
 
-/// Ranks cached tokens (token-uniform: one score per slot shared by every
-/// layer and head). Per-slot state lives in the scorer, indexed by slot.
+/// Ranks cached entries. Token-uniform scorers (the default) give one score
+/// per slot shared by every layer and head (`score`); per-(layer, KV-head)
+/// scorers return a `stream_plan` and score every stream's entries
+/// (`score_streams`). Per-slot state lives in the scorer, indexed by slot.
 pub trait Scorer: std::fmt::Debug + Send {
     /// Name accepted by `--policy`.
     fn name(&self) -> &'static str;
@@ -52,7 +60,32 @@ pub trait Scorer: std::fmt::Debug + Send {
     /// Attention mass of the last step, (n_slots,), averaged over layers and heads.
     fn observe(&mut self, _mass: &[f32]) {}
     /// Fill `out[i]` with the score of live slot `live_slots[i]`; higher = keep.
-    fn score(&mut self, kv: &KvCache, live_slots: &[u32], live_pos: &[i64], out: &mut [f32]);
+    /// (Token-uniform scorers; stream scorers rank with `score_streams`.)
+    fn score(&mut self, _kv: &KvCache, _live_slots: &[u32], _live_pos: &[i64], out: &mut [f32]) {
+        out.fill(0.0);
+    }
+    /// Per-(layer, KV-head) scorers: how the budget is shared among streams
+    /// (None: token-uniform, the default).
+    fn stream_plan(&self, _c: &Config, _budget: usize) -> Result<Option<StreamPlan>> {
+        Ok(None)
+    }
+    /// Query rows per layer the scorer reads when ranking (default: none, no cost).
+    fn query_window(&self) -> usize {
+        0
+    }
+    /// Stream scorers: fill `out` (stream s at `off[s]..off[s + 1]`, in the
+    /// order of its live list) with the score of every entry of each stream
+    /// s with `want[s]` (others may be left stale); higher = keep.
+    fn score_streams(
+        &mut self,
+        _kv: &KvCache,
+        _qw: &QueryWindow,
+        _pool: &ThreadPool,
+        _want: &[bool],
+        _off: &[usize],
+        _out: &mut [f32],
+    ) {
+    }
     /// Forget per-sequence state.
     fn reset(&mut self) {}
 }
@@ -62,6 +95,8 @@ pub trait Scorer: std::fmt::Debug + Send {
 pub struct PolicyInfo {
     pub name: &'static str,
     pub about: &'static str,
+    /// Per-(layer, KV-head) streams (else token-uniform).
+    pub streams: bool,
 }
 
 /// Every policy `--policy` accepts, with its one-line description.
@@ -69,48 +104,79 @@ pub const POLICIES: &[PolicyInfo] = &[
     PolicyInfo {
         name: "full",
         about: "no eviction: the whole context stays cached (the baseline)",
+        streams: false,
     },
     PolicyInfo {
         name: "window",
         about: "StreamingLLM: attention sinks + the most recent tokens",
+        streams: false,
     },
     PolicyInfo {
         name: "h2o",
         about: "H2O: heavy hitters by accumulated attention + recent window",
+        streams: false,
     },
     PolicyInfo {
         name: "tova",
         about: "TOVA: keep what the current query attends to (mean over heads and layers)",
+        streams: false,
+    },
+    PolicyInfo {
+        name: "snapkv",
+        about: "SnapKV: per-head votes of the last 32 queries (pooled), equal budget per (layer, KV head)",
+        streams: true,
+    },
+    PolicyInfo {
+        name: "adakv",
+        about: "Ada-KV: SnapKV scores, a layer's heads share its budget adaptively (20% safeguard per head)",
+        streams: true,
+    },
+    PolicyInfo {
+        name: "pyramidkv",
+        about: "PyramidKV: SnapKV scores, per-layer budgets shrinking with depth (beta 20)",
+        streams: true,
     },
     PolicyInfo {
         name: "knorm",
         about: "K-norm: keep tokens whose keys have the lowest L2 norm",
+        streams: false,
     },
     PolicyInfo {
         name: "random",
         about: "random scores (seeded), a floor for comparisons",
+        streams: false,
     },
     PolicyInfo {
         name: "epikv",
         about: "EPIKV-Flat: rolling z-score of hidden-state change, layer A minus layer B (attention-free)",
+        streams: false,
     },
     PolicyInfo {
         name: "epikv-raw",
         about: "EPIKV raw: rolling mean of hidden-state change, layer A minus layer B",
+        streams: false,
     },
     PolicyInfo {
         name: "epikv-band",
         about: "EPIKV band: z-scores of band-mean hidden-state change, 1.29·A − 1.0·B",
+        streams: false,
     },
     PolicyInfo {
         name: "epikv-lag",
         about: "EPIKV lag: K/V spread normalized by the previous 128-token chunk",
+        streams: false,
     },
     PolicyInfo {
         name: "epikv-seg",
         about: "EPIKV-Seg: key-variance tertile caps per 128-token segment, Flat ranking inside",
+        streams: false,
     },
 ];
+
+/// Whether `name` is a per-(layer, KV-head) stream policy.
+pub fn is_stream_policy(name: &str) -> bool {
+    POLICIES.iter().any(|p| p.name == name && p.streams)
+}
 
 /// Names of every policy.
 pub fn names() -> Vec<&'static str> {
@@ -125,6 +191,8 @@ pub struct PolicyArgs {
     pub n_recent: usize,
     /// EPIKV layer/window choices.
     pub epikv: epikv::EpikvOptions,
+    /// Observation-window options (snapkv, adakv, pyramidkv).
+    pub snap: snapkv::SnapOptions,
 }
 
 /// Build a scorer by name (`Ok(None)` for `full`).
@@ -135,6 +203,9 @@ pub fn by_name(name: &str, n_slots: usize, args: &PolicyArgs) -> Result<Option<B
         "h2o" => Box::new(h2o::H2o::new(n_slots)),
         "tova" => Box::new(tova::Tova::new(n_slots)),
         "knorm" => Box::new(knorm::KNorm::new(n_slots)),
+        "snapkv" => Box::new(snapkv::SnapKv { opts: args.snap }),
+        "adakv" => Box::new(adakv::AdaKv { opts: args.snap }),
+        "pyramidkv" => Box::new(pyramidkv::PyramidKv { opts: args.snap }),
         "random" => Box::new(random::Random::new(n_slots, args.seed)),
         name if epikv::Variant::from_name(name).is_some() => Box::new(epikv::Epikv::new(
             epikv::Variant::from_name(name).unwrap_or(epikv::Variant::Flat),

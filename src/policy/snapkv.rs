@@ -1,0 +1,181 @@
+//! `snapkv`: SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are
+//! Looking for Before Generation", arXiv 2404.14469), per (layer, KV head).
+//!
+//! Idea: the last few queries (the observation window) already attend to
+//! what later queries will need. Each KV head keeps the tokens that the
+//! window's queries vote for: score = softmax attention of every window row
+//! (causal: a row sees keys at or before its position) averaged over the
+//! rows and over the query heads of the GQA group (kvpress's mean reduction:
+//! keys are never repeated per query head), smoothed by 1-D average pooling
+//! along the stream (kernel 5, zero padding); the window's own tokens are
+//! forced kept. Every (layer, KV head) stream keeps its own top `budget`
+//! tokens in its own storage rows.
+//!
+//! Cadence: the original compresses once after the prompt. kvrun keeps the
+//! budget at every moment, so it scores whenever a stream is over budget,
+//! with the window's queries at that time: between prefill chunks (the
+//! prompt's last w queries so far) and during decoding (SnapKV-D: the last w
+//! generated queries, as R-KV re-runs SnapKV while decoding). Each event
+//! frees `--evict-every` tokens' worth per stream (default budget/8, at most
+//! 128), so scoring is amortized.
+//!
+//! Parameters: `--obs-window` w = 32 (the original's window; kvpress uses
+//! 64), `--pool-kernel` 5; the recent window defaults to w (`--kv-recent`),
+//! sinks 4. The queries come from the forward pass (`QueryWindow`); no
+//! attention matrix is stored: per stream the scratch is O(n).
+
+use super::streams::StreamPlan;
+use super::Scorer;
+use crate::backend::cpu::dot_f32;
+use crate::backend::pool::{SharedMut, ThreadPool};
+use crate::kv::KvCache;
+use crate::model::llama::QueryWindow;
+use crate::model::Config;
+
+/// Observation-window options shared by snapkv, adakv and pyramidkv.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SnapOptions {
+    /// Query rows voting (w).
+    pub window: usize,
+    /// Average-pooling kernel (odd; 1 = none).
+    pub kernel: usize,
+    /// AdaKV: fraction of the per-head budget each head always keeps.
+    pub safeguard: f32,
+    /// PyramidKV: ratio of the largest to the smallest layer budget term.
+    pub beta: f32,
+}
+
+impl Default for SnapOptions {
+    fn default() -> Self {
+        SnapOptions {
+            window: 32,
+            kernel: 5,
+            safeguard: 0.2,
+            beta: 20.0,
+        }
+    }
+}
+
+/// Fill `out` (laid out by `off`, see `streams::stream_offsets`) with the
+/// observation-window score of every entry of every stream s with
+/// `want[s]` (the others are left as they are).
+pub fn window_scores(
+    kv: &KvCache,
+    qw: &QueryWindow,
+    pool: &ThreadPool,
+    kernel: usize,
+    want: &[bool],
+    off: &[usize],
+    out: &mut [f32],
+) {
+    let Some(st) = kv.streams() else {
+        return;
+    };
+    let (hd, nkv) = (kv.head_dim, st.n_kv_heads);
+    let n_heads = qw.q_dim / hd;
+    let group = n_heads / nkv;
+    let ns = st.n_streams();
+    let rows = qw.len();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let first = qw.first_pos().unwrap_or(i64::MAX);
+    let nt = pool.n_threads();
+    let outs = SharedMut::new(out);
+    pool.run(|ti| {
+        // per-thread scratch: (n, hd) f32 keys, (n,) logits, (n,) pooled
+        let (mut kf, mut lg, mut tmp) = (Vec::new(), Vec::new(), Vec::new());
+        // deal the wanted streams out round-robin
+        for s in (0..ns).filter(|&s| want[s]).skip(ti).step_by(nt) {
+            let (l, g) = (s / nkv, s % nkv);
+            let (slots, pos) = st.stream(s);
+            let n = slots.len();
+            // SAFETY: stream s's range of `out` belongs to this thread.
+            let a = unsafe { outs.slice(off[s], off[s + 1] - off[s]) };
+            a.fill(0.0);
+            if n == 0 {
+                continue;
+            }
+            kf.resize(n * hd, 0.0);
+            for (j, &sl) in slots.iter().enumerate() {
+                kv.head_f32(true, l, g, sl as usize, &mut kf[j * hd..(j + 1) * hd]);
+            }
+            lg.resize(n, 0.0);
+            let norm = 1.0 / (rows.max(1) * group) as f32;
+            // a[j] = mean over window rows and group heads of softmax(q·k)[j]
+            for r in 0..rows {
+                let (q, qp) = qw.row(l, r);
+                let nv = pos.partition_point(|&p| p <= qp);
+                if nv == 0 {
+                    continue;
+                }
+                for h in 0..group {
+                    let qh = &q[(g * group + h) * hd..(g * group + h + 1) * hd];
+                    let mut m = f32::NEG_INFINITY;
+                    for j in 0..nv {
+                        let x = dot_f32(qh, &kf[j * hd..(j + 1) * hd]) * scale;
+                        lg[j] = x;
+                        m = m.max(x);
+                    }
+                    let mut sum = 0f32;
+                    for x in &mut lg[..nv] {
+                        *x = (*x - m).exp();
+                        sum += *x;
+                    }
+                    let w = norm / sum;
+                    for (y, &x) in a[..nv].iter_mut().zip(&lg[..nv]) {
+                        *y += x * w;
+                    }
+                }
+            }
+            // average pooling along the stream (zero padding, divide by k)
+            if kernel > 1 {
+                let half = kernel / 2;
+                tmp.clear();
+                tmp.extend_from_slice(a);
+                let inv = 1.0 / kernel as f32;
+                for j in 0..n {
+                    let (lo, hi) = (j.saturating_sub(half), (j + half + 1).min(n));
+                    a[j] = tmp[lo..hi].iter().sum::<f32>() * inv;
+                }
+            }
+            // the observation window's own tokens are kept
+            for (y, &p) in a.iter_mut().zip(pos) {
+                if p >= first {
+                    *y = f32::INFINITY;
+                }
+            }
+        }
+    });
+}
+
+/// SnapKV: observation-window votes, equal budget per (layer, KV head).
+#[derive(Debug)]
+pub struct SnapKv {
+    pub opts: SnapOptions,
+}
+
+impl Scorer for SnapKv {
+    fn name(&self) -> &'static str {
+        "snapkv"
+    }
+    fn stream_plan(&self, c: &Config, budget: usize) -> crate::error::Result<Option<StreamPlan>> {
+        Ok(Some(StreamPlan::per_stream(
+            c.n_layers,
+            c.n_kv_heads,
+            &vec![budget; c.n_layers],
+        )))
+    }
+    fn query_window(&self) -> usize {
+        self.opts.window
+    }
+    fn score_streams(
+        &mut self,
+        kv: &KvCache,
+        qw: &QueryWindow,
+        pool: &ThreadPool,
+        want: &[bool],
+        off: &[usize],
+        out: &mut [f32],
+    ) {
+        window_scores(kv, qw, pool, self.opts.kernel, want, off, out)
+    }
+}
