@@ -508,3 +508,16 @@ fn lockstep_matches_sequential_reference_for_any_threads() {
         );
     }
 }
+
+/// The lockstep engine gives every point session a one-thread pool: such a
+/// pool must run its jobs inline on the caller, with no worker thread to
+/// spin (dozens of spinning pools would swamp a small machine).
+#[test]
+fn one_thread_pool_runs_inline() {
+    let pool = kvrun::backend::pool::ThreadPool::new(1);
+    assert_eq!(pool.n_threads(), 1);
+    let me = std::thread::current().id();
+    let calls = std::sync::Mutex::new(Vec::new());
+    pool.run(|i| calls.lock().unwrap().push((i, std::thread::current().id())));
+    assert_eq!(calls.into_inner().unwrap(), [(0, me)]);
+}
