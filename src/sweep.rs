@@ -2,20 +2,26 @@
 //! KV budgets, as a CSV, a JSON array of [`PplReport`]s, an SVG line plot
 //! and a markdown table.
 //!
-//! Every (policy, budget) point is one [`eval_ppl`] run with the same text
-//! and settings, so each point matches `kvrun eval ppl` exactly. Budgets at or
-//! above the text length are still run: they are the "no eviction" points
-//! (KL 0, top-1 agreement 1). The output files are rewritten after every
-//! finished run, so an interrupted sweep keeps what it measured.
+//! Each text (one file, or each JSONL record) is evaluated in ONE lockstep
+//! pass ([`eval_points`]): a single full-cache reference session and one
+//! session per (policy, budget) point are fed the same chunks, and every
+//! point is compared with the reference's log-softmax, computed once per
+//! chunk. Each point's figures are exactly those `kvrun eval ppl` gives for
+//! that point alone. Budgets at or above the text length are still run: they
+//! are the "no eviction" points (KL 0, top-1 agreement 1). With several
+//! records, the output files are rewritten after every record (merged over
+//! the records done), so an interrupted sweep keeps what it measured.
+//!
+//! Memory: each point holds a budget-sized cache and chunk × vocab logits;
+//! the reference holds the whole text's cache.
 
-use crate::cli::{KvArgs, ModelArgs};
+use crate::cli::{resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::error::{Error, Result};
-use crate::eval::{eval_ppl, Fidelity, PplArgs, PplReport, TextArgs};
+use crate::eval::{eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs};
+use crate::load::Checkpoint;
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
-use std::io::{IsTerminal, Write as _};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// Metric drawn in the SVG plot.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,30 +156,17 @@ impl SweepArgs {
         Ok(seen)
     }
 
-    /// `eval ppl` arguments of one point.
-    fn ppl_args(&self, policy: &str, budget: usize, record: usize) -> PplArgs {
-        PplArgs {
-            model: self.model.clone(),
-            kv: KvArgs {
-                policy: policy.to_owned(),
-                kv_budget: Some(budget),
-                kv_sink: self.kv_sink,
-                kv_recent: self.kv_recent,
-                keep_prompt: false,
-                evict_every: self.evict_every,
-                ..KvArgs::default()
-            },
-            text: TextArgs {
-                record,
-                ..self.text.clone()
-            },
-            ctx: self.ctx,
-            chunk: self.chunk,
-            segment_after: self.segment_after.clone(),
-            segment_last: self.segment_last,
-            // eval_ppl's own in-place progress is replaced by the sweep's.
-            json: true,
-            seed: self.seed,
+    /// The KV settings of one point (the same `kvrun eval ppl` gets from
+    /// `--policy P --kv-budget B` and the sweep's other flags).
+    pub fn kv_args(&self, policy: &str, budget: usize) -> KvArgs {
+        KvArgs {
+            policy: policy.to_owned(),
+            kv_budget: Some(budget),
+            kv_sink: self.kv_sink,
+            kv_recent: self.kv_recent,
+            keep_prompt: false,
+            evict_every: self.evict_every,
+            ..KvArgs::default()
         }
     }
 
@@ -732,7 +725,10 @@ pub fn write_outputs(
     Ok(paths)
 }
 
-/// Run the sweep and return the reports (one per policy × budget, in order).
+/// Run the sweep and return the reports (one per policy × budget, in
+/// order; merged over records). Progress goes to stderr: an in-place bar on
+/// a terminal, a plain line per 10 % otherwise, then one summary line per
+/// point.
 pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
     let policies = a.policy_list()?;
     if a.budgets.is_empty() {
@@ -749,11 +745,12 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
     if a.chunk == 0 {
         return Err(Error::arg("--chunk", "must be at least 1"));
     }
-    // Check every point's settings before spending minutes on the first ones.
+    // Check every point's settings before spending minutes on the text.
+    let mut points = Vec::with_capacity(policies.len() * budgets.len());
     for p in &policies {
         for &bud in &budgets {
-            let pa = a.ppl_args(p, bud, a.text.record);
-            if let Some(kp) = pa.kv.build(a.seed, Path::new(""))? {
+            let kv = a.kv_args(p, bud);
+            if let Some(kp) = kv.build(a.seed, Path::new(""))? {
                 let e = &kp.evictor;
                 if e.budget == 0 || e.n_sink + e.n_recent >= e.budget {
                     return Err(Error::arg(
@@ -762,62 +759,75 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
                     ));
                 }
             }
+            points.push(kv);
         }
     }
-    for r in 0..n_rec {
-        TextArgs {
-            record: a.text.record + r,
-            ..a.text.clone()
-        }
-        .load()?;
-    }
+    let raw: Vec<String> = (0..n_rec)
+        .map(|r| {
+            TextArgs {
+                record: a.text.record + r,
+                ..a.text.clone()
+            }
+            .load()
+        })
+        .collect::<Result<_>>()?;
+    let path = resolve_model(&a.model.model)?;
+    let n_threads = resolve_threads(a.model.threads)?;
+    let ck = Checkpoint::open(&path)?;
+    let w = ck.weights()?;
+    let tok = ck.tokenizer()?;
+    let texts: Vec<EvalText> = raw
+        .iter()
+        .map(|t| EvalText::new(&tok, t, a.ctx, a.segment_after.as_deref(), a.segment_last))
+        .collect::<Result<_>>()?;
     let source = a.source();
-    let total = policies.len() * budgets.len();
-    let tty = std::io::stderr().is_terminal();
-    let t_all = Instant::now();
-    let mut out = Vec::with_capacity(total);
-    let mut i = 0;
-    for p in &policies {
-        for &bud in &budgets {
-            i += 1;
-            if tty {
-                let eta = if i > 1 {
-                    let per = t_all.elapsed().as_secs_f64() / (i - 1) as f64;
-                    format!(", ~{:.0}s left", per * (total - i + 1) as f64)
-                } else {
-                    String::new()
-                };
-                eprint!("\r\x1b[2K[{i}/{total}] {p} {bud}: running{eta}…");
-                let _ = std::io::stderr().flush();
-            }
-            let t0 = Instant::now();
-            let mut recs = Vec::with_capacity(n_rec);
-            for r in 0..n_rec {
-                recs.push(
-                    eval_ppl(&a.ppl_args(p, bud, a.text.record + r)).inspect_err(|_| {
-                        if tty {
-                            eprintln!();
-                        }
-                    })?,
-                );
-            }
-            let rep = merge_reports(&recs);
-            let secs = t0.elapsed().as_secs_f64();
-            if tty {
-                eprint!("\r\x1b[2K");
-            }
-            let seg = rep
-                .segment
-                .as_ref()
-                .map(|g| format!(" seg_kl={:.5} seg_top1={:.4}", g.kl, g.top1_agree))
-                .unwrap_or_default();
-            eprintln!(
-                "[{i}/{total}] {p} {bud}: kl={:.5} top1={:.4} dnll={:+.5}{seg} evicted={} ({secs:.1}s)",
-                rep.all.kl, rep.all.top1_agree, rep.all.delta_nll, rep.evicted
-            );
-            out.push(rep);
-            write_outputs(&a.out, &out, a.metric, &source, a.text_len(&out))?;
+    let lk = Lockstep {
+        model: &path,
+        chunk: a.chunk,
+        n_threads,
+        seed: a.seed,
+    };
+    let total_tokens: usize = texts.iter().map(EvalText::n_predicted).sum();
+    eprintln!(
+        "kvrun: sweep of {} points ({} policies × {} budgets) over {} tokens in {} text(s), one lockstep pass per text",
+        points.len(),
+        policies.len(),
+        budgets.len(),
+        total_tokens,
+        texts.len()
+    );
+    let mut prog = Progress::new(total_tokens, true, true);
+    let mut per_point: Vec<Vec<PplReport>> = vec![Vec::with_capacity(n_rec); points.len()];
+    let mut out = Vec::new();
+    for text in &texts {
+        let reps = eval_points(&w, text, &points, lk, &mut |k| prog.advance(k))?;
+        for (acc, r) in per_point.iter_mut().zip(reps) {
+            acc.push(r);
         }
+        out = per_point.iter().map(|rs| merge_reports(rs)).collect();
+        write_outputs(&a.out, &out, a.metric, &source, a.text_len(&out))?;
+    }
+    prog.clear();
+    let total = out.len();
+    for (i, rep) in out.iter().enumerate() {
+        let seg = rep
+            .segment
+            .as_ref()
+            .map(|g| format!(" seg_kl={:.5} seg_top1={:.4}", g.kl, g.top1_agree))
+            .unwrap_or_default();
+        // the point's own forward time (its feeds), not the wall clock
+        let secs =
+            rep.n_tokens.saturating_sub(texts.len()) as f64 / rep.tokens_per_second.max(1e-12);
+        eprintln!(
+            "[{}/{total}] {} {}: kl={:.5} top1={:.4} dnll={:+.5}{seg} evicted={} ({secs:.1}s forward)",
+            i + 1,
+            rep.policy,
+            rep.budget.unwrap_or(0),
+            rep.all.kl,
+            rep.all.top1_agree,
+            rep.all.delta_nll,
+            rep.evicted
+        );
     }
     Ok(out)
 }

@@ -332,3 +332,192 @@ fn sweep_flags_are_consistent() {
         .collect();
     assert_eq!(a.policy_list().unwrap(), want);
 }
+
+/// A short WikiText-2 excerpt on disk (a few hundred tokens).
+fn short_text(tag: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("kvrun-sweep-{tag}-{}.txt", std::process::id()));
+    std::fs::write(&p, util::wikitext(2500)).unwrap();
+    p
+}
+
+/// A report as JSON with the timing (the only non-deterministic field)
+/// zeroed: serde_json prints f64s round-trip exactly, so equal strings mean
+/// bit-identical figures.
+fn figures(r: &PplReport) -> String {
+    let mut r = r.clone();
+    r.tokens_per_second = 0.0;
+    serde_json::to_string(&r).unwrap()
+}
+
+fn parse_cli(args: &[&str]) -> kvrun::cli::Cmd {
+    let v: Vec<String> = std::iter::once("kvrun")
+        .chain(args.iter().copied())
+        .map(String::from)
+        .collect();
+    kvrun::cli::parse(v)
+        .expect("args parse")
+        .cmd
+        .expect("a command")
+}
+
+/// The lockstep sweep (one reference, two points fed together, spread over
+/// two threads) gives, per point, exactly what `eval ppl` gives for that
+/// point alone: KL, ΔNLL, top-1, PPL, segment, evicted, peak.
+#[test]
+fn lockstep_sweep_matches_separate_eval_ppl() {
+    let text = short_text("lockstep");
+    let text_s = text.to_str().unwrap();
+    let prefix = std::env::temp_dir().join(format!("kvrun-lockstep-{}", std::process::id()));
+    let common = [
+        "--ctx",
+        "300",
+        "--chunk",
+        "8",
+        "--kv-recent",
+        "16",
+        "--segment-last",
+        "40",
+        "-t",
+        "2",
+    ];
+    let mut sw = vec!["eval", "sweep", "-f", text_s, "--policies", "h2o"];
+    sw.extend(["--budgets", "64,128", "--out", prefix.to_str().unwrap()]);
+    sw.extend(common);
+    let kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Sweep(sa)) = parse_cli(&sw) else {
+        panic!("not a sweep")
+    };
+    let swept = kvrun::sweep::sweep(&sa).expect("sweep");
+    assert_eq!(swept.len(), 2);
+    for (r, budget) in swept.iter().zip(["64", "128"]) {
+        let mut pa = vec!["eval", "ppl", "-f", text_s, "--policy", "h2o"];
+        pa.extend(["--kv-budget", budget, "--json"]);
+        pa.extend(common);
+        let kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Ppl(pa)) = parse_cli(&pa) else {
+            panic!("not eval ppl")
+        };
+        let alone = kvrun::eval::eval_ppl(&pa).expect("eval ppl");
+        assert_eq!(r.n_tokens, 300);
+        assert!(
+            r.evicted > 0 && r.all.kl > 0.0,
+            "budget {budget}: no eviction"
+        );
+        assert!(r.tokens_per_second > 0.0);
+        assert_eq!(figures(r), figures(&alone), "budget {budget}");
+    }
+    for ext in ["csv", "json", "svg"] {
+        let _ = std::fs::remove_file(prefix.with_extension(ext));
+    }
+    let _ = std::fs::remove_file(&text);
+}
+
+/// `eval_points` against an independent, sequential two-session loop (the
+/// original `eval ppl` algorithm: a full-cache session with its own 2-thread
+/// pool, a 1-thread policy session, both fed chunk by chunk), and against
+/// itself with another `-t`: the figures do not depend on the threads.
+#[test]
+fn lockstep_matches_sequential_reference_for_any_threads() {
+    use kvrun::cli::KvArgs;
+    use kvrun::eval::{eval_points, EvalText, Lockstep};
+    use kvrun::generate::Session;
+    use kvrun::model::llama::Logits;
+
+    let model = util::default_model();
+    let ck = kvrun::load::Checkpoint::open(&model).unwrap();
+    let w = ck.weights().unwrap();
+    let tok = ck.tokenizer().unwrap();
+    let text = EvalText::new(&tok, &util::wikitext(2500), 260, None, Some(40)).unwrap();
+    let n = text.ids.len();
+    assert_eq!(n, 260);
+    let kv = |p: &str, b: usize| KvArgs {
+        policy: p.into(),
+        kv_budget: Some(b),
+        kv_sink: 4,
+        kv_recent: Some(16),
+        evict_every: Some(1),
+        ..KvArgs::default()
+    };
+    let points = [kv("h2o", 64), kv("knorm", 96)];
+    let chunk = 8;
+    let run = |t: usize| {
+        let lk = Lockstep {
+            model: &model,
+            chunk,
+            n_threads: t,
+            seed: 0,
+        };
+        eval_points(&w, &text, &points, lk, &mut |_| {}).unwrap()
+    };
+    let (r1, r2) = (run(1), run(2));
+    for (a, b) in r1.iter().zip(&r2) {
+        assert_eq!(figures(a), figures(b), "-t 1 vs -t 2");
+    }
+
+    let lsm = |l: &[f32]| -> Vec<f64> {
+        let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let s: f64 = l.iter().map(|&x| (x as f64 - m).exp()).sum();
+        let ls = m + s.ln();
+        l.iter().map(|&x| x as f64 - ls).collect()
+    };
+    let am = |v: &[f64]| {
+        v.iter()
+            .enumerate()
+            .fold(0, |b, (j, &x)| if x > v[b] { j } else { b })
+    };
+    let vocab = w.config.vocab;
+    for (kv, got) in points.iter().zip(&r1) {
+        let mut full = Session::new(&w, n, 2, chunk);
+        let p = kv.build(0, &model).unwrap().unwrap();
+        let mut pol = Session::with_policy(&w, n, 1, chunk, p).unwrap();
+        kv.configure(&mut pol).unwrap();
+        pol.protect_prompt(0);
+        let (mut nll, mut nll_full, mut kl, mut agree, mut cnt) = (0.0, 0.0, 0.0, 0, 0);
+        let mut done = 0;
+        while done < n - 1 {
+            let c = chunk.min(n - 1 - done);
+            let ch = &text.ids[done..done + c];
+            let f = full.feed(ch, Logits::All).unwrap().to_vec();
+            let q = pol.feed(ch, Logits::All).unwrap();
+            for i in 0..c {
+                let next = text.ids[done + i + 1] as usize;
+                let lf = lsm(&f[i * vocab..(i + 1) * vocab]);
+                let lp = lsm(&q[i * vocab..(i + 1) * vocab]);
+                let k: f64 = lf.iter().zip(&lp).map(|(&x, &y)| x.exp() * (x - y)).sum();
+                kl += k.max(0.0);
+                nll += -lp[next];
+                nll_full += -lf[next];
+                agree += (am(&lf) == am(&lp)) as usize;
+                cnt += 1;
+            }
+            done += c;
+        }
+        let nf = cnt as f64;
+        let name = &kv.policy;
+        assert_eq!(got.all.n, cnt, "{name}");
+        assert_eq!(got.all.kl, kl / nf, "{name} KL");
+        assert_eq!(got.all.delta_nll, (nll - nll_full) / nf, "{name} dNLL");
+        assert_eq!(got.all.top1_agree, agree as f64 / nf, "{name} top1");
+        assert_eq!(got.all.ppl, (nll / nf).exp(), "{name} PPL");
+        assert_eq!(got.all.ppl_full, (nll_full / nf).exp(), "{name} full PPL");
+        assert_eq!(got.evicted, pol.n_evicted, "{name} evicted");
+        assert!(got.evicted > 0, "{name}: nothing evicted");
+        assert_eq!(got.peak_kv_entries, pol.kv.peak_live, "{name} peak");
+        assert_eq!(
+            got.segment.as_ref().map(|s| s.n),
+            Some(40),
+            "{name} segment"
+        );
+    }
+}
+
+/// The lockstep engine gives every point session a one-thread pool: such a
+/// pool must run its jobs inline on the caller, with no worker thread to
+/// spin (dozens of spinning pools would swamp a small machine).
+#[test]
+fn one_thread_pool_runs_inline() {
+    let pool = kvrun::backend::pool::ThreadPool::new(1);
+    assert_eq!(pool.n_threads(), 1);
+    let me = std::thread::current().id();
+    let calls = std::sync::Mutex::new(Vec::new());
+    pool.run(|i| calls.lock().unwrap().push((i, std::thread::current().id())));
+    assert_eq!(calls.into_inner().unwrap(), [(0, me)]);
+}
