@@ -571,3 +571,135 @@ fn stream_budgets_hold_and_lengths_vary_per_head() {
         );
     }
 }
+
+// ------------------------------------------------------------ 4. the command line
+
+#[test]
+fn stream_policy_cli_runs_and_errors_are_one_line() {
+    use std::process::Command;
+    let run = |extra: &[&str]| {
+        Command::new(util::kvrun_bin())
+            .args([
+                "-p",
+                "Count from one to twenty: one, two,",
+                "-n",
+                "80",
+                "--ignore-eos",
+                "-t",
+                "1",
+                "--temp",
+                "0",
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    // a real run: budget 64 forces evictions in every stream while decoding
+    for (p, budget) in [("snapkv", "64"), ("adakv", "64"), ("pyramidkv", "160")] {
+        // (pyramidkv: the top layer keeps 32 + (160 − 32)/20 = 38 entries)
+        let o = run(&["--policy", p, "--kv-budget", budget, "--cache-type", "q8_0"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{p}: {err}");
+        assert!(err.contains("streams=90"), "{p}: {err}");
+        let line = err.lines().find(|l| l.contains("kv: policy=")).unwrap();
+        let evicted: usize = line
+            .split("evicted=")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(evicted > 0, "{p}: {line}");
+    }
+    for (args, want) in [
+        (
+            vec![
+                "--policy",
+                "snapkv",
+                "--kv-budget",
+                "64",
+                "--pool-kernel",
+                "4",
+            ],
+            "--pool-kernel",
+        ),
+        (
+            vec![
+                "--policy",
+                "snapkv",
+                "--kv-budget",
+                "64",
+                "--obs-window",
+                "0",
+            ],
+            "--obs-window",
+        ),
+        (
+            vec![
+                "--policy",
+                "adakv",
+                "--kv-budget",
+                "64",
+                "--adakv-safeguard",
+                "1.5",
+            ],
+            "--adakv-safeguard",
+        ),
+        (
+            vec![
+                "--policy",
+                "pyramidkv",
+                "--kv-budget",
+                "30",
+                "--kv-recent",
+                "8",
+            ],
+            "observation window",
+        ),
+        (
+            vec![
+                "--policy",
+                "pyramidkv",
+                "--kv-budget",
+                "64",
+                "--pyramid-beta",
+                "0",
+            ],
+            "--pyramid-beta",
+        ),
+        (vec!["--policy", "snapkv", "--kv-budget", "36"], "protected"),
+        (
+            vec![
+                "--policy",
+                "snapkv",
+                "--kv-budget",
+                "64",
+                "--prompt-policy",
+                "window",
+            ],
+            "token-uniform",
+        ),
+        (
+            vec![
+                "--policy",
+                "snapkv",
+                "--kv-budget",
+                "64",
+                "--pos-mode",
+                "cache",
+            ],
+            "window",
+        ),
+    ] {
+        let o = run(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+}
