@@ -171,10 +171,10 @@ impl<'w> Session<'w> {
             n_batch = n_batch.min(mb - e_protected(&policy.evictor)).max(1);
         }
         policy.plan = plan;
-        let pool_rows = policy.plan.as_ref().map(|p| p.pool());
+        let regions = policy.plan.as_ref().map(|p| p.regions());
         let mut s = Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy));
-        if let Some(n_pool) = pool_rows {
-            s.kv = KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, n_pool, KvType::F16)?;
+        if let Some(r) = regions {
+            s.kv = KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
         }
         if !taps.is_empty() {
             s.taps = Some(HiddenTaps::new(taps, c.dim));
@@ -234,7 +234,14 @@ impl<'w> Session<'w> {
         let n = self.kv.cells.n_slots();
         self.kv = match self.kv.layout() {
             Layout::Uniform => KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, n, ty)?,
-            Layout::Streams => KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, n, ty)?,
+            Layout::Streams => {
+                let r = self
+                    .kv
+                    .streams()
+                    .map(|st| st.regions().to_vec())
+                    .unwrap_or_default();
+                KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, &r, ty)?
+            }
         };
         Ok(())
     }

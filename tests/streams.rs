@@ -8,6 +8,7 @@ mod util;
 
 use kvrun::backend::pool::ThreadPool;
 use kvrun::generate::{KvPolicy, Session};
+use kvrun::kv::streams::Region;
 use kvrun::kv::{KvCache, KvType, Layout};
 use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::Logits;
@@ -20,6 +21,14 @@ use kvrun::sample::Rng;
 use kvrun::tokenizer::Tokenizer;
 
 const THREADS: usize = 1;
+
+fn region(first_stream: usize, n_streams: usize, rows: usize) -> Region {
+    Region {
+        first_stream,
+        n_streams,
+        rows,
+    }
+}
 
 fn wiki_tokens(g: &Gguf, n: usize) -> Vec<u32> {
     let tok = Tokenizer::from_gguf(g).unwrap();
@@ -60,7 +69,7 @@ fn lists(kv: &KvCache) -> Vec<(Vec<u32>, Vec<i64>)> {
 #[test]
 fn stream_pool_exact_vectors() {
     // 2 layers × 2 KV heads (head_dim 4): 4 streams over a pool of 10 rows
-    let mut kv = KvCache::with_streams(2, 8, 4, 10, KvType::F16).unwrap();
+    let mut kv = KvCache::with_streams(2, 8, 4, &[region(0, 4, 10)], KvType::F16).unwrap();
     assert_eq!(kv.layout(), Layout::Streams);
     assert_eq!(kv.n_streams(), 4);
     assert_eq!(
@@ -137,7 +146,7 @@ fn stream_pool_exact_vectors() {
 #[test]
 fn stream_rows_round_trip_per_head() {
     // each stream stores its own head's slice of the token's K/V row
-    let mut kv = KvCache::with_streams(1, 6, 3, 4, KvType::F32).unwrap();
+    let mut kv = KvCache::with_streams(1, 6, 3, &[region(0, 2, 4)], KvType::F32).unwrap();
     let mut slots = Vec::new();
     kv.apply(&[], &[7], &mut slots).unwrap();
     let (k, v) = ([1., 2., 3., 4., 5., 6.], [-1., -2., -3., -4., -5., -6.]);
@@ -202,7 +211,8 @@ fn stream_evictor_matches_brute_force() {
         let (nl, nh) = (1 + r(3) as usize, 1 + r(3) as usize);
         let ns = nl * nh;
         let pool = ns * 24;
-        let mut kv = KvCache::with_streams(nl, nh * 4, 4, pool, KvType::F16).unwrap();
+        let mut kv =
+            KvCache::with_streams(nl, nh * 4, 4, &[region(0, ns, pool)], KvType::F16).unwrap();
         let mut slots = Vec::new();
         // a history: feed tokens, randomly drop entries of random streams
         let n_tok = 1 + r(20) as usize;
@@ -702,4 +712,30 @@ fn stream_policy_cli_runs_and_errors_are_one_line() {
             "{args:?}: {err}"
         );
     }
+}
+
+#[test]
+fn regions_keep_each_stream_in_its_rows() {
+    // 1 layer × 2 KV heads, one 3-row region per stream
+    let mut kv =
+        KvCache::with_streams(1, 8, 4, &[region(0, 1, 3), region(1, 1, 3)], KvType::F16).unwrap();
+    let mut slots = Vec::new();
+    kv.apply(&[], &[0, 1, 2], &mut slots).unwrap();
+    assert_eq!(slots, vec![0, 1, 2, 3, 4, 5]);
+    // a region is full: a fourth token needs room in both
+    assert!(
+        kv.apply(&[1], &[3], &mut slots).is_err(),
+        "stream 1 has no room"
+    );
+    assert_eq!(kv.cells.n_live(), 6, "a failed step changes nothing");
+    kv.apply(&[1, 3], &[3], &mut slots).unwrap();
+    assert_eq!(slots, vec![1, 3], "each stream reuses its own hole");
+    let st = kv.streams().unwrap();
+    assert_eq!(st.stream(0), (&[0u32, 2, 1][..], &[0i64, 2, 3][..]));
+    assert_eq!(st.stream_by_slot(0), (&[0u32, 1, 2][..], &[0i64, 3, 2][..]));
+    assert_eq!(st.stream(1), (&[4u32, 5, 3][..], &[1i64, 2, 3][..]));
+    assert_eq!(st.stream_by_slot(1), (&[3u32, 4, 5][..], &[3i64, 1, 2][..]));
+    // decoding walks memory order, prefill position order
+    assert_eq!(kv.head(0, 0, true).slots, &[0, 1, 2]);
+    assert_eq!(kv.head(0, 0, false).slots, &[0, 2, 1]);
 }

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use cells::KvCells;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use streams::StreamLists;
+use streams::{Region, StreamLists};
 
 /// Storage type of cached K and V (`--cache-type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -273,18 +273,20 @@ impl KvCache {
         ))
     }
 
-    /// A per-(layer, KV head) stream cache over a pool of `n_pool` rows of
-    /// `head_dim` values (K and V), shared by all streams.
+    /// A per-(layer, KV head) stream cache over a pool of rows of
+    /// `head_dim` values (K and V) cut into `regions`, each serving a run of
+    /// streams (see `streams`).
     pub fn with_streams(
         n_layers: usize,
         kv_dim: usize,
         head_dim: usize,
-        n_pool: usize,
+        regions: &[Region],
         ty: KvType,
     ) -> Result<KvCache> {
         let c = Self::with_type(n_layers, kv_dim, head_dim, 0, ty)?;
         let row_len = head_dim / ty.block_len();
-        let lists = StreamLists::new(n_layers, kv_dim / head_dim, n_pool);
+        let lists = StreamLists::new(n_layers, kv_dim / head_dim, regions);
+        let n_pool = lists.n_rows();
         Ok(Self::alloc(
             n_layers,
             kv_dim,
@@ -470,14 +472,24 @@ impl KvCache {
             return Ok(());
         };
         let ns = st.n_streams();
-        let after =
-            self.cells.n_live() - victims.len().min(self.cells.n_live()) + positions.len() * ns;
-        if after > self.cells.n_slots() {
-            return Err(Error::Other(format!(
-                "KV pool full: {} entries would exceed its {} rows",
-                after,
-                self.cells.n_slots()
-            )));
+        // every region must hold its streams' entries after the step; check
+        // first so that a failed step leaves the cache untouched
+        let nr = st.regions().len();
+        let mut fill = vec![0usize; nr];
+        for s in 0..ns {
+            fill[st.region_of(s)] += st.len(s) + positions.len();
+        }
+        for &v in victims {
+            let ri = st.region_of(st.owner(v as usize));
+            fill[ri] = fill[ri].saturating_sub(1);
+        }
+        for (ri, (&f, r)) in fill.iter().zip(st.regions()).enumerate() {
+            if f > r.rows {
+                return Err(Error::Other(format!(
+                    "KV pool region {ri} full: {f} entries would exceed its {} rows",
+                    r.rows
+                )));
+            }
         }
         for &v in victims {
             self.cells.free(v as usize);
@@ -487,8 +499,9 @@ impl KvCache {
         slots.clear();
         for s in 0..ns {
             for &p in positions {
-                let Some(sl) = self.cells.find_free() else {
-                    unreachable!("capacity was checked above");
+                let cells = &self.cells;
+                let Some(sl) = st.find_free(s, |x| cells.pos(x).is_none()) else {
+                    unreachable!("region capacity was checked above");
                 };
                 self.cells.set(sl, p);
                 st.push(s, sl as u32, p);
@@ -500,15 +513,20 @@ impl KvCache {
         Ok(())
     }
 
-    /// The keys KV head `g` of `layer` attends over. Token-uniform caches
-    /// give the shared live list, by position or (`memory_order`) by slot;
-    /// stream caches give the stream's own list, always by position.
+    /// The keys KV head `g` of `layer` attends over, by position or
+    /// (`memory_order`) by slot: token-uniform caches give the shared live
+    /// list, stream caches the stream's own.
     #[inline]
     pub fn head(&self, layer: usize, g: usize, memory_order: bool) -> HeadView<'_> {
         let hu = self.head_dim / self.ty.block_len();
         match &self.streams {
             Some(st) => {
-                let (slots, pos) = st.stream(st.id(layer, g));
+                let id = st.id(layer, g);
+                let (slots, pos) = if memory_order {
+                    st.stream_by_slot(id)
+                } else {
+                    st.stream(id)
+                };
                 HeadView {
                     slots,
                     pos,

@@ -11,13 +11,44 @@
 //! memory really is released, and streams can hold different numbers of
 //! tokens (head-adaptive and global budgets).
 //!
+//! The pool is cut into regions, one per budget group of streams (one
+//! stream for SnapKV, a layer's heads for AdaKV): a stream's rows stay in
+//! its region, found ring-style from the region's head, so its attention
+//! reads stay local however scattered its evictions are, and a region's
+//! size is its group's budget.
+//!
 //! Plain Rust, no tensors; only `KvCache::apply` mutates it.
+
+/// A contiguous range of pool rows serving consecutive streams (the
+/// streams of one budget group): keeping a stream's rows together keeps its
+/// attention reads local, however scattered its evictions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// First stream served.
+    pub first_stream: usize,
+    /// Streams served.
+    pub n_streams: usize,
+    /// Pool rows.
+    pub rows: usize,
+}
 
 /// Per-stream live lists and pool ownership.
 #[derive(Clone, Debug)]
 pub struct StreamLists {
     /// KV heads per layer (streams per layer).
     pub n_kv_heads: usize,
+    /// (n_regions,) regions, in stream order, covering every stream.
+    regions: Vec<Region>,
+    /// (n_regions,) first pool row of each region.
+    base: Vec<usize>,
+    /// (n_regions,) ring head (next row to try) of each region, relative.
+    rhead: Vec<usize>,
+    /// (n_streams,) region of each stream.
+    region_of: Vec<u32>,
+    /// (n_streams,) live pool slots of each stream in slot (memory) order,
+    /// and their positions: decoding walks rows in memory order.
+    mslots: Vec<Vec<u32>>,
+    mpos: Vec<Vec<i64>>,
     /// (n_pool,) stream owning each pool slot (meaningful while it is live).
     owner: Vec<u32>,
     /// (n_streams,) live pool slots of each stream, ordered by position.
@@ -29,16 +60,67 @@ pub struct StreamLists {
 }
 
 impl StreamLists {
-    /// Empty lists for `n_layers` × `n_kv_heads` streams over `n_pool` slots.
-    pub fn new(n_layers: usize, n_kv_heads: usize, n_pool: usize) -> StreamLists {
+    /// Empty lists for `n_layers` × `n_kv_heads` streams served by
+    /// `regions` (consecutive, covering every stream once).
+    pub fn new(n_layers: usize, n_kv_heads: usize, regions: &[Region]) -> StreamLists {
         let n = n_layers * n_kv_heads;
+        let mut region_of = vec![u32::MAX; n];
+        let mut base = Vec::with_capacity(regions.len());
+        let mut at = 0;
+        for (i, r) in regions.iter().enumerate() {
+            for s in r.first_stream..(r.first_stream + r.n_streams).min(n) {
+                region_of[s] = i as u32;
+            }
+            base.push(at);
+            at += r.rows;
+        }
+        assert!(
+            region_of.iter().all(|&r| r != u32::MAX),
+            "regions must cover every stream"
+        );
         StreamLists {
             n_kv_heads,
-            owner: vec![u32::MAX; n_pool],
+            regions: regions.to_vec(),
+            base,
+            rhead: vec![0; regions.len()],
+            region_of,
+            mslots: vec![Vec::new(); n],
+            mpos: vec![Vec::new(); n],
+            owner: vec![u32::MAX; at],
             slots: vec![Vec::new(); n],
             pos: vec![Vec::new(); n],
             touched: vec![false; n],
         }
+    }
+
+    /// Pool rows of all regions.
+    pub fn n_rows(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// The regions.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    /// Region serving stream `s`.
+    #[inline]
+    pub fn region_of(&self, s: usize) -> usize {
+        self.region_of[s] as usize
+    }
+
+    /// Live slots and positions of stream `s`, in slot (memory) order.
+    #[inline]
+    pub fn stream_by_slot(&self, s: usize) -> (&[u32], &[i64]) {
+        (&self.mslots[s], &self.mpos[s])
+    }
+
+    /// The first free row of stream `s`'s region at or after the region's
+    /// ring head (wrapping), if any; `is_free` says whether a pool row is free.
+    pub(super) fn find_free(&self, s: usize, is_free: impl Fn(usize) -> bool) -> Option<usize> {
+        let ri = self.region_of[s] as usize;
+        let (b, n, h) = (self.base[ri], self.regions[ri].rows, self.rhead[ri]);
+        (0..n).map(|i| b + (h + i) % n).find(|&sl| is_free(sl))
     }
 
     /// Number of streams (n_layers · n_kv_heads).
@@ -83,6 +165,13 @@ impl StreamLists {
         for v in &mut self.pos {
             v.clear();
         }
+        for v in &mut self.mslots {
+            v.clear();
+        }
+        for v in &mut self.mpos {
+            v.clear();
+        }
+        self.rhead.fill(0);
         self.owner.fill(u32::MAX);
     }
 
@@ -107,17 +196,34 @@ impl StreamLists {
             }
             sl.truncate(w);
             ps.truncate(w);
+            let (sl, ps) = (&mut self.mslots[s], &mut self.mpos[s]);
+            let mut w = 0;
+            for r in 0..sl.len() {
+                if is_live(sl[r] as usize) {
+                    sl[w] = sl[r];
+                    ps[w] = ps[r];
+                    w += 1;
+                }
+            }
+            sl.truncate(w);
+            ps.truncate(w);
         }
         for &v in freed {
             self.owner[v as usize] = u32::MAX;
         }
     }
 
-    /// Append a new entry (its position is after every entry of the stream).
+    /// Append a new entry (its position is after every entry of the
+    /// stream); the region's ring head moves past its row.
     pub(super) fn push(&mut self, s: usize, slot: u32, pos: i64) {
         debug_assert!(self.pos[s].last().is_none_or(|&p| p < pos));
         self.owner[slot as usize] = s as u32;
         self.slots[s].push(slot);
         self.pos[s].push(pos);
+        let at = self.mslots[s].partition_point(|&x| x < slot);
+        self.mslots[s].insert(at, slot);
+        self.mpos[s].insert(at, pos);
+        let ri = self.region_of[s] as usize;
+        self.rhead[ri] = (slot as usize + 1 - self.base[ri]) % self.regions[ri].rows;
     }
 }

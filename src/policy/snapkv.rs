@@ -26,7 +26,6 @@
 
 use super::streams::StreamPlan;
 use super::Scorer;
-use crate::backend::cpu::dot_f32;
 use crate::backend::pool::{SharedMut, ThreadPool};
 use crate::kv::KvCache;
 use crate::model::llama::QueryWindow;
@@ -94,9 +93,15 @@ pub fn window_scores(
             if n == 0 {
                 continue;
             }
+            // keys transposed, (hd, n): each query's logits are then hd
+            // vectorizable axpy passes over contiguous rows
             kf.resize(n * hd, 0.0);
+            let mut row = [0f32; 256];
             for (j, &sl) in slots.iter().enumerate() {
-                kv.head_f32(true, l, g, sl as usize, &mut kf[j * hd..(j + 1) * hd]);
+                kv.head_f32(true, l, g, sl as usize, &mut row[..hd]);
+                for (d, &x) in row[..hd].iter().enumerate() {
+                    kf[d * n + j] = x;
+                }
             }
             lg.resize(n, 0.0);
             let norm = 1.0 / (rows.max(1) * group) as f32;
@@ -109,20 +114,23 @@ pub fn window_scores(
                 }
                 for h in 0..group {
                     let qh = &q[(g * group + h) * hd..(g * group + h + 1) * hd];
-                    let mut m = f32::NEG_INFINITY;
-                    for j in 0..nv {
-                        let x = dot_f32(qh, &kf[j * hd..(j + 1) * hd]) * scale;
-                        lg[j] = x;
-                        m = m.max(x);
+                    let x = &mut lg[..nv];
+                    x.fill(0.0);
+                    for (d, &qd) in qh.iter().enumerate() {
+                        let qd = qd * scale;
+                        for (y, &k) in x.iter_mut().zip(&kf[d * n..d * n + nv]) {
+                            *y += qd * k;
+                        }
                     }
+                    let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                     let mut sum = 0f32;
-                    for x in &mut lg[..nv] {
-                        *x = (*x - m).exp();
-                        sum += *x;
+                    for v in x.iter_mut() {
+                        *v = (*v - m).exp();
+                        sum += *v;
                     }
                     let w = norm / sum;
-                    for (y, &x) in a[..nv].iter_mut().zip(&lg[..nv]) {
-                        *y += x * w;
+                    for (y, &v) in a[..nv].iter_mut().zip(x.iter()) {
+                        *y += v * w;
                     }
                 }
             }

@@ -76,6 +76,18 @@ impl StreamPlan {
         }
     }
 
+    /// One pool region per group, sized by its budget.
+    pub fn regions(&self) -> Vec<crate::kv::streams::Region> {
+        self.groups
+            .iter()
+            .map(|g| crate::kv::streams::Region {
+                first_stream: g.first,
+                n_streams: g.len,
+                rows: g.budget,
+            })
+            .collect()
+    }
+
     /// Pool rows needed: the sum of the group budgets (resident entries
     /// never exceed it).
     pub fn pool(&self) -> usize {
