@@ -237,6 +237,24 @@ unsafe fn reduce16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__
     pair(l3[0], l3[1], 3)
 }
 
+/// Rows ahead of the one being read that the kernel asks the cache to fetch.
+const PREFETCH: usize = 8;
+
+/// Prefetch the cache lines of one row into L1.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_row<R: KvRow + ?Sized>(r: &R) {
+    use std::arch::x86_64::*;
+    let (p, len) = (r as *const R as *const u8, std::mem::size_of_val(r));
+    let mut o = 0;
+    while o < len {
+        // SAFETY: a prefetch is a hint: it never faults and writes nothing;
+        // the address is inside the row.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(o).cast()) };
+        o += 64;
+    }
+}
+
 /// One row of C·16 values as C vectors: f16 rows widened in registers,
 /// f32 rows loaded, others (q8_0) converted through `buf`.
 #[cfg(target_arch = "x86_64")]
@@ -319,6 +337,9 @@ unsafe fn kernel<'k, const G: usize, const C: usize, R, K, V>(
             let mut acc = [[zero; 16]; G];
             for t in 0..16 {
                 if t < w {
+                    if j + t + PREFETCH < j1 {
+                        prefetch_row(key(j + t + PREFETCH));
+                    }
                     // SAFETY: CPU as this function's.
                     let k = unsafe { load_row::<C, R>(key(j + t), &mut buf) };
                     for h in 0..G {
@@ -368,6 +389,9 @@ unsafe fn kernel<'k, const G: usize, const C: usize, R, K, V>(
     // pass 3: value sum
     let mut acc = [[zero; C]; G];
     for j in 0..n {
+        if j + PREFETCH < n {
+            prefetch_row(val(j + PREFETCH));
+        }
         // SAFETY: CPU as this function's.
         let v = unsafe { load_row::<C, R>(val(j), &mut buf) };
         for h in 0..G {
