@@ -39,8 +39,8 @@ pub fn supports(g: usize, hd: usize) -> bool {
 // exp(x) = 2^k · exp(r), k = round(x / ln2), r = x − k·ln2 (ln2 split in a
 // high part with trailing zero bits and the remainder, so k·LN2_HI is exact).
 const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_145_751_953_125; // 0x3f317200
-const LN2_LO: f32 = 1.428_606_765_330_187e-6; // ln2 − LN2_HI
+const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // 0.693145751953125
+const LN2_LO: f32 = (std::f64::consts::LN_2 - 0.693_145_751_953_125) as f32;
 /// Below this exp underflows to 0 (the smallest subnormal is 2^-149).
 const X_MIN: f32 = -104.0;
 /// Above this exp overflows to +inf.
