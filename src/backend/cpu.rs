@@ -418,6 +418,13 @@ pub fn attend_head<'k>(
 pub trait KvRow {
     /// The row as f32: converted into `buf`, or borrowed as is.
     fn as_f32<'a>(&'a self, buf: &'a mut [f32]) -> &'a [f32];
+
+    /// The row itself if it is stored as f16 (SIMD kernels widen it in
+    /// registers instead of converting through a buffer).
+    #[inline]
+    fn as_f16(&self) -> Option<&[f16]> {
+        None
+    }
 }
 
 impl KvRow for [f16] {
@@ -426,6 +433,11 @@ impl KvRow for [f16] {
         let b = &mut buf[..self.len()];
         self.convert_to_f32_slice(b);
         b
+    }
+
+    #[inline]
+    fn as_f16(&self) -> Option<&[f16]> {
+        Some(self)
     }
 }
 
@@ -814,7 +826,35 @@ pub fn attend_group_probs<'k, R: KvRow + ?Sized + 'k>(
 /// `seg_end[s-1]..seg_end[s]` are scored against query `s` (q: (n_seg, g,
 /// head_dim)); see `attend_prefill_group_seg`. One segment is
 /// `attend_group_probs`, operation for operation.
+///
+/// Runs the AVX-512 kernel (`decode512`) where the CPU has it and the shape
+/// is supported, else the portable `attend_group_probs_seg_ref`. The choice
+/// depends only on the CPU and (g, head_dim), never on whether a scorer
+/// reads the probabilities.
 pub fn attend_group_probs_seg<'k, R: KvRow + ?Sized + 'k>(
+    q: &[f32],
+    seg_end: &[usize],
+    g: usize,
+    n: usize,
+    key: impl Fn(usize) -> &'k R,
+    val: impl Fn(usize) -> &'k R,
+    scale: f32,
+    sc: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let hd = out.len() / g.max(1);
+    if super::decode512::supports(g, hd) && super::decode512::available() {
+        super::decode512::attend(q, seg_end, g, n, key, val, scale, sc, out, stats)
+    } else {
+        attend_group_probs_seg_ref(q, seg_end, g, n, key, val, scale, sc, out, stats)
+    }
+}
+
+/// The portable decode kernel (scalar libm `exp`, rows converted to f32
+/// through a buffer): the fallback of `attend_group_probs_seg` and the
+/// reference its SIMD path is tested against.
+pub fn attend_group_probs_seg_ref<'k, R: KvRow + ?Sized + 'k>(
     q: &[f32],
     seg_end: &[usize],
     g: usize,

@@ -2,5 +2,6 @@
 
 pub mod attn512;
 pub mod cpu;
+pub mod decode512;
 pub mod pool;
 pub mod qgemm;
