@@ -455,7 +455,7 @@ fn budget_4096_window() {
 
 #[test]
 fn budget_holds_h2o() {
-    budget_run("h2o", 1500, 1);
+    budget_run("h2o", 4096, 1);
 }
 
 #[test]
@@ -465,23 +465,23 @@ fn budget_holds_h2o_evict_every_8() {
 
 #[test]
 fn budget_holds_tova() {
-    budget_run("tova", 1500, 1);
+    budget_run("tova", 4096, 1);
 }
 
 #[test]
 fn budget_holds_knorm() {
-    budget_run("knorm", 1000, 1);
+    budget_run("knorm", 4096, 1);
 }
 
 #[test]
 fn budget_holds_random() {
-    budget_run("random", 1000, 1);
+    budget_run("random", 4096, 1);
 }
 
 #[test]
 fn budget_holds_epikv_variants() {
     for name in ["epikv", "epikv-raw", "epikv-band", "epikv-lag", "epikv-seg"] {
-        budget_run(name, 600, 1);
+        budget_run(name, 4096, 1);
     }
 }
 

@@ -524,7 +524,7 @@ fn check_streams(s: &Session, what: &str) {
 fn stream_budgets_hold_and_lengths_vary_per_head() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    let n = 700;
+    let n = 4096;
     let toks = wiki_tokens(&g, n);
     for name in ["snapkv", "adakv", "pyramidkv"] {
         let mut s = Session::with_policy(&w, n, THREADS, 512, policy(name, evictor(128, 4, 32, 8)))

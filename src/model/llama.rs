@@ -58,6 +58,12 @@ pub struct RunState {
     kt: Vec<f32>,
     /// (n_kv_heads + 1,) start of each KV head's block in `kt` and `vf`
     koff: Vec<usize>,
+    /// (n_parts, group, head_dim) normalized outputs of decode key parts
+    part_out: Vec<f32>,
+    /// (n_parts, group) (max, sum) softmax statistics of decode key parts
+    part_stats: Vec<(f32, f32)>,
+    /// (n_parts,) (KV head, first key, end key, offset in `att`) of each part
+    items: Vec<(usize, usize, usize, usize)>,
     /// (n_threads, n_slots) per-thread attention-mass accumulators
     mass_thr: Vec<f32>,
     /// quantized activations scratch
@@ -104,6 +110,9 @@ impl RunState {
             vf: Vec::new(),
             kt: Vec::new(),
             koff: Vec::new(),
+            part_out: Vec::new(),
+            part_stats: Vec::new(),
+            items: Vec::new(),
             mass_thr: Vec::new(),
             act: Vec::new(),
             slots: Vec::new(),
@@ -520,7 +529,32 @@ fn forward_chunk(
 
         // multi-head attention over live slots, causal by position:
         // att_out[i, h] = softmax(q[i,h]·K[j] * scale, pos_j ≤ pos_i) @ V[j]
-        {
+        if n == 1 && !cache_pos {
+            // one decoded token: every KV head's keys in parts, in parallel
+            // (flash-decoding), merged by their softmax statistics
+            let mass = if export && io.mass_mode != MassMode::None {
+                Some((&mut s.mass_thr[..n_slots], mass_w))
+            } else {
+                None
+            };
+            let dec = DecodeScratch {
+                att: &mut s.att,
+                part_out: &mut s.part_out,
+                part_stats: &mut s.part_stats,
+                items: &mut s.items,
+            };
+            attend_decode_split(
+                kv,
+                l,
+                &s.q[..q_dim],
+                group,
+                scale,
+                pool,
+                dec,
+                &mut s.att_out[..q_dim],
+                mass,
+            );
+        } else {
             // decoding sees every live token: walk them in memory order
             // (in-cache positions need position order for their key runs)
             let memory_order = !(prefill || cache_pos);
@@ -770,6 +804,166 @@ fn forward_chunk(
         &mut s.act,
     );
     Ok(())
+}
+
+/// Keys per part when one decoded token's attention is split.
+pub const DECODE_PART: usize = 256;
+
+/// Scratch of `attend_decode_split`.
+struct DecodeScratch<'a> {
+    att: &'a mut Vec<f32>,
+    part_out: &'a mut Vec<f32>,
+    part_stats: &'a mut Vec<(f32, f32)>,
+    items: &'a mut Vec<(usize, usize, usize, usize)>,
+}
+
+/// Attention of one decoded token at `layer`: q (n_heads · hd) against
+/// every live key of each KV head, into `out` (n_heads · hd). Each KV
+/// head's keys (memory order) are cut into parts of `DECODE_PART` keys; the
+/// parts run in parallel through the fused kernel, each yielding normalized
+/// outputs and probabilities plus its (max, sum), and are merged exactly:
+/// with M = max_p m_p and w_p = s_p · e^(m_p − M), out = Σ w_p out_p / Σ w_p
+/// and part p's probabilities scale by w_p / Σ w_p. The cut depends only on
+/// the number of keys, never on the thread count, so results are the same
+/// for any -t. With `mass`, every probability times its weight is added to
+/// the (n_slots,) accumulator.
+#[allow(clippy::too_many_arguments)]
+fn attend_decode_split(
+    kv: &KvCache,
+    layer: usize,
+    q: &[f32],
+    group: usize,
+    scale: f32,
+    pool: &ThreadPool,
+    d: DecodeScratch<'_>,
+    out: &mut [f32],
+    mass: Option<(&mut [f32], f32)>,
+) {
+    let hd = kv.head_dim;
+    let nkv = q.len() / (group * hd);
+    // the parts: (KV head, keys j0..j1 of its memory-order list, offset of
+    // their (group, j1 − j0) probabilities in `att`)
+    d.items.clear();
+    let mut at = 0;
+    for g in 0..nkv {
+        let nv = kv.head(layer, g, true).slots.len();
+        let np = nv.div_ceil(DECODE_PART).max(1);
+        for p in 0..np {
+            let (j0, j1) = (p * nv / np, (p + 1) * nv / np);
+            d.items.push((g, j0, j1, at));
+            at += group * (j1 - j0);
+        }
+    }
+    let n_items = d.items.len();
+    if d.att.len() < at {
+        d.att.resize(at, 0.0);
+    }
+    d.part_out.resize(n_items * group * hd, 0.0);
+    d.part_stats.resize(n_items * group, (0.0, 0.0));
+    {
+        let items = &*d.items;
+        let att = SharedMut::new(&mut d.att[..at]);
+        let po = SharedMut::new(&mut d.part_out[..]);
+        let ps = SharedMut::new(&mut d.part_stats[..]);
+        let nt = pool.n_threads();
+        let hu = hd / kv.ty.block_len();
+        pool.run(|ti| {
+            for it in (ti..n_items).step_by(nt) {
+                let (g, j0, j1, off) = items[it];
+                let view = kv.head(layer, g, true);
+                let (slots, stride, hoff) = (&view.slots[j0..j1], view.stride, view.off);
+                let m = j1 - j0;
+                let qg = &q[g * group * hd..(g + 1) * group * hd];
+                // SAFETY: item `it` owns its probabilities, output and statistics.
+                let (sc, o, st) = unsafe {
+                    (
+                        att.slice(off, group * m),
+                        po.slice(it * group * hd, group * hd),
+                        ps.slice(it * group, group),
+                    )
+                };
+                if m == 0 {
+                    o.fill(0.0);
+                    st.fill((f32::NEG_INFINITY, 0.0));
+                    continue;
+                }
+                macro_rules! run {
+                    ($k:expr, $v:expr) => {{
+                        let (k, v) = ($k, $v);
+                        let at = |j: usize| slots[j] as usize * stride + hoff;
+                        attend_group_probs_seg(
+                            qg,
+                            &[m],
+                            group,
+                            m,
+                            |j: usize| &k[at(j)..at(j) + hu],
+                            |j: usize| &v[at(j)..at(j) + hu],
+                            scale,
+                            sc,
+                            o,
+                            st,
+                        )
+                    }};
+                }
+                match kv.layer(layer) {
+                    LayerKv::F32(k, v) => run!(k, v),
+                    LayerKv::F16(k, v) => run!(k, v),
+                    LayerKv::Q8(k, v) => run!(k, v),
+                }
+            }
+        });
+    }
+    // merge the parts of each KV head (a single part is copied as is)
+    let mut mass = mass;
+    let mut first = 0;
+    while first < n_items {
+        let g = d.items[first].0;
+        let last = (first..n_items)
+            .find(|&i| d.items[i].0 != g)
+            .unwrap_or(n_items);
+        let o = &mut out[g * group * hd..(g + 1) * group * hd];
+        for h in 0..group {
+            let mx = (first..last)
+                .map(|i| d.part_stats[i * group + h].0)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let total: f32 = (first..last)
+                .map(|i| {
+                    let (m, s) = d.part_stats[i * group + h];
+                    if s > 0.0 { s * (m - mx).exp() } else { 0.0 }
+                })
+                .sum();
+            let oh = &mut o[h * hd..(h + 1) * hd];
+            oh.fill(0.0);
+            for i in first..last {
+                let (m, s) = d.part_stats[i * group + h];
+                let wgt = if last - first == 1 {
+                    1.0
+                } else if s > 0.0 && total > 0.0 {
+                    s * (m - mx).exp() / total
+                } else {
+                    0.0
+                };
+                let src = &d.part_out[(i * group + h) * hd..(i * group + h + 1) * hd];
+                if last - first == 1 {
+                    oh.copy_from_slice(src);
+                } else {
+                    for (y, &x) in oh.iter_mut().zip(src) {
+                        *y += wgt * x;
+                    }
+                }
+                if let Some((acc, mw)) = mass.as_mut() {
+                    let (_, j0, j1, off) = d.items[i];
+                    let slots = &kv.head(layer, g, true).slots[j0..j1];
+                    let m = j1 - j0;
+                    let p = &d.att[off + h * m..off + (h + 1) * m];
+                    for (&sl, &x) in slots.iter().zip(p) {
+                        acc[sl as usize] += x * wgt * *mw;
+                    }
+                }
+            }
+        }
+        first = last;
+    }
 }
 
 /// Run `f(t0, t1)` over the token rows `0..n` split across the pool's
