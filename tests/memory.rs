@@ -124,7 +124,10 @@ fn budgeted_memory_does_not_grow_with_context() {
         let (a1, p1) = max_alloc_feeding(&w, &toks[..512], Some((name, 256)));
         let (a2, p2) = max_alloc_feeding(&w, &toks, Some((name, 256)));
         eprintln!("{name} budget 256: largest allocation n=512 -> {a1} B, n=1024 -> {a2} B; peak resident {p1}, {p2}");
-        assert!(p1 <= 256 && p2 <= 256, "{name}: resident KV exceeded the budget");
+        assert!(
+            p1 <= 256 && p2 <= 256,
+            "{name}: resident KV exceeded the budget"
+        );
         assert!(
             a2 <= a1 + 4096,
             "{name}: allocations grew with context under a fixed budget: {a1} -> {a2}"
