@@ -929,7 +929,11 @@ fn attend_decode_split(
             let total: f32 = (first..last)
                 .map(|i| {
                     let (m, s) = d.part_stats[i * group + h];
-                    if s > 0.0 { s * (m - mx).exp() } else { 0.0 }
+                    if s > 0.0 {
+                        s * (m - mx).exp()
+                    } else {
+                        0.0
+                    }
                 })
                 .sum();
             let oh = &mut o[h * hd..(h + 1) * hd];
