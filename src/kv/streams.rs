@@ -185,28 +185,8 @@ impl StreamLists {
             if !std::mem::take(&mut self.touched[s]) {
                 continue;
             }
-            let (sl, ps) = (&mut self.slots[s], &mut self.pos[s]);
-            let mut w = 0;
-            for r in 0..sl.len() {
-                if is_live(sl[r] as usize) {
-                    sl[w] = sl[r];
-                    ps[w] = ps[r];
-                    w += 1;
-                }
-            }
-            sl.truncate(w);
-            ps.truncate(w);
-            let (sl, ps) = (&mut self.mslots[s], &mut self.mpos[s]);
-            let mut w = 0;
-            for r in 0..sl.len() {
-                if is_live(sl[r] as usize) {
-                    sl[w] = sl[r];
-                    ps[w] = ps[r];
-                    w += 1;
-                }
-            }
-            sl.truncate(w);
-            ps.truncate(w);
+            retain_live(&mut self.slots[s], &mut self.pos[s], &is_live);
+            retain_live(&mut self.mslots[s], &mut self.mpos[s], &is_live);
         }
         for &v in freed {
             self.owner[v as usize] = u32::MAX;
@@ -226,4 +206,18 @@ impl StreamLists {
         let ri = self.region_of[s] as usize;
         self.rhead[ri] = (slot as usize + 1 - self.base[ri]) % self.regions[ri].rows;
     }
+}
+
+/// Keep the (slot, position) pairs whose slot is still live, in order.
+fn retain_live(sl: &mut Vec<u32>, ps: &mut Vec<i64>, is_live: &impl Fn(usize) -> bool) {
+    let mut w = 0;
+    for r in 0..sl.len() {
+        if is_live(sl[r] as usize) {
+            sl[w] = sl[r];
+            ps[w] = ps[r];
+            w += 1;
+        }
+    }
+    sl.truncate(w);
+    ps.truncate(w);
 }
