@@ -2,9 +2,10 @@
 //! for one sequence; `generate` prefills a prompt and samples tokens until an
 //! end-of-generation token or the `-n` limit, streaming text as it goes.
 
-use crate::backend::pool::ThreadPool;
+use crate::backend::cpu::Cpu;
+use crate::backend::{Backend, Host};
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, KvType, Layout, PosMode};
+use crate::kv::{KvCache, KvType, Layout, PosMode, StoreShape};
 use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, QueryWindow, RunState, StepIo};
 use crate::model::Weights;
 use crate::policy::streams::{stream_offsets, StreamPlan};
@@ -52,13 +53,14 @@ fn e_protected(e: &Evictor) -> usize {
     e.n_sink + e.n_recent
 }
 
-/// One sequence being decoded: weights (shared, immutable), run state and
-/// KV cache (owned, mutable), and the optional eviction policy.
+/// One sequence being decoded: weights (shared, immutable), the backend
+/// that computes, run state and KV cache (owned, mutable), and the optional
+/// eviction policy.
 #[derive(Debug)]
-pub struct Session<'w> {
-    pub w: &'w Weights<'w>,
-    pub pool: ThreadPool,
-    pub state: RunState,
+pub struct Session<'w, B: Backend = Host> {
+    pub w: &'w Weights<'w, B>,
+    pub backend: B,
+    pub state: RunState<B>,
     pub kv: KvCache,
     /// Tokens processed so far (the next token's position).
     pub n_past: usize,
@@ -89,16 +91,15 @@ pub struct Session<'w> {
     logits: Vec<f32>,
 }
 
-impl<'w> Session<'w> {
-    /// A full-cache session with a context of `n_ctx` tokens, `n_threads`
+impl<'w> Session<'w, Cpu> {
+    /// A full-cache CPU session with a context of `n_ctx` tokens, `n_threads`
     /// threads and prefill chunks of `n_batch` tokens.
     pub fn new(w: &'w Weights<'w>, n_ctx: usize, n_threads: usize, n_batch: usize) -> Session<'w> {
-        Self::build(w, n_ctx, n_ctx, n_threads, n_batch, None)
+        Self::on(Cpu::new(n_threads), w, n_ctx, n_batch)
     }
 
-    /// A session whose cache holds at most `policy.evictor.budget` tokens,
-    /// for positions up to `n_ctx`. Prefill chunks are capped so that the
-    /// budget holds during prefill too.
+    /// A CPU session whose cache holds at most `policy.evictor.budget`
+    /// tokens (see `with_policy_on`).
     pub fn with_policy(
         w: &'w Weights<'w>,
         n_ctx: usize,
@@ -106,6 +107,31 @@ impl<'w> Session<'w> {
         n_batch: usize,
         policy: KvPolicy,
     ) -> Result<Session<'w>> {
+        Self::with_policy_on(Cpu::new(n_threads), w, n_ctx, n_batch, policy)
+    }
+}
+
+impl<'w, B: Backend> Session<'w, B> {
+    /// A full-cache session on `backend`.
+    pub fn on(backend: B, w: &'w Weights<'w, B>, n_ctx: usize, n_batch: usize) -> Session<'w, B> {
+        Self::build(backend, w, n_ctx, n_ctx, n_batch, None)
+    }
+
+    /// The host thread pool (scorers rank entries on it).
+    pub fn pool(&self) -> &crate::backend::pool::ThreadPool {
+        self.backend.host_pool()
+    }
+
+    /// A session whose cache holds at most `policy.evictor.budget` tokens,
+    /// for positions up to `n_ctx`. Prefill chunks are capped so that the
+    /// budget holds during prefill too.
+    pub fn with_policy_on(
+        backend: B,
+        w: &'w Weights<'w, B>,
+        n_ctx: usize,
+        n_batch: usize,
+        policy: KvPolicy,
+    ) -> Result<Session<'w, B>> {
         let e = &policy.evictor;
         if e.budget == 0 {
             return Err(Error::arg("--kv-budget", "must be at least 1"));
@@ -172,9 +198,11 @@ impl<'w> Session<'w> {
         }
         policy.plan = plan;
         let regions = policy.plan.as_ref().map(|p| p.regions());
-        let mut s = Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy));
+        let mut s = Self::build(backend, w, n_ctx, budget, n_batch, Some(policy));
         if let Some(r) = regions {
-            s.kv = KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
+            let b = &s.backend;
+            let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
+            s.kv = KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
         }
         if !taps.is_empty() {
             s.taps = Some(HiddenTaps::new(taps, c.dim));
@@ -186,20 +214,31 @@ impl<'w> Session<'w> {
     }
 
     fn build(
-        w: &'w Weights<'w>,
+        backend: B,
+        w: &'w Weights<'w, B>,
         n_ctx: usize,
         n_slots: usize,
-        n_threads: usize,
         n_batch: usize,
         policy: Option<KvPolicy>,
-    ) -> Session<'w> {
+    ) -> Session<'w, B> {
         let c = &w.config;
-        let pool = ThreadPool::new(n_threads);
+        let make = |sh: StoreShape| backend.kv_store(sh.ty, sh.n_rows, sh.row_vals);
+        let kv = match KvCache::uniform_on(
+            &make,
+            c.n_layers,
+            c.kv_dim(),
+            c.head_dim,
+            n_slots,
+            KvType::F16,
+        ) {
+            Ok(kv) => kv,
+            Err(_) => unreachable!("f16 caches accept any shape"),
+        };
         Session {
             w,
-            state: RunState::new(w, n_batch, n_threads, n_slots),
-            kv: KvCache::new(c.n_layers, c.kv_dim(), c.head_dim, n_slots),
-            pool,
+            state: RunState::new(&backend, w, n_batch),
+            kv,
+            backend,
             n_past: 0,
             n_ctx,
             policy,
@@ -232,15 +271,19 @@ impl<'w> Session<'w> {
         }
         let c = &self.w.config;
         let n = self.kv.cells.n_slots();
+        let b = &self.backend;
+        let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
         self.kv = match self.kv.layout() {
-            Layout::Uniform => KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, n, ty)?,
+            Layout::Uniform => {
+                KvCache::uniform_on(&make, c.n_layers, c.kv_dim(), c.head_dim, n, ty)?
+            }
             Layout::Streams => {
                 let r = self
                     .kv
                     .streams()
                     .map(|st| st.regions().to_vec())
                     .unwrap_or_default();
-                KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, &r, ty)?
+                KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, ty)?
             }
         };
         Ok(())
@@ -383,7 +426,7 @@ impl<'w> Session<'w> {
                             scorer.score_streams(
                                 &self.kv,
                                 qw,
-                                &self.pool,
+                                self.backend.host_pool(),
                                 &self.want,
                                 &self.offsets,
                                 &mut self.scores,
@@ -421,10 +464,10 @@ impl<'w> Session<'w> {
                 pos_mode: self.pos_mode,
             };
             let out = forward(
+                &self.backend,
                 self.w,
                 &mut self.state,
                 &mut self.kv,
-                &self.pool,
                 chunk,
                 pos0,
                 n_out,
@@ -556,8 +599,8 @@ impl Utf8Stream {
 
 /// Prefill `prompt` then sample until EOG / `n_predict` / context full.
 /// `on_text` receives each completed piece of text and returns false to stop.
-pub fn generate(
-    sess: &mut Session<'_>,
+pub fn generate<B: Backend>(
+    sess: &mut Session<'_, B>,
     tok: &Tokenizer,
     sampler: &mut Sampler,
     prompt: &[u32],

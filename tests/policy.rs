@@ -662,12 +662,10 @@ fn knorm_score(kv: &kvrun::kv::KvCache, slot: usize) -> f32 {
     let mut total = 0f64;
     let mut n = 0;
     for l in 0..kv.n_layers {
-        for k in kv.k_row(l, slot).chunks_exact(kv.head_dim) {
-            total += k
-                .iter()
-                .map(|x| (x.to_f32() as f64).powi(2))
-                .sum::<f64>()
-                .sqrt();
+        let mut row = vec![0f32; kv.kv_dim];
+        kv.k_f32(l, slot, &mut row);
+        for k in row.chunks_exact(kv.head_dim) {
+            total += k.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
             n += 1;
         }
     }
@@ -745,7 +743,7 @@ fn knorm_evicts_the_lowest_scored() {
 // ------------------------------------------------------------ 6. random is seeded
 
 /// Live positions after every feed.
-fn random_history(w: &Weights, toks: &[u32], seed: u64) -> Vec<Vec<i64>> {
+fn random_history<'w>(w: &'w Weights<'w>, toks: &[u32], seed: u64) -> Vec<Vec<i64>> {
     let mut s = Session::with_policy(
         w,
         toks.len(),
