@@ -10,7 +10,7 @@ pub mod llama;
 
 use crate::backend::cpu::{QMat, Rope, RopeStyle};
 use crate::error::{Error, Result};
-use crate::load::gguf::Gguf;
+use crate::format::gguf::Gguf;
 use crate::tensor::{DType, TensorView};
 use std::borrow::Cow;
 use std::path::PathBuf;
