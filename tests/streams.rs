@@ -10,7 +10,7 @@ use kvrun::backend::pool::ThreadPool;
 use kvrun::generate::{KvPolicy, Session};
 use kvrun::kv::streams::Region;
 use kvrun::kv::{KvCache, KvType, Layout};
-use kvrun::load::gguf::Gguf;
+use kvrun::format::gguf::Gguf;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::policy::pyramidkv::layer_budgets;
