@@ -308,7 +308,8 @@ fn paths_in(src: &str, me: &Module) -> Vec<Vec<String>> {
                 .char_indices()
                 .find(|&(_, c)| !(c.is_alphanumeric() || c == '_' || c == ':'))
                 .map_or(path_start.len(), |(k, _)| k);
-            let ok = !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$' || c == ':');
+            let ok =
+                !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$' || c == ':');
             if ok {
                 if let Some(r) = resolve(path_start[..len].trim_end_matches(':')) {
                     out.push(r);
@@ -375,7 +376,10 @@ fn imports() -> (BTreeSet<Module>, Vec<Import>) {
 /// Edges between the children of `folder`: `from`'s and `to`'s child of
 /// `folder` when both lie strictly below it (the folder's own mod.rs takes
 /// no part), with the files that make each edge.
-fn folder_edges(folder: &[String], imps: &[Import]) -> BTreeMap<(String, String), BTreeSet<String>> {
+fn folder_edges(
+    folder: &[String],
+    imps: &[Import],
+) -> BTreeMap<(String, String), BTreeSet<String>> {
     let n = folder.len();
     let mut edges: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
     for i in imps {
@@ -489,7 +493,10 @@ fn no_cycles_and_no_upward_imports() {
     // every folder (the crate root included) is one level
     let folders: BTreeSet<Module> = mods
         .iter()
-        .filter(|m| mods.iter().any(|c| c.len() == m.len() + 1 && c[..m.len()] == m[..]))
+        .filter(|m| {
+            mods.iter()
+                .any(|c| c.len() == m.len() + 1 && c[..m.len()] == m[..])
+        })
         .cloned()
         .collect();
     for folder in &folders {
@@ -552,7 +559,11 @@ fn no_cycles_and_no_upward_imports() {
     for (a, b) in top.keys() {
         println!("    {a} -> {b}");
     }
-    assert!(problems.is_empty(), "layering broken:\n{}", problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "layering broken:\n{}",
+        problems.join("\n")
+    );
 }
 
 #[test]
@@ -564,10 +575,22 @@ fn cycle_detector_on_hand_made_graphs() {
             .collect()
     };
     // a -> b -> c -> a is a cycle; d only points into it
-    let found = cycles(&g(&[("a", "b"), ("b", "c"), ("c", "a"), ("d", "a"), ("c", "e")]));
+    let found = cycles(&g(&[
+        ("a", "b"),
+        ("b", "c"),
+        ("c", "a"),
+        ("d", "a"),
+        ("c", "e"),
+    ]));
     assert_eq!(found, vec![vec!["a", "b", "c"]]);
     // two separate circles, one of them a pair
-    let found = cycles(&g(&[("x", "y"), ("y", "x"), ("p", "q"), ("q", "r"), ("r", "p")]));
+    let found = cycles(&g(&[
+        ("x", "y"),
+        ("y", "x"),
+        ("p", "q"),
+        ("q", "r"),
+        ("r", "p"),
+    ]));
     assert_eq!(found, vec![vec!["p", "q", "r"], vec!["x", "y"]]);
     // a diamond has none
     assert!(cycles(&g(&[("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])).is_empty());

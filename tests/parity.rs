@@ -10,8 +10,8 @@
 
 mod util;
 
-use kvrun::generate::Session;
 use kvrun::format::gguf::Gguf;
+use kvrun::generate::Session;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::sample::argmax;

@@ -31,12 +31,12 @@
 //! - Progress goes to stderr only when stderr is a terminal; a summary line
 //!   always goes to stderr, and `--summary FILE` writes it as JSON.
 
-use crate::cmd::prompt::prompt_tokens;
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::grade::{extract_answer, grade, Kind};
 use crate::cmd::load_model;
+use crate::cmd::prompt::prompt_tokens;
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, StopReason};
-use crate::cmd::grade::{extract_answer, grade, Kind};
 use crate::sample::Sampler;
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
@@ -476,13 +476,9 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 Template::R1 => {
                     tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?
                 }
-                Template::Plain => prompt_tokens(
-                    tok,
-                    tmpl.as_ref(),
-                    &item.prompt,
-                    a.system.as_deref(),
-                    a.raw,
-                )?,
+                Template::Plain => {
+                    prompt_tokens(tok, tmpl.as_ref(), &item.prompt, a.system.as_deref(), a.raw)?
+                }
                 Template::Boxed => {
                     let p = BOXED_TEMPLATE.replace("{problem}", &item.prompt);
                     prompt_tokens(tok, tmpl.as_ref(), &p, a.system.as_deref(), a.raw)?

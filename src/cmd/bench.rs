@@ -274,8 +274,8 @@ fn llama_side(
     let mut theirs: Vec<Option<Vec<f64>>> = vec![None; tests.len()];
     let path_s = path.to_string_lossy().into_owned();
     let lm = ggml_sys::LlamaModel::load(&path_s, false).map_err(Error::Other)?;
-    let mut ctx = ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32)
-        .map_err(Error::Other)?;
+    let mut ctx =
+        ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32).map_err(Error::Other)?;
     let ltoks: Vec<i32> = toks.iter().map(|&t| t as i32).collect();
     let lctx: Vec<i32> = ctx_toks.iter().map(|&t| t as i32).collect();
     let d = a.depth as i32;

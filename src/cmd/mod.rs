@@ -116,4 +116,3 @@ pub fn run(cli: Cli) -> Result<()> {
         None => run::run_generate(&cli.run),
     }
 }
-

@@ -11,7 +11,9 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{Model, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, SplitDelimiterBehavior};
+use tokenizers::{
+    Model, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, SplitDelimiterBehavior,
+};
 
 /// The GPT-2 split, plus the trailing `\s+` that llama.cpp's hand-written
 /// matcher for it also applies.
@@ -189,7 +191,12 @@ impl Tokenizer {
     }
 
     /// BPE-tokenize one piece of ordinary text.
-    pub(super) fn bpe_fragment(pre: &Sequence, model: &BPE, text: &str, out: &mut Vec<u32>) -> Result<()> {
+    pub(super) fn bpe_fragment(
+        pre: &Sequence,
+        model: &BPE,
+        text: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
         let run = longest_whitespace_run(text);
         if run > MAX_WHITESPACE_RUN {
             return Err(tok_err(format!(

@@ -331,4 +331,3 @@ pub(super) fn phi3_rstrip(token_to_id: &HashMap<String, u32>, specials: &[u32], 
         }
     }
 }
-

@@ -25,4 +25,3 @@ pub enum EvalCmd {
     /// Pass-key retrieval at several depths of a long haystack (filler or a reasoning trace).
     Passkey(passkey::PasskeyArgs),
 }
-

@@ -8,9 +8,9 @@
 //! cache on the same prompts (so a miss of the model itself is not charged
 //! to the policy).
 
-use crate::cmd::prompt::prompt_tokens;
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::cmd::load_model;
+use crate::cmd::prompt::prompt_tokens;
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session};
 use crate::sample::{Rng, Sampler, SamplerConfig};

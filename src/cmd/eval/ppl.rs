@@ -3,7 +3,9 @@
 //! chosen segment (see [`super::fidelity`] for the measurement).
 
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
-use crate::cmd::eval::fidelity::{eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs};
+use crate::cmd::eval::fidelity::{
+    eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs,
+};
 use crate::cmd::load_model;
 use crate::error::{Error, Result};
 use clap::Args;
@@ -47,13 +49,7 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
     let raw = a.text.load()?;
     let model = load_model(&a.model)?;
     let (w, tok) = (model.weights(), &model.tokenizer);
-    let text = EvalText::new(
-        tok,
-        &raw,
-        a.ctx,
-        a.segment_after.as_deref(),
-        a.segment_last,
-    )?;
+    let text = EvalText::new(tok, &raw, a.ctx, a.segment_after.as_deref(), a.segment_last)?;
     let mut prog = Progress::new(text.n_predicted(), !a.json, false);
     let lk = Lockstep {
         model: &path,

@@ -16,9 +16,11 @@
 //! the reference holds the whole text's cache.
 
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::eval::fidelity::{
+    eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs,
+};
 use crate::cmd::load_model;
 use crate::error::{Error, Result};
-use crate::cmd::eval::fidelity::{eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs};
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

@@ -30,7 +30,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub(super) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    pub(super) fn new(
+        status: StatusCode,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
         ApiError {
             status,
             message: message.into(),

@@ -35,12 +35,14 @@ mod sse;
 pub use api::ApiError;
 
 use crate::chat::ChatTemplate;
-use crate::cmd::args::{check_ctx_alloc, resolve_model, resolve_threads, KvArgs, ModelArgs, SamplingArgs};
+use crate::cmd::args::{
+    check_ctx_alloc, resolve_model, resolve_threads, KvArgs, ModelArgs, SamplingArgs,
+};
 use crate::cmd::load_model;
 use crate::error::{Error, Result};
+use api::Job;
 use clap::{Args, ValueEnum};
 use metrics::{Metrics, SlotKv};
-use api::Job;
 use slots::{worker, Engine};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};

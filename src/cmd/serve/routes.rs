@@ -3,7 +3,9 @@
 //! request, queues a [`Job`](super::api::Job) for a worker slot and answers
 //! from the events the worker sends back (streamed or collected).
 
-use super::api::{parse_body, parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev, Input, RespCtx};
+use super::api::{
+    parse_body, parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev, Input, RespCtx,
+};
 use super::metrics::metrics;
 use super::sse::stream_response;
 use super::{now_s, App};
