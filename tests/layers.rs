@@ -264,9 +264,9 @@ fn paths_in(src: &str, me: &Module) -> Vec<Vec<String>> {
     let parent: Module = me[..me.len().saturating_sub(1)].to_vec();
     let resolve = |p: &str| -> Option<Vec<String>> {
         let segs: Vec<&str> = p.split("::").filter(|s| !s.is_empty()).collect();
-        let (base, rest): (Vec<String>, &[&str]) = match segs.first()? {
-            &"crate" => (Vec::new(), &segs[1..]),
-            &"super" => {
+        let (base, rest): (Vec<String>, &[&str]) = match *segs.first()? {
+            "crate" => (Vec::new(), &segs[1..]),
+            "super" => {
                 let mut base = parent.clone();
                 let mut rest = &segs[1..];
                 while rest.first() == Some(&"super") {
@@ -275,7 +275,7 @@ fn paths_in(src: &str, me: &Module) -> Vec<Vec<String>> {
                 }
                 (base, rest)
             }
-            &"self" => (me.clone(), &segs[1..]),
+            "self" => (me.clone(), &segs[1..]),
             _ => return None,
         };
         let mut full = base;
