@@ -1,38 +1,41 @@
 //! kvrun: a standalone LLM inference engine for long reasoning traces.
 //!
 //! It memory-maps GGUF weights, runs its own decode loop on the CPU over a KV
-//! cache, and (in later layers of this crate) keeps that cache within a fixed
-//! budget with pluggable eviction policies.
+//! cache, and keeps that cache within a fixed budget with pluggable eviction
+//! policies.
 //!
-//! Modules, bottom-up: [`tensor`] (types), [`load`] (GGUF / safetensors),
-//! [`quant`] (scalar reference kernels), [`backend`] (CPU compute),
-//! [`model`] (config, weights, the forward pass), [`tokenizer`], [`chat`],
-//! [`sample`], [`generate`] (the decode loop), [`server`] (`kvrun serve`), [`cli`].
+//! Modules, bottom-up (each imports only from those before it, except the
+//! command layer on top, which nothing below imports):
+//!
+//! - [`error`], [`tensor`] (types), [`quant`] (scalar reference kernels),
+//!   [`format`] (the GGUF container and the memory map);
+//! - [`kv`] (the ring-indexed KV cache), [`backend`] (CPU compute),
+//!   [`model`] (config, weights, the forward pass), [`sample`],
+//!   [`policy`] (eviction policies), [`tokenizer`], [`chat`] (templates,
+//!   think-tag splitting, stop strings);
+//! - [`load`] (a GGUF file or an HF directory → weights, tokenizer,
+//!   template), [`generate`] (the decode loop);
+//! - [`cmd`]: the command line and one module per command (`run`,
+//!   `inspect`, `bench`, `chat`, `eval`, `batch`, `calibrate`, `serve`).
+//!
+//! `tests/layers.rs` checks this layering from the source.
 
 #![warn(missing_debug_implementations, rust_2018_idioms, unreachable_pub)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 
 pub mod backend;
-pub mod batch;
-pub mod bench;
-pub mod calibrate;
 pub mod chat;
-pub mod chat_repl;
-pub mod cli;
+pub mod cmd;
 pub mod error;
-pub mod eval;
+pub mod format;
 pub mod generate;
-pub mod grade;
 pub mod kv;
 pub mod load;
 pub mod model;
-pub mod passkey;
 pub mod policy;
 pub mod quant;
 pub mod sample;
-pub mod server;
-pub mod sweep;
 pub mod tensor;
 pub mod tokenizer;
 

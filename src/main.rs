@@ -8,7 +8,7 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error: {info}");
     }));
-    let cli = match kvrun::cli::parse(std::env::args()) {
+    let cli = match kvrun::cmd::parse(std::env::args()) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -19,7 +19,7 @@ fn main() -> ExitCode {
             };
         }
     };
-    match kvrun::cli::run(cli) {
+    match kvrun::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

@@ -4,9 +4,9 @@
 
 mod util;
 
+use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
 use kvrun::kv::KvType;
-use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::tokenizer::Tokenizer;

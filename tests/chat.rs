@@ -2,7 +2,7 @@
 //! exact expected strings, and R1's output tokenizes to the right special ids.
 
 use kvrun::chat::{ChatTemplate, Message};
-use kvrun::load::gguf::Gguf;
+use kvrun::format::gguf::Gguf;
 use kvrun::tokenizer::Tokenizer;
 use kvrun::Error;
 use std::path::PathBuf;

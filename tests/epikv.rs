@@ -5,11 +5,11 @@
 
 mod util;
 
-use kvrun::calibrate::{propose, spearman};
-use kvrun::cli::KvArgs;
+use kvrun::cmd::args::KvArgs;
+use kvrun::cmd::calibrate::{propose, spearman};
+use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
 use kvrun::kv::KvCache;
-use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::{HiddenTaps, Logits};
 use kvrun::model::{Config, Weights};
 use kvrun::policy::epikv::{

@@ -1,7 +1,9 @@
 //! Answer extraction and grading: unit equivalences plus 100% self-agreement
 //! on the real reference solutions of MATH-500, GSM8K and AIME 2024.
 
-use kvrun::grade::{extract_answer, extract_boxed, extract_gsm8k, grade, normalize_answer, Kind};
+use kvrun::cmd::grade::{
+    extract_answer, extract_boxed, extract_gsm8k, grade, normalize_answer, Kind,
+};
 
 fn data(name: &str) -> Vec<serde_json::Value> {
     let p = format!("{}/../shared/data/{name}", env!("CARGO_MANIFEST_DIR"));

@@ -14,8 +14,8 @@
 mod util;
 
 use clap::Parser;
-use kvrun::cli::KvArgs;
-use kvrun::load::gguf::Gguf;
+use kvrun::cmd::args::KvArgs;
+use kvrun::format::gguf::Gguf;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::sample::argmax;

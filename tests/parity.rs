@@ -5,10 +5,13 @@
 //! - greedy 128-token continuations of 5 prompts: at least 4 identical, and
 //!   any divergence starts at a near-tie (llama.cpp top-2 margin < 0.05).
 
+// llama.cpp is the oracle here: only with the `oracle` feature (default).
+#![cfg(feature = "oracle")]
+
 mod util;
 
+use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
-use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::sample::argmax;

@@ -7,8 +7,8 @@
 
 mod util;
 
+use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};
-use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::{Logits, MassMode};
 use kvrun::model::Weights;
 use kvrun::policy::{by_name, names, Evictor, PolicyArgs, POLICIES};

@@ -8,9 +8,9 @@
 
 mod util;
 
+use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};
 use kvrun::kv::{KvType, PosMode};
-use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::policy::{by_name, Evictor, PolicyArgs};

@@ -13,8 +13,8 @@ mod util;
 
 use kvrun::backend::RopeStyle;
 use kvrun::chat::{ChatTemplate, Message};
+use kvrun::format::gguf::{Gguf, Value};
 use kvrun::generate::Session;
-use kvrun::load::gguf::{Gguf, Value};
 use kvrun::load::safetensors::{hf_name, HfCheckpoint};
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;

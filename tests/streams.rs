@@ -7,10 +7,10 @@
 mod util;
 
 use kvrun::backend::pool::ThreadPool;
+use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};
 use kvrun::kv::streams::Region;
 use kvrun::kv::{KvCache, KvType, Layout};
-use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::policy::pyramidkv::layer_budgets;

@@ -4,8 +4,8 @@
 
 mod util;
 
-use kvrun::eval::{Fidelity, PplReport};
-use kvrun::sweep::{merge_reports, to_csv, to_svg, Metric, CSV_HEADER};
+use kvrun::cmd::eval::fidelity::{Fidelity, PplReport};
+use kvrun::cmd::eval::sweep::{merge_reports, to_csv, to_svg, Metric, CSV_HEADER};
 use std::process::Command;
 
 fn field<'a>(header: &[&str], row: &'a [&'a str], name: &str) -> &'a str {
@@ -310,7 +310,7 @@ fn bad_sweep_arguments_fail_fast() {
 fn sweep_flags_are_consistent() {
     use clap::CommandFactory;
     // clap's own consistency checks (duplicate flags, bad defaults) only run in debug builds
-    let mut cli = kvrun::cli::Cli::command();
+    let mut cli = kvrun::cmd::Cli::command();
     let sweep = cli
         .find_subcommand_mut("eval")
         .unwrap()
@@ -318,9 +318,9 @@ fn sweep_flags_are_consistent() {
         .expect("eval sweep")
         .clone();
     sweep.debug_assert();
-    let c = kvrun::cli::parse(["kvrun", "eval", "sweep", "-f", "x.txt"].map(String::from))
+    let c = kvrun::cmd::parse(["kvrun", "eval", "sweep", "-f", "x.txt"].map(String::from))
         .expect("defaults parse");
-    let Some(kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Sweep(a))) = c.cmd else {
+    let Some(kvrun::cmd::Cmd::Eval(kvrun::cmd::eval::EvalCmd::Sweep(a))) = c.cmd else {
         panic!("not a sweep")
     };
     assert_eq!(a.budgets, [256, 512, 1024, 2048]);
@@ -349,12 +349,12 @@ fn figures(r: &PplReport) -> String {
     serde_json::to_string(&r).unwrap()
 }
 
-fn parse_cli(args: &[&str]) -> kvrun::cli::Cmd {
+fn parse_cli(args: &[&str]) -> kvrun::cmd::Cmd {
     let v: Vec<String> = std::iter::once("kvrun")
         .chain(args.iter().copied())
         .map(String::from)
         .collect();
-    kvrun::cli::parse(v)
+    kvrun::cmd::parse(v)
         .expect("args parse")
         .cmd
         .expect("a command")
@@ -383,19 +383,19 @@ fn lockstep_sweep_matches_separate_eval_ppl() {
     let mut sw = vec!["eval", "sweep", "-f", text_s, "--policies", "h2o"];
     sw.extend(["--budgets", "64,128", "--out", prefix.to_str().unwrap()]);
     sw.extend(common);
-    let kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Sweep(sa)) = parse_cli(&sw) else {
+    let kvrun::cmd::Cmd::Eval(kvrun::cmd::eval::EvalCmd::Sweep(sa)) = parse_cli(&sw) else {
         panic!("not a sweep")
     };
-    let swept = kvrun::sweep::sweep(&sa).expect("sweep");
+    let swept = kvrun::cmd::eval::sweep::sweep(&sa).expect("sweep");
     assert_eq!(swept.len(), 2);
     for (r, budget) in swept.iter().zip(["64", "128"]) {
         let mut pa = vec!["eval", "ppl", "-f", text_s, "--policy", "h2o"];
         pa.extend(["--kv-budget", budget, "--json"]);
         pa.extend(common);
-        let kvrun::cli::Cmd::Eval(kvrun::eval::EvalCmd::Ppl(pa)) = parse_cli(&pa) else {
+        let kvrun::cmd::Cmd::Eval(kvrun::cmd::eval::EvalCmd::Ppl(pa)) = parse_cli(&pa) else {
             panic!("not eval ppl")
         };
-        let alone = kvrun::eval::eval_ppl(&pa).expect("eval ppl");
+        let alone = kvrun::cmd::eval::ppl::eval_ppl(&pa).expect("eval ppl");
         assert_eq!(r.n_tokens, 300);
         assert!(
             r.evicted > 0 && r.all.kl > 0.0,
@@ -416,8 +416,8 @@ fn lockstep_sweep_matches_separate_eval_ppl() {
 /// itself with another `-t`: the figures do not depend on the threads.
 #[test]
 fn lockstep_matches_sequential_reference_for_any_threads() {
-    use kvrun::cli::KvArgs;
-    use kvrun::eval::{eval_points, EvalText, Lockstep};
+    use kvrun::cmd::args::KvArgs;
+    use kvrun::cmd::eval::fidelity::{eval_points, EvalText, Lockstep};
     use kvrun::generate::Session;
     use kvrun::model::llama::Logits;
 

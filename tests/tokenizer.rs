@@ -19,8 +19,11 @@
 //! - Unknown / missing pre-type and bad metadata are `Error::Tokenizer`; so is
 //!   a whitespace run beyond the regex engine's limit. EOG tokens; BOS rules.
 
+// llama.cpp is the oracle here: only with the `oracle` feature (default).
+#![cfg(feature = "oracle")]
+
 use ggml_sys::LlamaModel;
-use kvrun::load::gguf::{Gguf, Value};
+use kvrun::format::gguf::{Gguf, Value};
 use kvrun::tokenizer::Tokenizer;
 use kvrun::Error;
 use std::io::Write;

@@ -1,19 +1,38 @@
-//! Model file loading: GGUF (memory-mapped) and Hugging Face safetensors directories.
+//! Model loading: a GGUF file or a Hugging Face safetensors directory, opened
+//! as a [`Checkpoint`] and turned into weights, tokenizer and chat template.
+//!
+//! - [`Checkpoint`]: either kind of model on disk, memory-mapped.
+//! - [`Loaded`]: a checkpoint together with the weights that borrow its maps
+//!   and the tokenizer, checked against each other; it owns everything, so
+//!   commands and server threads share one without leaking it.
+//! - [`safetensors`]: Hugging Face directories (`config.json`, tensors);
+//!   [`hf_tokenizer`]: their `tokenizer.json`.
+//!
+//! The file formats themselves (GGUF, the memory map) are in
+//! [`crate::format`], below the model; this module sits above the model,
+//! the tokenizer and the chat template.
 
-pub mod gguf;
-pub mod mmap;
+pub mod hf_tokenizer;
+mod json;
 pub mod safetensors;
+
+/// The GGUF reader and the memory map live in [`crate::format`]; these
+/// aliases keep `kvrun::load::gguf` / `kvrun::load::mmap` working for code
+/// written against the old paths.
+pub use crate::format::{gguf, mmap};
 
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
+use crate::format::gguf::Gguf;
 use crate::model::Weights;
 use crate::tokenizer::Tokenizer;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A model on disk: a GGUF file or a Hugging Face safetensors directory.
 #[derive(Debug)]
 pub enum Checkpoint {
-    Gguf(Box<gguf::Gguf>),
+    Gguf(Box<Gguf>),
     Hf(Box<safetensors::HfCheckpoint>),
 }
 
@@ -33,7 +52,7 @@ impl Checkpoint {
                 path,
             )?)))
         } else {
-            Ok(Checkpoint::Gguf(Box::new(gguf::Gguf::open(path)?)))
+            Ok(Checkpoint::Gguf(Box::new(Gguf::open(path)?)))
         }
     }
     fn path(&self) -> &Path {
@@ -65,6 +84,13 @@ impl Checkpoint {
         };
         t.map_err(|e| in_file(self.path(), e))
     }
+    /// Size on disk in bytes (the GGUF file, or the safetensors files).
+    pub fn n_bytes(&self) -> u64 {
+        match self {
+            Checkpoint::Gguf(g) => g.bytes().len() as u64,
+            Checkpoint::Hf(h) => h.n_bytes(),
+        }
+    }
     /// A display name.
     pub fn name(&self) -> String {
         match self {
@@ -79,5 +105,82 @@ impl Checkpoint {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into()),
         }
+    }
+}
+
+/// A model ready for inference: the checkpoint, the weights built from it
+/// and its tokenizer, with the tokenizer checked to fit the embedding.
+///
+/// The weights borrow the checkpoint's maps; `Loaded` owns both (the
+/// checkpoint behind an [`Arc`], so it never moves), which makes it a plain
+/// owned value: put it in an `Arc` to share it between threads.
+#[derive(Debug)]
+pub struct Loaded {
+    /// Where the model was read from (a GGUF file or an HF directory).
+    pub path: PathBuf,
+    /// The model's tokenizer.
+    pub tokenizer: Tokenizer,
+    // Declared before `ck`, so dropped before it: these weights borrow the
+    // data `ck` owns (see `Loaded::open`).
+    weights: Weights<'static>,
+    ck: Arc<Checkpoint>,
+}
+
+impl Loaded {
+    /// Open `path` (a GGUF file or an HF directory), build the weights and
+    /// the tokenizer, and fail with one line when the tokenizer has more
+    /// tokens than the embedding has rows.
+    pub fn open(path: &Path) -> Result<Loaded> {
+        let ck = Arc::new(Checkpoint::open(path)?);
+        let w: Weights<'_> = ck.weights()?;
+        // SAFETY: `w` borrows only from `*ck` (the checkpoint's maps and
+        // headers): `Checkpoint::weights` ties its result to `&self` and
+        // nothing else. That data lives in the Arc's heap allocation and in
+        // what it owns, so it neither moves when `ck` (the pointer) moves
+        // into the struct nor is ever mutated (no `&mut Checkpoint` is ever
+        // made: the Arc is private and never passed to `get_mut`). `Loaded`
+        // keeps `ck` alive at least as long as the weights: the field is
+        // dropped after `weights` (declaration order), and on the error
+        // paths below the local `weights` is dropped before the local `ck`
+        // (reverse declaration order). The `'static` is never exposed:
+        // `weights()` hands out `&'a Weights<'a>` for a borrow `'a` of
+        // `self` (sound because `Weights` is covariant in its lifetime,
+        // which the compiler checks at that coercion).
+        let weights = unsafe { std::mem::transmute::<Weights<'_>, Weights<'static>>(w) };
+        let tokenizer = ck.tokenizer()?;
+        if tokenizer.n_vocab() > weights.config.vocab {
+            return Err(Error::Other(format!(
+                "{}: the tokenizer has {} tokens but token_embd.weight has only {} rows",
+                path.display(),
+                tokenizer.n_vocab(),
+                weights.config.vocab
+            )));
+        }
+        Ok(Loaded {
+            path: path.to_owned(),
+            tokenizer,
+            weights,
+            ck,
+        })
+    }
+
+    /// The weights (borrowing this model's maps).
+    pub fn weights(&self) -> &Weights<'_> {
+        &self.weights
+    }
+
+    /// The checkpoint the weights come from.
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ck
+    }
+
+    /// The chat template, if the model has one (compiled on each call).
+    pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
+        self.ck.chat_template()
+    }
+
+    /// A display name (GGUF `general.name`, or the directory name).
+    pub fn name(&self) -> String {
+        self.ck.name()
     }
 }

@@ -10,7 +10,7 @@ pub mod llama;
 
 use crate::backend::{Backend, Host, Rope, RopeStyle, WeightSink, HOST_LOADER, MAX_GROUP};
 use crate::error::{Error, Result};
-use crate::load::gguf::Gguf;
+use crate::format::gguf::Gguf;
 use crate::tensor::{DType, TensorView};
 use std::borrow::Cow;
 use std::path::PathBuf;

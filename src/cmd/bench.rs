@@ -5,13 +5,15 @@
 //! `tg N` = decode N tokens one at a time from an empty cache. Each test runs
 //! once as warm-up and then `-r` times; the table shows mean ± sd tokens/s
 //! and the kvrun / llama.cpp ratio. Tokenization and sampling are excluded.
+//!
+//! The llama.cpp side needs the `oracle` Cargo feature (on by default);
+//! without it the table has kvrun's rows only and one line says why.
 
-use crate::cli::{resolve_model, resolve_threads, ModelArgs};
+use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::load_model;
 use crate::error::{Error, Result};
 use crate::generate::Session;
-use crate::load::gguf::Gguf;
 use crate::model::llama::Logits;
-use crate::model::Weights;
 use clap::Args;
 use std::time::Instant;
 
@@ -38,7 +40,7 @@ pub struct BenchArgs {
     #[arg(short = 'd', long = "depth", default_value_t = 0)]
     pub depth: usize,
     #[command(flatten)]
-    pub kv: crate::cli::KvArgs,
+    pub kv: KvArgs,
 }
 
 /// Deterministic, varied token ids for benchmarking.
@@ -74,6 +76,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// Like `measure`, with an untimed `setup` (e.g. prefilling the context
 /// depth) before every run.
+#[cfg(feature = "oracle")]
 fn measure_with_setup<S>(
     reps: usize,
     n: usize,
@@ -100,15 +103,11 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     if a.reps == 0 {
         return Err(Error::arg("-r/--repetitions", "must be at least 1"));
     }
-    let g = Gguf::open(&path)?;
-    let w = Weights::from_gguf(&g)?;
+    let model = load_model(&a.model)?;
+    let w = model.weights();
     let c = &w.config;
-    let name = g
-        .get("general.name")
-        .and_then(|v| v.as_str())
-        .unwrap_or("model")
-        .to_owned();
-    let size_mib = g.bytes().len() as f64 / (1 << 20) as f64;
+    let name = model.name();
+    let size_mib = model.checkpoint().n_bytes() as f64 / (1 << 20) as f64;
     let n_ctx = (a.depth + a.n_prompt.max(a.n_gen) + 16).max(64);
     let toks = bench_tokens(a.depth + a.n_prompt.max(a.n_gen), c.vocab);
     let (ctx_toks, toks) = toks.split_at(a.depth);
@@ -131,13 +130,13 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let n_ctx_ours = n_ctx + a.n_gen * (a.reps + 1);
     let mut sessions = Vec::new();
     for p in &policies {
-        let kv = crate::cli::KvArgs {
+        let kv = KvArgs {
             policy: (*p).to_owned(),
             ..a.kv.clone()
         };
         let mut s = match kv.build(0, &path)? {
-            None => Session::new(&w, n_ctx_ours, n_threads, 512),
-            Some(pol) => Session::with_policy(&w, n_ctx_ours, n_threads, 512, pol)?,
+            None => Session::new(w, n_ctx_ours, n_threads, 512),
+            Some(pol) => Session::with_policy(w, n_ctx_ours, n_threads, 512, pol)?,
         };
         kv.configure(&mut s)?;
         sessions.push(s);
@@ -205,41 +204,11 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let rss_kvrun = peak_rss_bytes();
 
     // llama.cpp
-    let mut theirs: Vec<Option<Vec<f64>>> = vec![None; tests.len()];
-    if !a.no_llama {
-        let path_s = path.to_string_lossy().into_owned();
-        let lm = ggml_sys::LlamaModel::load(&path_s, false).map_err(Error::Other)?;
-        let mut ctx = ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32)
-            .map_err(Error::Other)?;
-        let ltoks: Vec<i32> = toks.iter().map(|&t| t as i32).collect();
-        let lctx: Vec<i32> = ctx_toks.iter().map(|&t| t as i32).collect();
-        let d = a.depth as i32;
-        let setup = |ctx: &mut ggml_sys::LlamaContext<'_>| -> Result<()> {
-            ctx.clear();
-            if !lctx.is_empty() {
-                ctx.decode(&lctx, 0, false).map_err(Error::Other)?;
-            }
-            Ok(())
-        };
-        for (i, (t, n)) in tests.iter().enumerate() {
-            let r = if t.starts_with("pp") {
-                measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
-                    ctx.decode(&ltoks[..*n], d, false)
-                        .map(|_| ())
-                        .map_err(Error::Other)
-                })?
-            } else {
-                measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
-                    for (p, &tk) in ltoks[..*n].iter().enumerate() {
-                        ctx.decode(&[tk], d + p as i32, false)
-                            .map_err(Error::Other)?;
-                    }
-                    Ok(())
-                })?
-            };
-            theirs[i] = Some(r);
-        }
-    }
+    let theirs = if a.no_llama {
+        vec![None; tests.len()]
+    } else {
+        llama_side(a, &path, &tests, n_ctx, n_threads, ctx_toks, toks)?
+    };
 
     println!(
         "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} |",
@@ -269,6 +238,9 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x | - |");
         }
     }
+    if !a.no_llama && !cfg!(feature = "oracle") {
+        println!("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)");
+    }
     for l in &kv_lines {
         println!("{l}");
     }
@@ -285,4 +257,66 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The same tests on llama.cpp's own library (the `oracle` feature): one
+/// tokens/s list per test.
+#[cfg(feature = "oracle")]
+fn llama_side(
+    a: &BenchArgs,
+    path: &std::path::Path,
+    tests: &[(String, usize)],
+    n_ctx: usize,
+    n_threads: usize,
+    ctx_toks: &[u32],
+    toks: &[u32],
+) -> Result<Vec<Option<Vec<f64>>>> {
+    let mut theirs: Vec<Option<Vec<f64>>> = vec![None; tests.len()];
+    let path_s = path.to_string_lossy().into_owned();
+    let lm = ggml_sys::LlamaModel::load(&path_s, false).map_err(Error::Other)?;
+    let mut ctx =
+        ggml_sys::LlamaContext::new(&lm, n_ctx as u32, n_threads as i32).map_err(Error::Other)?;
+    let ltoks: Vec<i32> = toks.iter().map(|&t| t as i32).collect();
+    let lctx: Vec<i32> = ctx_toks.iter().map(|&t| t as i32).collect();
+    let d = a.depth as i32;
+    let setup = |ctx: &mut ggml_sys::LlamaContext<'_>| -> Result<()> {
+        ctx.clear();
+        if !lctx.is_empty() {
+            ctx.decode(&lctx, 0, false).map_err(Error::Other)?;
+        }
+        Ok(())
+    };
+    for (i, (t, n)) in tests.iter().enumerate() {
+        let r = if t.starts_with("pp") {
+            measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
+                ctx.decode(&ltoks[..*n], d, false)
+                    .map(|_| ())
+                    .map_err(Error::Other)
+            })?
+        } else {
+            measure_with_setup(a.reps, *n, &mut ctx, setup, |ctx| {
+                for (p, &tk) in ltoks[..*n].iter().enumerate() {
+                    ctx.decode(&[tk], d + p as i32, false)
+                        .map_err(Error::Other)?;
+                }
+                Ok(())
+            })?
+        };
+        theirs[i] = Some(r);
+    }
+    Ok(theirs)
+}
+
+/// Without the `oracle` feature there is no llama.cpp to compare with.
+#[cfg(not(feature = "oracle"))]
+fn llama_side(
+    _a: &BenchArgs,
+    _path: &std::path::Path,
+    tests: &[(String, usize)],
+    _n_ctx: usize,
+    _n_threads: usize,
+    _ctx_toks: &[u32],
+    _toks: &[u32],
+) -> Result<Vec<Option<Vec<f64>>>> {
+    Ok(vec![None; tests.len()])
 }

@@ -15,10 +15,12 @@
 //! Memory: each point holds a budget-sized cache and chunk × vocab logits;
 //! the reference holds the whole text's cache.
 
-use crate::cli::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::eval::fidelity::{
+    eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs,
+};
+use crate::cmd::load_model;
 use crate::error::{Error, Result};
-use crate::eval::{eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs};
-use crate::load::Checkpoint;
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -773,12 +775,11 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
         .collect::<Result<_>>()?;
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
-    let ck = Checkpoint::open(&path)?;
-    let w = ck.weights()?;
-    let tok = ck.tokenizer()?;
+    let model = load_model(&a.model)?;
+    let (w, tok) = (model.weights(), &model.tokenizer);
     let texts: Vec<EvalText> = raw
         .iter()
-        .map(|t| EvalText::new(&tok, t, a.ctx, a.segment_after.as_deref(), a.segment_last))
+        .map(|t| EvalText::new(tok, t, a.ctx, a.segment_after.as_deref(), a.segment_last))
         .collect::<Result<_>>()?;
     let source = a.source();
     let lk = Lockstep {
@@ -800,7 +801,7 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
     let mut per_point: Vec<Vec<PplReport>> = vec![Vec::with_capacity(n_rec); points.len()];
     let mut out = Vec::new();
     for text in &texts {
-        let reps = eval_points(&w, text, &points, lk, &mut |k| prog.advance(k))?;
+        let reps = eval_points(w, text, &points, lk, &mut |k| prog.advance(k))?;
         for (acc, r) in per_point.iter_mut().zip(reps) {
             acc.push(r);
         }

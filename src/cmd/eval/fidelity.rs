@@ -1,45 +1,35 @@
-//! `kvrun eval ppl`: teacher-forced fidelity of an eviction policy.
+//! The measurement shared by `kvrun eval ppl` and `kvrun eval sweep`:
+//! teacher-forced fidelity of eviction policies against the full cache.
 //!
-//! The text is fed through two sessions in the same process: the full-cache
-//! model and the model under `--policy` / `--kv-budget`, with eviction
-//! applied exactly as in generation (chunks of `--chunk` tokens, eviction
-//! between chunks). At every position both predict the next token; we
-//! report perplexity, mean ΔNLL (policy − full, nats/token), mean
-//! KL(full ‖ policy), top-1 agreement with the full cache, on the whole text
-//! and on a chosen segment (`--segment-after MARKER`, `--segment-last N`):
-//! whole-text fidelity is dominated by recency, while the answer after the
-//! reasoning is what eviction has to preserve.
+//! The text is fed through the full-cache model and through the model under
+//! each policy point (`--policy` / `--kv-budget`), in the same process, with
+//! eviction applied exactly as in generation (chunks of `--chunk` tokens,
+//! eviction between chunks). At every position both predict the next token;
+//! a [`Fidelity`] holds perplexity, mean ΔNLL (policy − full, nats/token),
+//! mean KL(full ‖ policy) and top-1 agreement with the full cache, on the
+//! whole text and on a chosen segment (`--segment-after MARKER`,
+//! `--segment-last N`): whole-text fidelity is dominated by recency, while
+//! the answer after the reasoning is what eviction has to preserve.
 //!
 //! The machinery is [`eval_points`], which evaluates any number of
 //! (policy, budget) points against ONE full-cache reference pass, in
 //! lockstep; `eval ppl` is its one-point case and `eval sweep` feeds it
-//! every point of the sweep at once.
+//! every point of the sweep at once. Also here: the text input flags
+//! ([`TextArgs`]) and the progress line ([`Progress`]).
 
-use crate::cli::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::args::KvArgs;
 use crate::error::{Error, Result};
 use crate::generate::Session;
-use crate::load::Checkpoint;
 use crate::model::llama::Logits;
 use crate::model::Weights;
 use crate::tokenizer::Tokenizer;
-use clap::{Args, Subcommand};
+use clap::Args;
 use serde::Serialize;
 use std::io::{IsTerminal, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// `kvrun eval ...`
-#[derive(Subcommand, Debug)]
-pub enum EvalCmd {
-    /// Teacher-forced perplexity / KL / top-1 agreement of a policy vs the full cache.
-    Ppl(PplArgs),
-    /// Sweep policies × KV budgets: CSV, JSON, an SVG plot and a markdown table.
-    Sweep(crate::sweep::SweepArgs),
-    /// Pass-key retrieval at several depths of a long haystack (filler or a reasoning trace).
-    Passkey(crate::passkey::PasskeyArgs),
-}
 
 /// Text input shared by the evaluators.
 #[derive(Args, Debug, Clone)]
@@ -113,35 +103,6 @@ impl TextArgs {
             )),
         }
     }
-}
-
-/// Flags of `kvrun eval ppl`.
-#[derive(Args, Debug, Clone)]
-pub struct PplArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub kv: KvArgs,
-    #[command(flatten)]
-    pub text: TextArgs,
-    /// Tokens of the text to evaluate (0 = all).
-    #[arg(long = "ctx", default_value_t = 2048)]
-    pub ctx: usize,
-    /// Tokens fed per step (1 = token by token, exactly as in decoding).
-    #[arg(long = "chunk", default_value_t = 1)]
-    pub chunk: usize,
-    /// Also report fidelity on the tokens after the first occurrence of MARKER.
-    #[arg(long = "segment-after")]
-    pub segment_after: Option<String>,
-    /// Also report fidelity on the last N tokens.
-    #[arg(long = "segment-last")]
-    pub segment_last: Option<usize>,
-    /// Print one JSON object instead of text.
-    #[arg(long = "json")]
-    pub json: bool,
-    /// Seed for seeded policies.
-    #[arg(short = 's', long = "seed", default_value_t = 0)]
-    pub seed: u64,
 }
 
 /// Fidelity over a set of positions.
@@ -655,74 +616,4 @@ pub fn fmt_secs(s: f64) -> String {
         60..3600 => format!("{}m{:02}s", s / 60, s % 60),
         _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
     }
-}
-
-/// Run the evaluation: [`eval_points`] with one point.
-pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
-    let path = resolve_model(&a.model.model)?;
-    let n_threads = resolve_threads(a.model.threads)?;
-    if a.chunk == 0 {
-        return Err(Error::arg("--chunk", "must be at least 1"));
-    }
-    let raw = a.text.load()?;
-    let ck = Checkpoint::open(&path)?;
-    let w = ck.weights()?;
-    let tok = ck.tokenizer()?;
-    let text = EvalText::new(
-        &tok,
-        &raw,
-        a.ctx,
-        a.segment_after.as_deref(),
-        a.segment_last,
-    )?;
-    let mut prog = Progress::new(text.n_predicted(), !a.json, false);
-    let lk = Lockstep {
-        model: &path,
-        chunk: a.chunk,
-        n_threads,
-        seed: a.seed,
-    };
-    let mut rs = eval_points(&w, &text, std::slice::from_ref(&a.kv), lk, &mut |k| {
-        prog.advance(k)
-    })?;
-    prog.clear();
-    rs.pop()
-        .ok_or_else(|| Error::Other("eval_points returned no report".into()))
-}
-
-/// `kvrun eval ppl` printing.
-pub fn run_ppl(a: &PplArgs) -> Result<()> {
-    let r = eval_ppl(a)?;
-    if a.json {
-        println!(
-            "{}",
-            serde_json::to_string(&r).map_err(|e| Error::Other(e.to_string()))?
-        );
-        return Ok(());
-    }
-    let row = |name: &str, f: &Fidelity| {
-        println!(
-            "{name:8} n={:6}  ppl {:9.4} (full {:9.4})  dNLL {:+.5} nats/tok  KL {:.5}  top1 {:6.2}%",
-            f.n, f.ppl, f.ppl_full, f.delta_nll, f.kl, 100.0 * f.top1_agree
-        )
-    };
-    println!(
-        "policy {} budget {} | {} tokens | peak KV {} entries ({:.2} MiB) | evicted {} | {:.1} tok/s (policy session alone, 1 thread)",
-        r.policy,
-        r.budget.map(|b| b.to_string()).unwrap_or_else(|| "none".into()),
-        r.n_tokens,
-        r.peak_kv_entries,
-        r.peak_kv_bytes as f64 / (1 << 20) as f64,
-        r.evicted,
-        r.tokens_per_second
-    );
-    row("all", &r.all);
-    if let (Some(s), Some(st)) = (&r.segment, r.segment_start) {
-        row(&format!("seg@{st}"), s);
-    }
-    println!(
-        "Final estimate: PPL = {:.4} +/- {:.5}",
-        r.all.ppl, r.all.ppl_err
-    );
-    Ok(())
 }

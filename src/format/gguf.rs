@@ -7,7 +7,7 @@
 //! `check_data()` is what reports missing tensor data.
 
 use crate::error::{Error, Result};
-use crate::load::mmap::Mapped;
+use crate::format::mmap::Mapped;
 use crate::tensor::{ggml_type_name, DType, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

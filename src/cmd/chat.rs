@@ -6,15 +6,17 @@
 //! slots past the divergence, typically none) and feeds just the new tokens.
 //! With a budgeted policy, `--keep-prompt` protects the system prompt and
 //! earlier turns. `<think>…</think>` is shown dimmed (or hidden with
-//! `--hide-thinking`). Works with stdin from a pipe, for scripting.
+//! `--hide-thinking`), split by [`crate::chat::ThinkSplit`] as in the
+//! server. Works with stdin from a pipe, for scripting.
 //!
 //! Commands: /exit, /clear, /regen, /save FILE, /stats.
 
-use crate::chat::{ChatTemplate, Message};
-use crate::cli::{resolve_model, resolve_threads, RunArgs};
+use crate::chat::{ChatTemplate, Message, ThinkEvent, ThinkSplit};
+use crate::cmd::args::{resolve_model, resolve_threads, RunArgs};
+use crate::cmd::load_model;
+use crate::cmd::prompt::encode_rendered;
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session};
-use crate::load::Checkpoint;
 use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use clap::Args;
@@ -34,43 +36,35 @@ pub struct ChatArgs {
 struct ThinkFilter {
     hide: bool,
     color: bool,
-    in_think: bool,
-    pending: String,
+    split: ThinkSplit,
+    events: Vec<ThinkEvent>,
 }
 
 impl ThinkFilter {
     fn push(&mut self, piece: &str, out: &mut impl Write) {
-        self.pending.push_str(piece);
-        loop {
-            let tag = if self.in_think { "</think>" } else { "<think>" };
-            if let Some(at) = self.pending.find(tag) {
-                let before: String = self.pending[..at].to_owned();
-                self.emit(&before, out);
-                self.pending.drain(..at + tag.len());
-                self.in_think = !self.in_think;
-                if self.color && !self.hide {
-                    let _ = write!(out, "{}", if self.in_think { "\x1b[2m" } else { "\x1b[0m" });
-                }
-                continue;
-            }
-            // keep a possible partial tag back
-            let keep = crate::chat::partial_tag_suffix(&self.pending, tag);
-            let cut = self.pending.len() - keep;
-            let text: String = self.pending[..cut].to_owned();
-            self.emit(&text, out);
-            self.pending.drain(..cut);
-            break;
-        }
+        self.split.push(piece, &mut self.events);
+        self.write_events(out);
         let _ = out.flush();
     }
-    fn emit(&self, s: &str, out: &mut impl Write) {
-        if !(self.in_think && self.hide) {
-            let _ = write!(out, "{s}");
+    fn write_events(&mut self, out: &mut impl Write) {
+        for ev in self.events.drain(..) {
+            match ev {
+                ThinkEvent::Text { reasoning, text } => {
+                    if !(reasoning && self.hide) {
+                        let _ = write!(out, "{text}");
+                    }
+                }
+                ThinkEvent::Tag { reasoning } => {
+                    if self.color && !self.hide {
+                        let _ = write!(out, "{}", if reasoning { "\x1b[2m" } else { "\x1b[0m" });
+                    }
+                }
+            }
         }
     }
     fn finish(&mut self, out: &mut impl Write) {
-        let rest = std::mem::take(&mut self.pending);
-        self.emit(&rest, out);
+        self.split.finish(&mut self.events);
+        self.write_events(out);
         if self.color {
             let _ = write!(out, "\x1b[0m");
         }
@@ -80,7 +74,7 @@ impl ThinkFilter {
 
 /// Render `msgs` and tokenize (BOS added when the template does not emit it).
 fn conversation_tokens(tok: &Tokenizer, tmpl: &ChatTemplate, msgs: &[Message]) -> Result<Vec<u32>> {
-    crate::cli::encode_rendered(tok, &tmpl.render(msgs, true)?)
+    encode_rendered(tok, &tmpl.render(msgs, true)?)
 }
 
 /// `kvrun chat`.
@@ -88,10 +82,9 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let r = &a.run;
     let path = resolve_model(&r.model.model)?;
     let n_threads = resolve_threads(r.model.threads)?;
-    let ck = Checkpoint::open(&path)?;
-    let w = ck.weights()?;
-    let tok = ck.tokenizer()?;
-    let tmpl = ck.chat_template()?.ok_or_else(|| {
+    let m = load_model(&r.model)?;
+    let (w, tok) = (m.weights(), &m.tokenizer);
+    let tmpl = m.chat_template()?.ok_or_else(|| {
         Error::arg(
             "-m/--model",
             format!("{}: the model has no chat template", path.display()),
@@ -104,8 +97,8 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     };
     let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
     let mut sess = match r.kv.build(seed, &path)? {
-        None => Session::new(&w, n_ctx, n_threads, r.batch_size.max(1)),
-        Some(p) => Session::with_policy(&w, n_ctx, n_threads, r.batch_size.max(1), p)?,
+        None => Session::new(w, n_ctx, n_threads, r.batch_size.max(1)),
+        Some(p) => Session::with_policy(w, n_ctx, n_threads, r.batch_size.max(1), p)?,
     };
     r.kv.configure(&mut sess)?;
     let mut sampler = Sampler::new(r.sampling.config(0.8, seed));
@@ -208,7 +201,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
                 content: line.clone(),
             });
         }
-        let ids = conversation_tokens(&tok, &tmpl, &msgs)?;
+        let ids = conversation_tokens(tok, &tmpl, &msgs)?;
         // keep the common prefix in the cache, feed the rest
         let common = cached
             .iter()
@@ -221,8 +214,8 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         let mut filter = ThinkFilter {
             hide: a.hide_thinking,
             color,
-            in_think: false,
-            pending: String::new(),
+            split: ThinkSplit::new(false),
+            events: Vec::new(),
         };
         let mut reply = String::new();
         let opts = GenOptions {
@@ -231,7 +224,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         };
         let stats = generate(
             &mut sess,
-            &tok,
+            tok,
             &mut sampler,
             &ids[common..],
             &opts,

@@ -31,11 +31,12 @@
 //! - Progress goes to stderr only when stderr is a terminal; a summary line
 //!   always goes to stderr, and `--summary FILE` writes it as JSON.
 
-use crate::cli::{prompt_tokens, resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::grade::{extract_answer, grade, Kind};
+use crate::cmd::load_model;
+use crate::cmd::prompt::prompt_tokens;
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, StopReason};
-use crate::grade::{extract_answer, grade, Kind};
-use crate::load::Checkpoint;
 use crate::sample::Sampler;
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
@@ -149,7 +150,7 @@ pub struct BatchArgs {
     )]
     pub seed: i64,
     #[command(flatten)]
-    pub sampling: crate::cli::SamplingArgs,
+    pub sampling: crate::cmd::args::SamplingArgs,
     /// System prompt (through the chat template).
     #[arg(long = "system-prompt")]
     pub system: Option<String>,
@@ -392,10 +393,9 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     };
 
     let t_wall = Instant::now();
-    let ck = Checkpoint::open(&path)?;
-    let w = ck.weights()?;
-    let tok = ck.tokenizer()?;
-    let tmpl = if a.raw { None } else { ck.chat_template()? };
+    let model = load_model(&a.model)?;
+    let (w, tok) = (model.weights(), &model.tokenizer);
+    let tmpl = if a.raw { None } else { model.chat_template()? };
     let n_ctx = if a.ctx_size == 0 {
         w.config.n_ctx_train
     } else {
@@ -476,16 +476,12 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 Template::R1 => {
                     tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?
                 }
-                Template::Plain => prompt_tokens(
-                    &tok,
-                    tmpl.as_ref(),
-                    &item.prompt,
-                    a.system.as_deref(),
-                    a.raw,
-                )?,
+                Template::Plain => {
+                    prompt_tokens(tok, tmpl.as_ref(), &item.prompt, a.system.as_deref(), a.raw)?
+                }
                 Template::Boxed => {
                     let p = BOXED_TEMPLATE.replace("{problem}", &item.prompt);
-                    prompt_tokens(&tok, tmpl.as_ref(), &p, a.system.as_deref(), a.raw)?
+                    prompt_tokens(tok, tmpl.as_ref(), &p, a.system.as_deref(), a.raw)?
                 }
             };
             if ids.len() >= n_ctx {
@@ -496,7 +492,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             }
             let mut sampler = Sampler::new(a.sampling.config(0.0, rec_seed));
             let mut sess = a.kv.session(
-                &w,
+                w,
                 rec_seed,
                 &path,
                 n_ctx,
@@ -509,7 +505,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 n_predict: a.max_tokens as i64,
                 ignore_eos: a.ignore_eos,
             };
-            let st = generate(&mut sess, &tok, &mut sampler, &ids, &opts, |piece| {
+            let st = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
                 text.push_str(piece);
                 true
             })?;
@@ -524,7 +520,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             // GSM8K references are reduced to their final number
             let gold = match (kind, &item.gold) {
                 (Some(Kind::Gsm8k), Some(g)) if g.contains("####") => {
-                    crate::grade::extract_gsm8k(g).or_else(|| item.gold.clone())
+                    crate::cmd::grade::extract_gsm8k(g).or_else(|| item.gold.clone())
                 }
                 _ => item.gold.clone(),
             };
@@ -626,7 +622,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             "evicted": tot_evicted,
             "policy": a.kv.policy,
             "budget": kv_budget,
-            "peak_rss_bytes": crate::bench::peak_rss_bytes(),
+            "peak_rss_bytes": crate::cmd::bench::peak_rss_bytes(),
         });
         let text =
             serde_json::to_string_pretty(&s).map_err(|e| Error::Other(e.to_string()))? + "\n";

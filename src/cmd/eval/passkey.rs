@@ -8,10 +8,11 @@
 //! cache on the same prompts (so a miss of the model itself is not charged
 //! to the policy).
 
-use crate::cli::{prompt_tokens, resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
+use crate::cmd::load_model;
+use crate::cmd::prompt::prompt_tokens;
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session};
-use crate::load::Checkpoint;
 use crate::sample::{Rng, Sampler, SamplerConfig};
 use clap::Args;
 use serde::Serialize;
@@ -99,10 +100,9 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
             "depths must lie in [0, 1] and trials ≥ 1",
         ));
     }
-    let ck = Checkpoint::open(&path)?;
-    let w = ck.weights()?;
-    let tok = ck.tokenizer()?;
-    let tmpl = ck.chat_template()?;
+    let model = load_model(&a.model)?;
+    let (w, tok) = (model.weights(), &model.tokenizer);
+    let tmpl = model.chat_template()?;
     let hay = haystack(a)?;
     // Build a haystack of about `ctx` tokens as a list of sentence-sized pieces.
     let per_char = tok.encode(&hay[..hay.len().min(4000)], false, false)?.len() as f64
@@ -137,15 +137,15 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                 &text[..at],
                 &text[at..]
             );
-            let ids = prompt_tokens(&tok, tmpl.as_ref(), &prompt, None, false)?;
+            let ids = prompt_tokens(tok, tmpl.as_ref(), &prompt, None, false)?;
             let n_ctx = ids.len() + 16;
             for full in [true, false] {
                 let mut sess = if full {
-                    Session::new(&w, n_ctx, n_threads, 256)
+                    Session::new(w, n_ctx, n_threads, 256)
                 } else {
                     let mut s = match a.kv.build(a.seed, &path)? {
-                        None => Session::new(&w, n_ctx, n_threads, 256),
-                        Some(p) => Session::with_policy(&w, n_ctx, n_threads, 256, p)?,
+                        None => Session::new(w, n_ctx, n_threads, 256),
+                        Some(p) => Session::with_policy(w, n_ctx, n_threads, 256, p)?,
                     };
                     a.kv.configure(&mut s)?;
                     s
@@ -157,7 +157,7 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                 let mut out = String::new();
                 generate(
                     &mut sess,
-                    &tok,
+                    tok,
                     &mut sampler,
                     &ids,
                     &GenOptions {

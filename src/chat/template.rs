@@ -11,7 +11,7 @@
 //! `Error::Template` with minijinja's message.
 
 use crate::error::{Error, Result};
-use crate::load::gguf::Gguf;
+use crate::format::gguf::Gguf;
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -250,15 +250,4 @@ mod tests {
         assert_eq!(strftime_utc(0, "%d %B %Y, %A"), "01 January 1970, Thursday");
         assert_eq!(strftime_utc(0, "100%% %q"), "100% %q");
     }
-}
-
-/// Length of the longest proper prefix of `tag` that `text` ends with: the
-/// bytes a streaming splitter must hold back because they may be the start
-/// of `tag` (e.g. `<thi` of `<think>`). Tags are ASCII, so the cut is a
-/// character boundary.
-pub fn partial_tag_suffix(text: &str, tag: &str) -> usize {
-    (1..tag.len())
-        .rev()
-        .find(|&k| text.ends_with(&tag[..k]))
-        .unwrap_or(0)
 }

@@ -20,11 +20,11 @@
 //! (and that kvrun finds by itself as `<model stem>.epikv.json` next to the
 //! model).
 
-use crate::cli::{resolve_model, resolve_threads, ModelArgs};
+use crate::cmd::args::{resolve_model, resolve_threads, ModelArgs};
+use crate::cmd::load_model;
 use crate::error::{Error, Result};
 use crate::generate::{KvPolicy, Session};
 use crate::kv::KvCache;
-use crate::load::Checkpoint;
 use crate::model::llama::{HiddenTaps, Logits, MassMode};
 use crate::model::Config;
 use crate::policy::epikv::{EpikvLayers, Rolling};
@@ -453,7 +453,8 @@ fn run_trace<'w>(
 
 /// Run the calibration.
 pub fn calibrate(a: &CalibrateArgs) -> Result<Calibration> {
-    let path = resolve_model(&a.model.model)?;
+    // a missing model is reported before the other flags
+    resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     if a.window < 2 || a.occlusion == 0 || a.continuation < 2 {
         return Err(Error::arg(
@@ -465,9 +466,8 @@ pub fn calibrate(a: &CalibrateArgs) -> Result<Calibration> {
     if traces.is_empty() {
         return Err(Error::arg("-f/--file", "no traces"));
     }
-    let ck = Checkpoint::open(&path)?;
-    let w = ck.weights()?;
-    let tok = ck.tokenizer()?;
+    let model = load_model(&a.model)?;
+    let (w, tok) = (model.weights(), &model.tokenizer);
     let nl = w.config.n_layers;
     let mut rho_sum = vec![0.0; nl];
     let (mut total, mut used) = (0usize, 0usize);
@@ -481,7 +481,7 @@ pub fn calibrate(a: &CalibrateArgs) -> Result<Calibration> {
             );
             continue;
         }
-        let d = run_trace(a, &w, &ids, n_threads)?;
+        let d = run_trace(a, w, &ids, n_threads)?;
         let m = d.label.len();
         if m < 8 {
             continue;

@@ -1,0 +1,118 @@
+//! The command layer: `kvrun`'s command line and one module per command.
+//!
+//! Everything clap-derived lives here, on top of the library (model, policy,
+//! kv, backend, load, tokenizer, chat, sample, generate), which never
+//! imports from `cmd`. [`parse`] turns argv into a [`Cli`] (llama.cpp's
+//! multi-letter short flags such as `-sys` or `-ngl` are rewritten to their
+//! long forms first, since clap only knows one-letter short flags); [`run`]
+//! dispatches it:
+//!
+//! - [`run`](mod@run): one-shot generation (no subcommand), [`inspect`],
+//!   [`bench`], [`chat`] (the REPL), [`eval`] (`ppl`, `sweep`, `passkey`),
+//!   [`batch`] (with [`grade`] for the answers), [`calibrate`], [`serve`].
+//! - [`args`]: the flag groups several commands share (model, KV policy,
+//!   sampling, one-shot) and their resolution; [`prompt`]: prompt tokens.
+//! - [`load_model`]: the one way every command loads its model.
+
+pub mod args;
+pub mod batch;
+pub mod bench;
+pub mod calibrate;
+pub mod chat;
+pub mod eval;
+pub mod grade;
+pub mod inspect;
+pub mod prompt;
+pub mod run;
+pub mod serve;
+
+pub use args::{KvArgs, ModelArgs, RunArgs, SamplingArgs};
+
+use crate::error::Result;
+use crate::load::Loaded;
+use args::{normalize_args, resolve_model};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvrun",
+    version,
+    about = "kvrun: LLM inference for long reasoning traces, with a budgeted KV cache",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Option<Cmd>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Print a model's architecture, shapes, tensor types, tokenizer and template.
+    Inspect {
+        /// GGUF file (a header-only file works too).
+        model: PathBuf,
+    },
+    /// llama-bench-style table: kvrun vs llama.cpp (same file, same threads).
+    Bench(bench::BenchArgs),
+    /// Multi-turn chat REPL (the KV cache carries over between turns).
+    Chat(chat::ChatArgs),
+    /// Fidelity evaluation of eviction policies.
+    #[command(subcommand)]
+    Eval(eval::EvalCmd),
+    /// Run a JSONL file of problems and grade the answers (`batch merge` combines shards).
+    Batch(batch::BatchCmd),
+    /// Calibrate a policy for a model (`calibrate epikv`: EPIKV's bands and layers).
+    #[command(subcommand)]
+    Calibrate(calibrate::CalibrateCmd),
+    /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
+    Serve(serve::ServeArgs),
+}
+
+/// Load the model `-m` names (or the default one): checkpoint, weights and
+/// tokenizer, with the tokenizer checked against the embedding. Every
+/// command loads through here.
+pub fn load_model(m: &ModelArgs) -> Result<Loaded> {
+    Loaded::open(&resolve_model(&m.model)?)
+}
+
+/// The policy table shown in `--help`, from the registry.
+pub fn policies_help() -> String {
+    let mut s = String::from("KV-cache policies (--policy):\n");
+    for p in crate::policy::POLICIES {
+        s.push_str(&format!("  {:10} {}\n", p.name, p.about));
+    }
+    s
+}
+
+/// Parse argv (llama.cpp multi-letter flags accepted) into a `Cli`.
+pub fn parse(args: impl IntoIterator<Item = String>) -> std::result::Result<Cli, clap::Error> {
+    use clap::{CommandFactory, FromArgMatches};
+    let help = format!(
+        "{}\nWithout a subcommand kvrun generates from -p/-f (one-shot, like llama-completion).\n\
+         Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv, -np.",
+        policies_help()
+    );
+    let m = Cli::command()
+        .after_help(help)
+        .try_get_matches_from(normalize_args(args))?;
+    Cli::from_arg_matches(&m)
+}
+
+/// Entry point used by main: parse already-normalized args and run.
+pub fn run(cli: Cli) -> Result<()> {
+    match &cli.cmd {
+        Some(Cmd::Inspect { model }) => inspect::run_inspect(model),
+        Some(Cmd::Bench(b)) => bench::run_bench(b),
+        Some(Cmd::Chat(c)) => chat::run_chat(c),
+        Some(Cmd::Calibrate(c)) => calibrate::run_calibrate(c),
+        Some(Cmd::Eval(eval::EvalCmd::Ppl(p))) => eval::ppl::run_ppl(p),
+        Some(Cmd::Eval(eval::EvalCmd::Sweep(s))) => eval::sweep::run_sweep(s),
+        Some(Cmd::Eval(eval::EvalCmd::Passkey(p))) => eval::passkey::run_passkey(p),
+        Some(Cmd::Batch(b)) => batch::run_batch(b),
+        Some(Cmd::Serve(s)) => serve::run_serve(s),
+        None => run::run_generate(&cli.run),
+    }
+}

@@ -1,0 +1,125 @@
+//! One-shot generation, the command without a subcommand (like
+//! llama-completion): prompt from -p/-f, chat template unless --raw, tokens
+//! streamed to stdout, timings and KV statistics on stderr.
+
+use crate::cmd::args::{check_ctx_alloc, read_text, resolve_model, resolve_threads, RunArgs};
+use crate::cmd::load_model;
+use crate::cmd::prompt::prompt_tokens;
+use crate::error::{Error, Result};
+use crate::generate::{generate, GenOptions};
+use crate::sample::Sampler;
+use std::io::Write;
+
+/// One-shot generation (the default command).
+pub fn run_generate(a: &RunArgs) -> Result<()> {
+    let path = resolve_model(&a.model.model)?;
+    let n_threads = resolve_threads(a.model.threads)?;
+    if a.n_predict < -1 {
+        return Err(Error::arg(
+            "-n/--n-predict",
+            format!("must be -1 (unlimited) or ≥ 0, got {}", a.n_predict),
+        ));
+    }
+    if a.ctx_size < 0 {
+        return Err(Error::arg(
+            "-c/--ctx-size",
+            format!("must be ≥ 0, got {}", a.ctx_size),
+        ));
+    }
+    if a.batch_size == 0 {
+        return Err(Error::arg("-b/--batch-size", "must be at least 1"));
+    }
+    a.sampling.check()?;
+    let prompt = match (&a.prompt, &a.file) {
+        (Some(p), None) => p.clone(),
+        (None, Some(f)) => read_text(f, "-f/--file")?,
+        (Some(_), Some(_)) => {
+            return Err(Error::arg(
+                "-p/-f",
+                "give either a prompt or a prompt file, not both",
+            ))
+        }
+        (None, None) => {
+            return Err(Error::arg(
+                "-p/--prompt",
+                "no prompt given (use -p TEXT or -f FILE)",
+            ))
+        }
+    };
+    let system = match (&a.system, &a.system_file) {
+        (Some(s), _) => Some(s.clone()),
+        (None, Some(f)) => Some(read_text(f, "-sysf/--system-prompt-file")?),
+        _ => None,
+    };
+    let t_load = std::time::Instant::now();
+    let m = load_model(&a.model)?;
+    let (w, tok) = (m.weights(), &m.tokenizer);
+    let tmpl = if a.raw { None } else { m.chat_template()? };
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    let ids = prompt_tokens(tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
+    let n_ctx = if a.ctx_size == 0 {
+        w.config.n_ctx_train
+    } else {
+        a.ctx_size as usize
+    };
+    if ids.len() > n_ctx {
+        return Err(Error::ContextTooSmall {
+            n_prompt: ids.len(),
+            n_ctx,
+        });
+    }
+    check_ctx_alloc(&w.config, n_ctx, n_threads)?;
+    let seed = if a.seed < 0 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    } else {
+        a.seed as u64
+    };
+    let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
+    let mut sess =
+        a.kv.session(w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if a.display_prompt {
+        let _ = write!(out, "{}", tok.decode(&ids, true));
+    }
+    let opts = GenOptions {
+        n_predict: a.n_predict,
+        ignore_eos: a.ignore_eos,
+    };
+    let stats = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
+        // A closed pipe (e.g. `| head`) ends generation quietly.
+        out.write_all(piece.as_bytes())
+            .and_then(|_| out.flush())
+            .is_ok()
+    })?;
+    let _ = writeln!(out);
+    if !a.no_perf {
+        eprintln!("kvrun: load time = {load_ms:10.2} ms");
+        eprint!("{}", stats.timing_lines("kvrun"));
+        eprintln!(
+            "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak){}",
+            a.kv.policy,
+            sess.kv.ty,
+            a.kv.kv_budget
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "none".into()),
+            sess.n_evicted,
+            sess.kv.resident_tokens(),
+            sess.kv.peak_live,
+            sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
+            match sess.kv.layout() {
+                crate::kv::Layout::Streams => format!(
+                    " streams={} entries={} peak_entries={}",
+                    sess.kv.n_streams(),
+                    sess.kv.cells.n_live(),
+                    sess.kv.peak_entries
+                ),
+                crate::kv::Layout::Uniform => String::new(),
+            }
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,558 @@
+//! The OpenAI API surface of `kvrun serve`: request parsing (bodies,
+//! messages, prompts, sampling and per-request KV fields), the messages
+//! between a handler and its worker ([`Job`] in, [`Ev`] out), the response
+//! JSON ([`RespCtx`]) and [`ApiError`], the OpenAI-shaped error body
+//! `{"error":{"message","type","param","code"}}` every failure becomes.
+
+use super::App;
+use crate::chat::Message;
+use crate::cmd::args::KvArgs;
+use crate::error::Error;
+use crate::sample::SamplerConfig;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedSender;
+
+// ---------------------------------------------------------------------------
+// Errors
+
+/// An error answered as an OpenAI-shaped JSON body.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    code: &'static str,
+}
+
+impl ApiError {
+    pub(super) fn new(
+        status: StatusCode,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            code,
+        }
+    }
+    pub(super) fn bad(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 => "authentication_error",
+            404 => "not_found_error",
+            503 => "unavailable_error",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+    pub(super) fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind(), "param": null, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// Flag names in library errors, as the request fields that set them.
+fn field_names(s: &str) -> String {
+    s.replace("--kv-budget", "kv_budget")
+        .replace("--kv-sink", "kv_sink")
+        .replace("--kv-recent", "kv_recent")
+        .replace("--keep-prompt", "keep_prompt")
+        .replace("--evict-every", "evict_every")
+        .replace("--policy", "policy")
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> ApiError {
+        match e {
+            Error::BadArg { .. } => ApiError::bad(field_names(&e.to_string())),
+            Error::ContextTooSmall { n_prompt, n_ctx } => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "context_length_exceeded",
+                format!("the prompt has {n_prompt} tokens but the context holds {n_ctx}"),
+            ),
+            Error::Template(m) => ApiError::bad(format!("chat template: {m}")),
+            other => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                other.to_string(),
+            ),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Jobs: handler → worker → handler
+
+#[derive(Debug)]
+pub(super) enum Input {
+    Chat(Vec<Message>),
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug)]
+pub(super) struct Job {
+    pub(super) input: Input,
+    pub(super) max_tokens: i64,
+    pub(super) sampler: SamplerConfig,
+    pub(super) stop: Vec<String>,
+    pub(super) ignore_eos: bool,
+    pub(super) kv: KvArgs,
+    pub(super) tx: UnboundedSender<Ev>,
+}
+
+/// Per-request results of generation.
+#[derive(Debug, Clone)]
+pub(super) struct Done {
+    pub(super) finish: &'static str,
+    pub(super) prompt_tokens: usize,
+    pub(super) completion_tokens: usize,
+    pub(super) prompt_ms: f64,
+    pub(super) gen_ms: f64,
+    pub(super) evicted: usize,
+    pub(super) peak_kv: usize,
+}
+
+#[derive(Debug)]
+pub(super) enum Ev {
+    Started,
+    /// `reasoning` = the text belongs to `reasoning_content`.
+    Delta {
+        reasoning: bool,
+        text: String,
+    },
+    Done(Done),
+    Error(ApiError),
+}
+
+// ---------------------------------------------------------------------------
+// Request parsing
+
+pub(super) fn parse_body(
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Value, ApiError> {
+    let bytes = body.map_err(|r| ApiError::new(r.status(), "invalid_body", r.body_text()))?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad("the body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+fn type_err(field: &str, want: &str, got: &Value) -> ApiError {
+    let got = match got {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    };
+    ApiError::bad(format!("'{field}' must be {want}, got {got}"))
+}
+
+/// Optional field: absent and null are None.
+fn opt<'v>(v: &'v Value, field: &str) -> Option<&'v Value> {
+    v.get(field).filter(|x| !x.is_null())
+}
+
+fn opt_f32(v: &Value, field: &str) -> std::result::Result<Option<f32>, ApiError> {
+    match opt(v, field) {
+        None => Ok(None),
+        Some(x) => match x.as_f64() {
+            Some(f) if f.is_finite() => Ok(Some(f as f32)),
+            _ => Err(type_err(field, "a number", x)),
+        },
+    }
+}
+
+fn opt_i64(v: &Value, field: &str) -> std::result::Result<Option<i64>, ApiError> {
+    match opt(v, field) {
+        None => Ok(None),
+        Some(x) => x
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| type_err(field, "an integer", x)),
+    }
+}
+
+fn opt_usize(v: &Value, field: &str, max: usize) -> std::result::Result<Option<usize>, ApiError> {
+    match opt_i64(v, field)? {
+        None => Ok(None),
+        Some(n) if n >= 0 && (n as u64) <= max as u64 => Ok(Some(n as usize)),
+        Some(n) => Err(ApiError::bad(format!(
+            "'{field}' must be between 0 and {max}, got {n}"
+        ))),
+    }
+}
+
+fn opt_bool(v: &Value, field: &str) -> std::result::Result<Option<bool>, ApiError> {
+    match opt(v, field) {
+        None => Ok(None),
+        Some(x) => x
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| type_err(field, "a boolean", x)),
+    }
+}
+
+fn opt_str<'v>(v: &'v Value, field: &str) -> std::result::Result<Option<&'v str>, ApiError> {
+    match opt(v, field) {
+        None => Ok(None),
+        Some(x) => x
+            .as_str()
+            .map(Some)
+            .ok_or_else(|| type_err(field, "a string", x)),
+    }
+}
+
+/// Message content: a string, or an array of `{type:"text", text}` parts.
+fn content_text(i: usize, c: Option<&Value>) -> std::result::Result<String, ApiError> {
+    match c {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut s = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => s.push_str(t),
+                    _ => {
+                        return Err(ApiError::bad(format!(
+                            "messages[{i}].content: only text parts ({{\"type\":\"text\",\"text\":…}}) are supported"
+                        )))
+                    }
+                }
+            }
+            Ok(s)
+        }
+        Some(other) => Err(type_err(
+            &format!("messages[{i}].content"),
+            "a string or an array of text parts",
+            other,
+        )),
+    }
+}
+
+pub(super) fn parse_messages(v: &Value) -> std::result::Result<Vec<Message>, ApiError> {
+    let msgs = match v.get("messages") {
+        None | Some(Value::Null) => return Err(ApiError::bad("missing field 'messages'")),
+        Some(Value::Array(a)) => a,
+        Some(other) => return Err(type_err("messages", "an array of messages", other)),
+    };
+    if msgs.is_empty() {
+        return Err(ApiError::bad("'messages' must not be empty"));
+    }
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !m.is_object() {
+                return Err(type_err(&format!("messages[{i}]"), "an object", m));
+            }
+            let role = match m.get("role") {
+                Some(Value::String(r)) => r.clone(),
+                None | Some(Value::Null) => {
+                    return Err(ApiError::bad(format!(
+                        "messages[{i}]: missing field 'role'"
+                    )))
+                }
+                Some(other) => {
+                    return Err(type_err(&format!("messages[{i}].role"), "a string", other))
+                }
+            };
+            Ok(Message {
+                role,
+                content: content_text(i, m.get("content"))?,
+            })
+        })
+        .collect()
+}
+
+pub(super) fn parse_prompt(v: &Value, n_vocab: usize) -> std::result::Result<Input, ApiError> {
+    let want = "a string, an array of one string, or an array of token ids";
+    match v.get("prompt") {
+        None | Some(Value::Null) => Err(ApiError::bad("missing field 'prompt'")),
+        Some(Value::String(s)) => Ok(Input::Text(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(Input::Text(a[0].as_str().unwrap_or_default().to_owned()))
+        }
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
+            let ids: Vec<u32> = a
+                .iter()
+                .filter_map(Value::as_u64)
+                .filter(|&t| t < n_vocab as u64)
+                .map(|t| t as u32)
+                .collect();
+            if ids.len() != a.len() {
+                return Err(ApiError::bad(format!(
+                    "'prompt': token ids must be below the vocabulary size {n_vocab}"
+                )));
+            }
+            Ok(Input::Tokens(ids))
+        }
+        Some(other) => Err(type_err("prompt", want, other)),
+    }
+}
+
+/// Everything but the input: sampling, limits, stop strings, KV policy, streaming.
+pub(super) fn parse_job(
+    app: &App,
+    v: &Value,
+    input: Input,
+    tx: UnboundedSender<Ev>,
+) -> std::result::Result<(Job, bool, bool), ApiError> {
+    let d = &app.defaults;
+    if let Some(n) = opt_i64(v, "n")? {
+        if n != 1 {
+            return Err(ApiError::bad("'n': only n = 1 is supported"));
+        }
+    }
+    let max_tokens = match (
+        opt_i64(v, "max_completion_tokens")?,
+        opt_i64(v, "max_tokens")?,
+    ) {
+        (Some(n), _) | (None, Some(n)) => {
+            if n < 0 {
+                return Err(ApiError::bad(format!("'max_tokens' must be ≥ 0, got {n}")));
+            }
+            n
+        }
+        (None, None) => d.n_predict,
+    };
+    let temp = opt_f32(v, "temperature")?.unwrap_or(d.sampling.temp.unwrap_or(0.8));
+    let top_p = opt_f32(v, "top_p")?.unwrap_or(d.sampling.top_p);
+    if !(0.0..=1.0).contains(&top_p) {
+        return Err(ApiError::bad(format!(
+            "'top_p' must be between 0 and 1, got {top_p}"
+        )));
+    }
+    let min_p = opt_f32(v, "min_p")?.unwrap_or(d.sampling.min_p);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad(format!(
+            "'min_p' must be between 0 and 1, got {min_p}"
+        )));
+    }
+    let top_k = opt_usize(v, "top_k", usize::MAX >> 1)?.unwrap_or(d.sampling.top_k);
+    let repeat_penalty = opt_f32(v, "repeat_penalty")?.unwrap_or(d.sampling.repeat_penalty);
+    let seed = match opt_i64(v, "seed")?.unwrap_or(d.seed) {
+        s if s < 0 => SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+        s => s as u64,
+    };
+    let stop = match opt(v, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| type_err("stop", "a string or an array of strings", s))
+            })
+            .collect::<std::result::Result<_, _>>()?,
+        Some(other) => return Err(type_err("stop", "a string or an array of strings", other)),
+    };
+    let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+    let stream = opt_bool(v, "stream")?.unwrap_or(false);
+    let include_usage = match opt(v, "stream_options") {
+        None => false,
+        Some(o @ Value::Object(_)) => opt_bool(o, "include_usage")?.unwrap_or(false),
+        Some(other) => return Err(type_err("stream_options", "an object", other)),
+    };
+    let ignore_eos = opt_bool(v, "ignore_eos")?.unwrap_or(false);
+    // KV policy: the server's flags, overridden per request
+    let mut kv = d.kv.clone();
+    if let Some(p) = opt_str(v, "policy")? {
+        kv.policy = p.to_owned();
+    }
+    let budget = opt_usize(v, "kv_budget", app.n_ctx)?;
+    if budget.is_some() {
+        kv.kv_budget = budget;
+    }
+    if let Some(s) = opt_usize(v, "kv_sink", app.n_ctx)? {
+        kv.kv_sink = s;
+    }
+    if let Some(r) = opt_usize(v, "kv_recent", app.n_ctx)? {
+        kv.kv_recent = Some(r);
+    }
+    if let Some(k) = opt_bool(v, "keep_prompt")? {
+        kv.keep_prompt = k;
+    }
+    if let Some(e) = opt_usize(v, "evict_every", app.n_ctx)? {
+        kv.evict_every = Some(e);
+    }
+    if kv.policy == "full" && budget.is_some() {
+        return Err(ApiError::bad(
+            "'kv_budget' needs an eviction policy: set 'policy' (e.g. \"window\", \"h2o\")",
+        ));
+    }
+    if let Some(b) = kv.kv_budget {
+        if kv.policy != "full" && b > app.n_ctx {
+            return Err(ApiError::bad(format!(
+                "'kv_budget' {b} is larger than the context ({} tokens)",
+                app.n_ctx
+            )));
+        }
+    }
+    // unknown policy names and missing budgets fail here, before queueing
+    kv.build(0, &app.model_path).map_err(ApiError::from)?;
+    let job = Job {
+        input,
+        max_tokens,
+        sampler: SamplerConfig {
+            temp,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n: d.sampling.repeat_last_n,
+            seed,
+        },
+        stop,
+        ignore_eos,
+        kv,
+        tx,
+    };
+    Ok((job, stream, include_usage))
+}
+
+// ---------------------------------------------------------------------------
+// Responses
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// What every chunk / response of one request repeats.
+#[derive(Debug)]
+pub(super) struct RespCtx {
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) ep: Endpoint,
+    pub(super) include_usage: bool,
+}
+
+pub(super) fn usage(d: &Done) -> Value {
+    json!({
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+    })
+}
+
+pub(super) fn extras(d: &Done) -> (Value, Value) {
+    let per_s = |n: usize, ms: f64| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
+    (
+        json!({
+            "prompt_n": d.prompt_tokens,
+            "prompt_ms": d.prompt_ms,
+            "prompt_per_second": per_s(d.prompt_tokens, d.prompt_ms),
+            "predicted_n": d.completion_tokens,
+            "predicted_ms": d.gen_ms,
+            "predicted_per_second": per_s(d.completion_tokens, d.gen_ms),
+        }),
+        json!({"evicted": d.evicted, "peak_tokens": d.peak_kv}),
+    )
+}
+
+impl RespCtx {
+    pub(super) fn object(&self, chunk: bool) -> &'static str {
+        match (self.ep, chunk) {
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+    /// One streaming chunk (chat: `delta`; completions: `text`).
+    pub(super) fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
+        let choice = match self.ep {
+            Endpoint::Chat => {
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completion => json!({
+                "index": 0,
+                "text": delta.get("content").and_then(Value::as_str).unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        let mut c = json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c.to_string()
+    }
+    /// The non-streaming response.
+    pub(super) fn full(&self, reasoning: &str, content: &str, d: &Done) -> Value {
+        let choice = match self.ep {
+            Endpoint::Chat => {
+                let mut msg = json!({"role": "assistant", "content": content});
+                if !reasoning.is_empty() {
+                    msg["reasoning_content"] = json!(reasoning);
+                }
+                json!({"index": 0, "message": msg, "logprobs": null, "finish_reason": d.finish})
+            }
+            Endpoint::Completion => {
+                json!({"index": 0, "text": content, "logprobs": null, "finish_reason": d.finish})
+            }
+        };
+        let (timings, kv) = extras(d);
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(d),
+            "timings": timings,
+            "kv": kv,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_errors_are_openai_shaped() {
+        let e: ApiError = Error::arg("--kv-budget", "--policy h2o needs --kv-budget N").into();
+        let b = e.body();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(
+            b["error"]["message"],
+            "kv_budget: policy h2o needs kv_budget N"
+        );
+        let e: ApiError = Error::ContextTooSmall {
+            n_prompt: 10,
+            n_ctx: 5,
+        }
+        .into();
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+    }
+}

@@ -1,0 +1,254 @@
+//! The worker slots of `kvrun serve`: `--parallel` std threads, each owning
+//! a `Session` (KV cache, thread pool), taking [`Job`]s from the bounded
+//! queue and streaming [`Ev`]s back. Generation runs only here, never on the
+//! async runtime. A slot keeps its session between requests with the same
+//! KV settings (reset, not reallocated).
+
+use super::api::{ApiError, Done, Ev, Input, Job};
+use super::{App, ReasoningFormat};
+use crate::chat::{ChatTemplate, StopMatch, ThinkEvent, ThinkSplit};
+use crate::cmd::args::KvArgs;
+use crate::cmd::prompt::encode_rendered;
+use crate::error::Error;
+use crate::generate::{generate, GenOptions, Session, StopReason};
+use crate::load::Loaded;
+use crate::sample::Sampler;
+use axum::http::StatusCode;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+
+/// The model, shared read-only by every worker.
+#[derive(Debug)]
+pub(super) struct Engine {
+    /// Weights, tokenizer and model path (one copy, shared with `run_serve`).
+    pub(super) model: Arc<Loaded>,
+    pub(super) tmpl: Option<ChatTemplate>,
+    pub(super) n_ctx: usize,
+    pub(super) n_batch: usize,
+    pub(super) n_threads: usize,
+    pub(super) reasoning: ReasoningFormat,
+}
+
+/// What identifies a reusable session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct KvKey {
+    policy: String,
+    budget: Option<usize>,
+    sink: usize,
+    recent: Option<usize>,
+    keep_prompt: bool,
+    evict_every: Option<usize>,
+    cache_type: String,
+    pos_mode: String,
+}
+
+impl KvKey {
+    fn of(k: &KvArgs) -> KvKey {
+        KvKey {
+            policy: k.policy.clone(),
+            budget: k.kv_budget,
+            sink: k.kv_sink,
+            recent: k.kv_recent,
+            keep_prompt: k.keep_prompt,
+            evict_every: k.evict_every,
+            cache_type: k.cache_type.clone(),
+            pos_mode: k.pos_mode.clone(),
+        }
+    }
+}
+
+/// One slot's thread: take jobs until the queue closes.
+pub(super) fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<Receiver<Job>>>) {
+    let eng: &Engine = &eng;
+    // the slot's session borrows the shared weights for as long as it runs
+    let mut cache: Option<(KvKey, Session<'_>)> = None;
+    loop {
+        let job = {
+            let Ok(r) = rx.lock() else { return };
+            match r.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            }
+        };
+        app.queued.fetch_sub(1, Ordering::SeqCst);
+        if job.tx.is_closed() {
+            // the client left while the request was queued
+            if let Ok(mut m) = app.metrics.lock() {
+                m.cancelled += 1;
+            }
+            continue;
+        }
+        app.processing.fetch_add(1, Ordering::SeqCst);
+        let tx = job.tx.clone();
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_job(idx, eng, &app, &job, &mut cache)
+        }));
+        match run {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = tx.send(Ev::Error(e));
+            }
+            Err(_) => {
+                cache = None;
+                let _ = tx.send(Ev::Error(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "internal error while generating (see the server log)",
+                )));
+            }
+        }
+        app.processing.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn run_job<'e>(
+    idx: usize,
+    eng: &'e Engine,
+    app: &App,
+    job: &Job,
+    cache: &mut Option<(KvKey, Session<'e>)>,
+) -> std::result::Result<(), ApiError> {
+    let tok = &eng.model.tokenizer;
+    let w = eng.model.weights();
+    let mut think = ThinkSplit::disabled();
+    let ids = match &job.input {
+        Input::Chat(msgs) => {
+            let tmpl = eng.tmpl.as_ref().ok_or_else(|| {
+                ApiError::bad("the model has no chat template; use /v1/completions")
+            })?;
+            let text = tmpl.render(msgs, true)?;
+            if eng.reasoning == ReasoningFormat::Deepseek {
+                // a template that opens the think block itself starts in reasoning
+                think = ThinkSplit::new(text.trim_end().ends_with("<think>")).trim_after_tags();
+            }
+            encode_rendered(tok, &text)?
+        }
+        Input::Text(p) => tok.encode(p, true, true)?,
+        Input::Tokens(t) => t.clone(),
+    };
+    if ids.is_empty() {
+        return Err(ApiError::bad("the prompt is empty (no tokens)"));
+    }
+    if ids.len() > eng.n_ctx {
+        return Err(Error::ContextTooSmall {
+            n_prompt: ids.len(),
+            n_ctx: eng.n_ctx,
+        }
+        .into());
+    }
+    // a slot keeps its session while the policy stays the same
+    let key = KvKey::of(&job.kv);
+    let reuse = job.kv.policy != "random" && cache.as_ref().is_some_and(|(k, _)| *k == key);
+    if !reuse {
+        *cache = None;
+        let mut sess = match job.kv.build(job.sampler.seed, &eng.model.path)? {
+            None => Session::new(w, eng.n_ctx, eng.n_threads, eng.n_batch),
+            Some(p) => Session::with_policy(w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?,
+        };
+        job.kv.configure(&mut sess)?;
+        *cache = Some((key, sess));
+    }
+    let Some((_, sess)) = cache.as_mut() else {
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "no session",
+        ));
+    };
+    sess.reset();
+    if let Some(p) = &sess.policy {
+        if job.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
+            return Err(ApiError::bad(format!(
+                "kv_budget: budget {} cannot hold the {}-token prompt (keep_prompt) plus the recent window {}",
+                p.evictor.budget,
+                ids.len(),
+                p.evictor.n_recent
+            )));
+        }
+    }
+    let slot = &app.slots[idx];
+    slot.capacity
+        .store(sess.kv.cells.n_slots(), Ordering::Relaxed);
+    if job.tx.send(Ev::Started).is_err() {
+        return Ok(());
+    }
+    let mut sampler = Sampler::new(job.sampler.clone());
+    let opts = GenOptions {
+        n_predict: job.max_tokens,
+        ignore_eos: job.ignore_eos,
+    };
+    let mut stop = StopMatch::new(job.stop.clone());
+    let mut hit_stop = false;
+    let mut gone = false;
+    let mut out: Vec<ThinkEvent> = Vec::new();
+    let tx = &job.tx;
+    let send_all = |out: &mut Vec<ThinkEvent>| -> bool {
+        for ev in out.drain(..) {
+            if let ThinkEvent::Text { reasoning, text } = ev {
+                if tx.send(Ev::Delta { reasoning, text }).is_err() {
+                    return false;
+                }
+            }
+        }
+        true
+    };
+    let stats = generate(sess, tok, &mut sampler, &ids, &opts, |piece| {
+        let (text, hit) = stop.push(piece);
+        think.push(&text, &mut out);
+        if hit {
+            hit_stop = true;
+            think.finish(&mut out);
+        }
+        if !send_all(&mut out) {
+            gone = true;
+            return false;
+        }
+        !hit
+    })?;
+    if !hit_stop && !gone {
+        let rest = stop.finish();
+        think.push(&rest, &mut out);
+        think.finish(&mut out);
+        gone = !send_all(&mut out);
+    }
+    let live = sess.kv.cells.n_live();
+    slot.live.store(live, Ordering::Relaxed);
+    slot.peak.fetch_max(sess.kv.peak_live, Ordering::Relaxed);
+    let finish = match stats.stop {
+        StopReason::Eog => "stop",
+        StopReason::Cancelled if hit_stop => "stop",
+        StopReason::Cancelled => "cancelled",
+        StopReason::Length | StopReason::ContextFull => "length",
+    };
+    let done = Done {
+        finish,
+        prompt_tokens: ids.len(),
+        completion_tokens: stats.tokens.len(),
+        prompt_ms: stats.prompt_ms,
+        gen_ms: stats.gen_ms,
+        evicted: sess.n_evicted,
+        peak_kv: sess.kv.peak_live,
+    };
+    if let Ok(mut m) = app.metrics.lock() {
+        m.prompt_tokens += done.prompt_tokens as u64;
+        m.gen_tokens += done.completion_tokens as u64;
+        m.prompt_s += done.prompt_ms / 1e3;
+        m.gen_s += done.gen_ms / 1e3;
+        m.evictions += done.evicted as u64;
+        if gone || finish == "cancelled" {
+            m.cancelled += 1;
+        }
+    }
+    if app.defaults.verbose {
+        eprintln!(
+            "kvrun serve: slot {idx}: {} prompt + {} generated tokens, {:.1} ms, finish {finish}, evicted {}",
+            done.prompt_tokens,
+            done.completion_tokens,
+            stats.total_ms,
+            done.evicted
+        );
+    }
+    let _ = job.tx.send(Ev::Done(done));
+    Ok(())
+}
