@@ -7,7 +7,8 @@
 //! Modules, bottom-up: [`tensor`] (types), [`load`] (GGUF / safetensors),
 //! [`quant`] (scalar reference kernels), [`backend`] (CPU compute),
 //! [`model`] (config, weights, the forward pass), [`tokenizer`], [`chat`],
-//! [`sample`], [`generate`] (the decode loop), [`server`] (`kvrun serve`), [`cli`].
+//! [`sample`], [`signals`] (what a forward step hands to the eviction
+//! scorers), [`policy`] (eviction), [`generate`] (the decode loop), [`server`] (`kvrun serve`), [`cli`].
 
 #![warn(missing_debug_implementations, rust_2018_idioms, unreachable_pub)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -32,6 +33,7 @@ pub mod policy;
 pub mod quant;
 pub mod sample;
 pub mod server;
+pub mod signals;
 pub mod sweep;
 pub mod tensor;
 pub mod tokenizer;

@@ -25,6 +25,7 @@ use crate::chat::{ChatTemplate, Message};
 use crate::cli::{encode_rendered, resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session, StopReason};
+use crate::policy::PolicyConfig;
 use crate::load::Checkpoint;
 use crate::model::Weights;
 use crate::sample::{Sampler, SamplerConfig};
@@ -149,20 +150,13 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Flag names in library errors, as the request fields that set them.
-fn field_names(s: &str) -> String {
-    s.replace("--kv-budget", "kv_budget")
-        .replace("--kv-sink", "kv_sink")
-        .replace("--kv-recent", "kv_recent")
-        .replace("--keep-prompt", "keep_prompt")
-        .replace("--evict-every", "evict_every")
-        .replace("--policy", "policy")
-}
-
 impl From<Error> for ApiError {
     fn from(e: Error) -> ApiError {
         match e {
-            Error::BadArg { .. } => ApiError::bad(field_names(&e.to_string())),
+            // settings a request can override are named by their request
+            // fields, the others by the server's flags
+            Error::Config(c) => ApiError::bad(c.render(|f| f.json().unwrap_or(f.flag()))),
+            Error::BadArg { .. } => ApiError::bad(e.to_string()),
             Error::ContextTooSmall { n_prompt, n_ctx } => ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "context_length_exceeded",
@@ -217,7 +211,7 @@ struct Job {
     sampler: SamplerConfig,
     stop: Vec<String>,
     ignore_eos: bool,
-    kv: KvArgs,
+    kv: PolicyConfig,
     tx: UnboundedSender<Ev>,
 }
 
@@ -389,33 +383,8 @@ struct Engine {
     model_path: std::path::PathBuf,
 }
 
-/// What identifies a reusable session.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct KvKey {
-    policy: String,
-    budget: Option<usize>,
-    sink: usize,
-    recent: Option<usize>,
-    keep_prompt: bool,
-    evict_every: Option<usize>,
-    cache_type: String,
-    pos_mode: String,
-}
-
-impl KvKey {
-    fn of(k: &KvArgs) -> KvKey {
-        KvKey {
-            policy: k.policy.clone(),
-            budget: k.kv_budget,
-            sink: k.kv_sink,
-            recent: k.kv_recent,
-            keep_prompt: k.keep_prompt,
-            evict_every: k.evict_every,
-            cache_type: k.cache_type.clone(),
-            pos_mode: k.pos_mode.clone(),
-        }
-    }
-}
+/// What identifies a reusable session: the whole policy configuration.
+type KvKey = PolicyConfig;
 
 fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<Receiver<Job>>>) {
     let mut cache: Option<(KvKey, Session<'static>)> = None;
@@ -491,15 +460,16 @@ fn run_job(
         .into());
     }
     // a slot keeps its session while the policy stays the same
-    let key = KvKey::of(&job.kv);
-    let reuse = job.kv.policy != "random" && cache.as_ref().is_some_and(|(k, _)| *k == key);
+    let key: KvKey = job.kv.clone();
+    let reusable = job.kv.def().is_ok_and(|d| d.caps.reusable_session);
+    let reuse = reusable && cache.as_ref().is_some_and(|(k, _)| *k == key);
     if !reuse {
         *cache = None;
         let mut sess = match job.kv.build(job.sampler.seed, &eng.model_path)? {
             None => Session::new(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch),
             Some(p) => Session::with_policy(eng.w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?,
         };
-        job.kv.configure(&mut sess)?;
+        sess.configure(&job.kv)?;
         *cache = Some((key, sess));
     }
     let Some((_, sess)) = cache.as_mut() else {
@@ -845,19 +815,19 @@ fn parse_job(
     };
     let ignore_eos = opt_bool(v, "ignore_eos")?.unwrap_or(false);
     // KV policy: the server's flags, overridden per request
-    let mut kv = d.kv.clone();
+    let mut kv = d.kv.config()?;
     if let Some(p) = opt_str(v, "policy")? {
         kv.policy = p.to_owned();
     }
     let budget = opt_usize(v, "kv_budget", app.n_ctx)?;
     if budget.is_some() {
-        kv.kv_budget = budget;
+        kv.budget = budget;
     }
     if let Some(s) = opt_usize(v, "kv_sink", app.n_ctx)? {
-        kv.kv_sink = s;
+        kv.sinks = s;
     }
     if let Some(r) = opt_usize(v, "kv_recent", app.n_ctx)? {
-        kv.kv_recent = Some(r);
+        kv.recent = Some(r);
     }
     if let Some(k) = opt_bool(v, "keep_prompt")? {
         kv.keep_prompt = k;
@@ -865,13 +835,14 @@ fn parse_job(
     if let Some(e) = opt_usize(v, "evict_every", app.n_ctx)? {
         kv.evict_every = Some(e);
     }
-    if kv.policy == "full" && budget.is_some() {
+    let budgeted = kv.def()?.budgeted();
+    if !budgeted && budget.is_some() {
         return Err(ApiError::bad(
             "'kv_budget' needs an eviction policy: set 'policy' (e.g. \"window\", \"h2o\")",
         ));
     }
-    if let Some(b) = kv.kv_budget {
-        if kv.policy != "full" && b > app.n_ctx {
+    if let Some(b) = kv.budget {
+        if budgeted && b > app.n_ctx {
             return Err(ApiError::bad(format!(
                 "'kv_budget' {b} is larger than the context ({} tokens)",
                 app.n_ctx
@@ -1481,6 +1452,7 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::{Field, Msg};
 
     fn split(start_in_think: bool, pieces: &[&str]) -> (String, String) {
         let mut t = ThinkSplit {
@@ -1551,7 +1523,15 @@ mod tests {
 
     #[test]
     fn api_errors_are_openai_shaped() {
-        let e: ApiError = Error::arg("--kv-budget", "--policy h2o needs --kv-budget N").into();
+        let e: ApiError = Error::config(
+            Field::Budget,
+            Msg::default()
+                .f(Field::Policy)
+                .t(" h2o needs ")
+                .f(Field::Budget)
+                .t(" N"),
+        )
+        .into();
         let b = e.body();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(b["error"]["type"], "invalid_request_error");

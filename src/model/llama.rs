@@ -11,6 +11,7 @@ use crate::backend::pool::{split, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, LayerKv, PosMode};
 use crate::model::Weights;
+use crate::signals::{MassMode, StepSignals};
 
 /// Which rows of logits the caller wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,179 +123,13 @@ impl RunState {
     }
 }
 
-/// Which attention probabilities a forward step exports to the scorers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum MassMode {
-    /// Nothing (no cost).
-    #[default]
-    None,
-    /// The last query row of the step.
-    LastRow,
-    /// The sum over every query row of the step.
-    AllRows,
-}
-
-/// Residual-stream taps: the change of the hidden state between consecutive
-/// positions at chosen decoder layers, g_l(t) = ‖h_l(t) − h_l(t−1)‖₂, where
-/// h_l is the raw residual stream at the output of layer l. Only the
-/// previous token's vector per tapped layer is kept; the whole stream is
-/// never copied.
-#[derive(Debug, Clone, Default)]
-pub struct HiddenTaps {
-    /// Tapped decoder layers (0-based), ascending.
-    pub layers: Vec<usize>,
-    /// (n_taps, dim) hidden state of the previous token at each tapped layer.
-    prev: Vec<f32>,
-    /// Whether `prev` holds a real previous token.
-    has_prev: bool,
-    /// (n, n_taps) g of the last step's tokens, row-major.
-    pub g: Vec<f32>,
-    /// Rows of `g` before this index have no previous token (the first
-    /// token of a sequence); their g is 0.
-    pub first_valid: usize,
-}
-
-impl HiddenTaps {
-    /// Taps at `layers` (deduplicated, sorted) of a model with residual width `dim`.
-    pub fn new(mut layers: Vec<usize>, dim: usize) -> HiddenTaps {
-        layers.sort_unstable();
-        layers.dedup();
-        HiddenTaps {
-            prev: vec![0.0; layers.len() * dim],
-            layers,
-            has_prev: false,
-            g: Vec::new(),
-            first_valid: 0,
-        }
-    }
-    /// Forget the previous token (new sequence).
-    pub fn reset(&mut self) {
-        self.has_prev = false;
-    }
-    /// Number of tapped layers.
-    pub fn n_taps(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// Record g for the `n` rows of `x` (n, dim) at tap index `ti`, then keep
-    /// the last row as the next step's previous vector.
-    fn record(&mut self, ti: usize, x: &[f32], n: usize, dim: usize) {
-        let nt = self.layers.len();
-        for i in 0..n {
-            let cur = &x[i * dim..(i + 1) * dim];
-            let prev = if i == 0 {
-                if !self.has_prev {
-                    self.g[ti] = 0.0;
-                    continue;
-                }
-                &self.prev[ti * dim..(ti + 1) * dim]
-            } else {
-                &x[(i - 1) * dim..i * dim]
-            };
-            let d2: f32 = cur.iter().zip(prev).map(|(a, b)| (a - b) * (a - b)).sum();
-            self.g[i * nt + ti] = d2.sqrt();
-        }
-        self.prev[ti * dim..(ti + 1) * dim].copy_from_slice(&x[(n - 1) * dim..n * dim]);
-    }
-}
-
-/// The post-RoPE queries of the last `w` tokens at every layer (SnapKV's
-/// observation window): the scorers that vote with recent queries read them
-/// when they rank, instead of any stored attention matrix. A ring of `w`
-/// rows per layer; row order does not matter, positions say which keys
-/// each row could see.
-#[derive(Debug, Clone, Default)]
-pub struct QueryWindow {
-    /// Rows kept per layer.
-    pub w: usize,
-    /// Query width (n_heads · head_dim).
-    pub q_dim: usize,
-    /// (n_layers, w, q_dim) query rows.
-    rows: Vec<f32>,
-    /// (w,) absolute position of each ring row.
-    pos: Vec<i64>,
-    /// Filled rows (≤ w).
-    len: usize,
-    /// Next ring row to overwrite.
-    head: usize,
-}
-
-impl QueryWindow {
-    /// A window of `w` rows for `n_layers` layers of `q_dim` queries.
-    pub fn new(w: usize, n_layers: usize, q_dim: usize) -> QueryWindow {
-        QueryWindow {
-            w,
-            q_dim,
-            rows: vec![0.0; n_layers * w * q_dim],
-            pos: vec![0; w],
-            len: 0,
-            head: 0,
-        }
-    }
-    /// Forget every row (new sequence).
-    pub fn reset(&mut self) {
-        self.len = 0;
-        self.head = 0;
-    }
-    /// Rows held (≤ w).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// Whether no row is held.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Row `r`'s (r < len) query at `layer`, (q_dim,), and its position.
-    #[inline]
-    pub fn row(&self, layer: usize, r: usize) -> (&[f32], i64) {
-        let o = (layer * self.w + r) * self.q_dim;
-        (&self.rows[o..o + self.q_dim], self.pos[r])
-    }
-    /// The smallest position held (the window's first token), if any.
-    pub fn first_pos(&self) -> Option<i64> {
-        self.pos[..self.len].iter().copied().min()
-    }
-    /// Keep the last rows of `q` (n, q_dim) at `layer`, for tokens at
-    /// `pos0..pos0+n`. Called for every layer of a step, layer 0 first.
-    fn record(&mut self, layer: usize, q: &[f32], n: usize, pos0: usize) {
-        if self.w == 0 {
-            return;
-        }
-        let skip = n.saturating_sub(self.w);
-        for (k, i) in (skip..n).enumerate() {
-            let r = (self.head + k) % self.w;
-            let o = (layer * self.w + r) * self.q_dim;
-            self.rows[o..o + self.q_dim].copy_from_slice(&q[i * self.q_dim..(i + 1) * self.q_dim]);
-            if layer == 0 {
-                self.pos[r] = (pos0 + i) as i64;
-            }
-        }
-    }
-    /// After the last layer of a step of `n` tokens: advance the ring.
-    fn advance(&mut self, n: usize) {
-        if self.w == 0 {
-            return;
-        }
-        let k = n.min(self.w);
-        self.head = (self.head + k) % self.w;
-        self.len = (self.len + k).min(self.w);
-    }
-}
-
 /// What one forward step reads and exports besides logits.
 #[derive(Debug, Default)]
 pub struct StepIo<'a> {
     /// Slots to free before the new tokens are written (chosen by the evictor).
     pub victims: &'a [u32],
-    /// Attention-probability export mode.
-    pub mass_mode: MassMode,
-    /// (n_slots,) receives, per slot, the attention probability averaged
-    /// over every query head of every layer (summed over rows for `AllRows`).
-    pub mass: Option<&'a mut [f32]>,
-    /// Residual-stream taps to fill (None = no taps, no cost).
-    pub taps: Option<&'a mut HiddenTaps>,
-    /// Query rows to keep (None = no cost).
-    pub queries: Option<&'a mut QueryWindow>,
+    /// Signals to record for the scorers (each None = not recorded, no cost).
+    pub signals: StepSignals<'a>,
     /// RoPE positions: absolute (default) or in-cache (StreamingLLM pos-shift).
     pub pos_mode: PosMode,
 }
@@ -388,18 +223,20 @@ fn forward_chunk(
         s.att.resize(n_threads * group * n_slots, 0.0);
     }
     // per-thread attention-mass accumulators, only when a scorer asks
-    let export = io.mass.is_some() && io.mass_mode != MassMode::None;
+    let export = io.signals.mass.is_some() && io.signals.mass_mode != MassMode::None;
     if export {
         s.mass_thr.clear();
         s.mass_thr.resize(n_threads * n_slots, 0.0);
         s.prob_exports += 1;
     }
-    let mut taps = io.taps;
-    let mut queries = io.queries;
+    let mut taps = io.signals.taps;
+    let mut queries = io.signals.queries;
+    let mut attn_inputs = io.signals.attn_inputs;
     if let Some(t) = taps.as_deref_mut() {
-        t.g.clear();
-        t.g.resize(n * t.n_taps(), 0.0);
-        t.first_valid = usize::from(!t.has_prev);
+        t.begin_step(n);
+    }
+    if let Some(a) = attn_inputs.as_deref_mut() {
+        a.begin_step(n);
     }
     let mass_w = 1.0 / (c.n_heads * c.n_layers) as f32;
 
@@ -420,6 +257,10 @@ fn forward_chunk(
                 let o = unsafe { xb.slice(t0 * dim, (t1 - t0) * dim) };
                 rmsnorm(o, &x[t0 * dim..t1 * dim], &lw.attn_norm, c.norm_eps);
             });
+        }
+        // keep the attention inputs for scorers that read them
+        if let Some(a) = attn_inputs.as_deref_mut() {
+            a.record(l, &s.xb[..n * dim]);
         }
 
         // qkv matmuls (+ biases for qwen2)                      (n, q_dim), (n, kv_dim) x2
@@ -532,7 +373,7 @@ fn forward_chunk(
         if n == 1 && !cache_pos {
             // one decoded token: every KV head's keys in parts, in parallel
             // (flash-decoding), merged by their softmax statistics
-            let mass = if export && io.mass_mode != MassMode::None {
+            let mass = if export && io.signals.mass_mode != MassMode::None {
                 Some((&mut s.mass_thr[..n_slots], mass_w))
             } else {
                 None
@@ -566,7 +407,11 @@ fn forward_chunk(
             let out = SharedMut::new(&mut s.att_out[..n * q_dim]);
             let att = SharedMut::new(&mut s.att[..n_threads * group * n_slots]);
             let mthr = SharedMut::new(&mut s.mass_thr[..]);
-            let mass_mode = if export { io.mass_mode } else { MassMode::None };
+            let mass_mode = if export {
+                io.signals.mass_mode
+            } else {
+                MassMode::None
+            };
             let n_work = n * c.n_kv_heads;
             pool.run(|ti| {
                 // SAFETY: each thread uses its own rows of the score scratch.
@@ -759,7 +604,7 @@ fn forward_chunk(
         }
     }
     if let Some(t) = taps {
-        t.has_prev = true;
+        t.end_step();
     }
     if let Some(qw) = queries {
         qw.advance(n);
@@ -767,7 +612,7 @@ fn forward_chunk(
 
     // reduce the per-thread attention mass into the caller's (n_slots,) buffer
     if export {
-        if let Some(out) = io.mass {
+        if let Some(out) = io.signals.mass {
             out[..n_slots].fill(0.0);
             for t in 0..n_threads {
                 for (o, &x) in out[..n_slots]
