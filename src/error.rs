@@ -82,6 +82,11 @@ pub enum Error {
     #[error("{flag}: {what}")]
     BadArg { flag: String, what: String },
 
+    /// A KV-policy setting is out of range or inconsistent; each front end
+    /// names the fields its own way (flags here, JSON fields in the server).
+    #[error("{0}")]
+    Config(ConfigError),
+
     /// The prompt does not fit into the context window.
     #[error("-c/--ctx-size: prompt has {n_prompt} tokens but the context holds {n_ctx}")]
     ContextTooSmall { n_prompt: usize, n_ctx: usize },
@@ -102,5 +107,146 @@ impl Error {
             flag: flag.to_owned(),
             what: what.into(),
         }
+    }
+
+    /// A KV-policy setting error about `field`.
+    pub fn config(field: Field, msg: impl Into<Msg>) -> Self {
+        Error::Config(ConfigError {
+            field,
+            msg: msg.into(),
+        })
+    }
+}
+
+/// A KV-policy setting, whatever front end set it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Field {
+    Policy,
+    Budget,
+    Sink,
+    Recent,
+    KeepPrompt,
+    EvictEvery,
+    PromptPolicy,
+    PromptBudget,
+    EpikvLayers,
+    EpikvBands,
+    EpikvWindow,
+    EpikvConfig,
+    EpikvScorePrompt,
+    ObsWindow,
+    PoolKernel,
+    AdakvSafeguard,
+    PyramidBeta,
+    CacheType,
+    PosMode,
+}
+
+impl Field {
+    /// The command-line flag.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Field::Policy => "--policy",
+            Field::Budget => "--kv-budget",
+            Field::Sink => "--kv-sink",
+            Field::Recent => "--kv-recent",
+            Field::KeepPrompt => "--keep-prompt",
+            Field::EvictEvery => "--evict-every",
+            Field::PromptPolicy => "--prompt-policy",
+            Field::PromptBudget => "--prompt-budget",
+            Field::EpikvLayers => "--epikv-layers",
+            Field::EpikvBands => "--epikv-bands",
+            Field::EpikvWindow => "--epikv-window",
+            Field::EpikvConfig => "--epikv-config",
+            Field::EpikvScorePrompt => "--epikv-score-prompt",
+            Field::ObsWindow => "--obs-window",
+            Field::PoolKernel => "--pool-kernel",
+            Field::AdakvSafeguard => "--adakv-safeguard",
+            Field::PyramidBeta => "--pyramid-beta",
+            Field::CacheType => "--cache-type",
+            Field::PosMode => "--pos-mode",
+        }
+    }
+
+    /// The request field of the HTTP server, for the settings a request
+    /// may override (the others come from the server's flags).
+    pub fn json(self) -> Option<&'static str> {
+        Some(match self {
+            Field::Policy => "policy",
+            Field::Budget => "kv_budget",
+            Field::Sink => "kv_sink",
+            Field::Recent => "kv_recent",
+            Field::KeepPrompt => "keep_prompt",
+            Field::EvictEvery => "evict_every",
+            _ => return None,
+        })
+    }
+}
+
+/// One piece of a message: text, or a reference to a setting that the
+/// front end names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Piece {
+    Text(String),
+    Field(Field),
+}
+
+/// A message that may name settings (`Msg::from("needs ").f(Field::Budget)`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Msg(pub Vec<Piece>);
+
+impl Msg {
+    /// Append text.
+    pub fn t(mut self, s: impl Into<String>) -> Msg {
+        self.0.push(Piece::Text(s.into()));
+        self
+    }
+    /// Append a setting's name.
+    pub fn f(mut self, f: Field) -> Msg {
+        self.0.push(Piece::Field(f));
+        self
+    }
+    /// The text with each setting named by `name`.
+    pub fn render(&self, name: impl Fn(Field) -> &'static str) -> String {
+        self.0
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => t.as_str(),
+                Piece::Field(f) => name(*f),
+            })
+            .collect()
+    }
+}
+
+impl From<String> for Msg {
+    fn from(s: String) -> Msg {
+        Msg(vec![Piece::Text(s)])
+    }
+}
+
+impl From<&str> for Msg {
+    fn from(s: &str) -> Msg {
+        Msg(vec![Piece::Text(s.to_owned())])
+    }
+}
+
+/// A KV-policy setting error: the setting at fault and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: Field,
+    pub msg: Msg,
+}
+
+impl ConfigError {
+    /// "name: message", every setting named by `name`.
+    pub fn render(&self, name: impl Fn(Field) -> &'static str + Copy) -> String {
+        format!("{}: {}", name(self.field), self.msg.render(name))
+    }
+}
+
+impl std::fmt::Display for ConfigError {
+    /// Named by command-line flags.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.render(Field::flag))
     }
 }

@@ -4,53 +4,43 @@
 
 use crate::backend::cpu::Cpu;
 use crate::backend::{Backend, Host};
-use crate::error::{Error, Result};
+use crate::error::{Error, Field, Msg, Result};
 use crate::kv::{KvCache, KvType, Layout, PosMode, StoreShape};
-use crate::model::llama::{forward, HiddenTaps, Logits, MassMode, QueryWindow, RunState, StepIo};
+use crate::model::llama::{forward, Logits, RunState, StepIo};
 use crate::model::Weights;
-use crate::policy::streams::{stream_offsets, StreamPlan};
-use crate::policy::{Evictor, Scorer};
+use crate::policy::evict::EvictScratch;
+use crate::policy::streams::stream_offsets;
+pub use crate::policy::{KvPolicy, PromptPhase};
+use crate::policy::{CacheShape, Entries, Evictor, PolicyConfig, ScoreCtx, Step};
 use crate::sample::Sampler;
+use crate::signals::{MassMode, ModelView, Needs, QueryWindow, Signals};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
-
-/// A budgeted KV cache: the scorer that ranks tokens and the evictor that
-/// enforces the budget and protection.
-#[derive(Debug)]
-pub struct KvPolicy {
-    pub scorer: Box<dyn Scorer>,
-    pub evictor: Evictor,
-    /// A different policy for the prompt (`--prompt-policy`).
-    pub prompt: Option<PromptPhase>,
-    /// Per-(layer, KV-head) budgets of a stream scorer (set by the session).
-    pub plan: Option<StreamPlan>,
-}
-
-impl KvPolicy {
-    /// One scorer for prompt and generation.
-    pub fn new(scorer: Box<dyn Scorer>, evictor: Evictor) -> KvPolicy {
-        KvPolicy {
-            scorer,
-            evictor,
-            prompt: None,
-            plan: None,
-        }
-    }
-}
-
-/// The prompt phase of a two-phase policy: while the prompt is prefilled,
-/// `scorer` ranks and `evictor` (its own, smaller budget, prompt not
-/// protected) trims; the prompt tokens that survive are then kept, and the
-/// main policy works in the rest of the budget.
-#[derive(Debug)]
-pub struct PromptPhase {
-    pub scorer: Box<dyn Scorer>,
-    pub evictor: Evictor,
-}
 
 /// Tokens the evictor always keeps per stream (sinks + recent window).
 fn e_protected(e: &Evictor) -> usize {
     e.n_sink + e.n_recent
+}
+
+/// Watches every forward step without ranking anything (calibration,
+/// tracing): it declares the signals it reads like a scorer does, and the
+/// session records them for it.
+pub trait StepObserver {
+    /// Signals to record.
+    fn needs(&self) -> Needs;
+    /// A forward step wrote new tokens (`step.mass`: this step's attention
+    /// mass, when the observer asked for it).
+    fn on_step(&mut self, step: &Step<'_>);
+}
+
+/// The one attention-mass export a step can make for everyone who asked
+/// (None when two kinds are asked for).
+fn mass_for(a: MassMode, b: MassMode) -> Option<MassMode> {
+    match (a, b) {
+        (MassMode::None, m) | (m, MassMode::None) => Some(m),
+        (x, y) if x == y => Some(x),
+        _ => None,
+    }
 }
 
 /// One sequence being decoded: weights (shared, immutable), the backend
@@ -74,20 +64,21 @@ pub struct Session<'w, B: Backend = Host> {
     pub prompt_end: usize,
     /// RoPE positions of cached tokens (`--pos-mode`).
     pub pos_mode: PosMode,
-    /// Residual-stream taps the scorer asked for (None = no cost).
-    taps: Option<HiddenTaps>,
-    /// Recent query rows the scorer asked for (None = no cost).
-    queries: Option<QueryWindow>,
+    /// What the forward pass records for the scorers: the union of their
+    /// needs (nothing for a full cache or attention-free policies).
+    signals: Signals,
+    /// Attention mass the main and the prompt-phase scorers observe.
+    mass_main: MassMode,
+    mass_prompt: MassMode,
     /// (n_streams + 1,) score offsets of the streams (stream policies).
     offsets: Vec<usize>,
     /// (n_streams,) streams whose group must evict this step.
     want: Vec<bool>,
     /// Entries evicted so far (all streams; `n_evicted` is this / streams).
     evicted_entries: usize,
-    /// Step-level attention mass export buffer, (n_slots,).
-    mass: Vec<f32>,
     scores: Vec<f32>,
     victims: Vec<u32>,
+    scratch: EvictScratch,
     logits: Vec<f32>,
 }
 
@@ -134,11 +125,11 @@ impl<'w, B: Backend> Session<'w, B> {
     ) -> Result<Session<'w, B>> {
         let e = &policy.evictor;
         if e.budget == 0 {
-            return Err(Error::arg("--kv-budget", "must be at least 1"));
+            return Err(Error::config(Field::Budget, "must be at least 1"));
         }
         if e.n_sink + e.n_recent >= e.budget {
-            return Err(Error::arg(
-                "--kv-budget",
+            return Err(Error::config(
+                Field::Budget,
                 format!("budget {} cannot hold the protected tokens (sinks {} + recent {}) plus one new token", e.budget, e.n_sink, e.n_recent),
             ));
         }
@@ -149,52 +140,69 @@ impl<'w, B: Backend> Session<'w, B> {
         let mut n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
         let budget = e.budget;
         let mut policy = policy;
-        policy.scorer.prepare(&w.config)?;
-        policy.scorer.set_budget(budget);
-        if let Some(pp) = &mut policy.prompt {
-            let pe = &pp.evictor;
-            if pe.budget > budget || pe.n_sink + pe.n_recent >= pe.budget {
-                return Err(Error::arg(
-                    "--prompt-budget",
-                    format!(
-                        "prompt budget {} must be at most --kv-budget {budget} and hold sinks {} + recent {} plus one token",
-                        pe.budget, pe.n_sink, pe.n_recent
-                    ),
-                ));
-            }
-            let room = pe.budget - pe.n_sink - pe.n_recent;
-            n_batch = n_batch.min(room).min((pe.budget / 8).max(1)).max(1);
-            pp.scorer.prepare(&w.config)?;
-            pp.scorer.set_budget(pe.budget);
-        }
-        let taps = policy.scorer.tap_layers();
-        let qwin = policy.scorer.query_window();
         let c = &w.config;
-        // per-(layer, KV-head) policies: a pool of head rows sized by the plan
-        let plan = policy.scorer.stream_plan(c, budget)?;
+        let model = ModelView::new(w);
+        // per-(layer, KV-head) rules: a pool of head rows sized by the plan
+        let plan = policy.rule.plan(c, budget)?;
         if let Some(plan) = &plan {
             if policy.prompt.is_some() {
-                return Err(Error::arg(
-                    "--prompt-policy",
+                return Err(Error::config(
+                    Field::PromptPolicy,
                     format!(
                         "{} keeps per-head streams; a prompt phase works with token-uniform policies only",
-                        policy.scorer.name()
+                        policy.name
                     ),
                 ));
             }
             let mb = plan.min_stream_budget();
             if mb <= e_protected(&policy.evictor) {
-                return Err(Error::arg(
-                    "--kv-budget",
+                return Err(Error::config(
+                    Field::Budget,
                     format!(
                         "{}: the smallest per-head budget {mb} cannot hold the protected tokens (sinks {} + recent {}) plus one new token",
-                        policy.scorer.name(),
+                        policy.name,
                         policy.evictor.n_sink,
                         policy.evictor.n_recent
                     ),
                 ));
             }
             n_batch = n_batch.min(mb - e_protected(&policy.evictor)).max(1);
+        }
+        let n_slots = plan.as_ref().map_or(budget, |p| p.pool());
+        policy
+            .scorer
+            .prepare(&model, CacheShape { n_slots, budget })?;
+        let mut needs = policy.scorer.needs();
+        let mass_main = needs.mass;
+        let mut mass_prompt = MassMode::None;
+        if let Some(pp) = &mut policy.prompt {
+            let pe = &pp.evictor;
+            if pe.budget > budget || pe.n_sink + pe.n_recent >= pe.budget {
+                return Err(Error::config(
+                    Field::PromptBudget,
+                    Msg::default()
+                        .t(format!("prompt budget {} must be at most ", pe.budget))
+                        .f(Field::Budget)
+                        .t(format!(
+                            " {budget} and hold sinks {} + recent {} plus one token",
+                            pe.n_sink, pe.n_recent
+                        )),
+                ));
+            }
+            let room = pe.budget - pe.n_sink - pe.n_recent;
+            n_batch = n_batch.min(room).min((pe.budget / 8).max(1)).max(1);
+            pp.scorer.prepare(
+                &model,
+                CacheShape {
+                    n_slots,
+                    budget: pe.budget,
+                },
+            )?;
+            // the prompt phase's signals are recorded too (whatever the
+            // main policy reads)
+            let pn = pp.scorer.needs();
+            mass_prompt = pn.mass;
+            needs = needs.union(&pn);
         }
         policy.plan = plan;
         let regions = policy.plan.as_ref().map(|p| p.regions());
@@ -204,13 +212,58 @@ impl<'w, B: Backend> Session<'w, B> {
             let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
             s.kv = KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
         }
-        if !taps.is_empty() {
-            s.taps = Some(HiddenTaps::new(taps, c.dim));
-        }
-        if qwin > 0 {
-            s.queries = Some(QueryWindow::new(qwin, c.n_layers, c.q_dim()));
-        }
+        s.signals = Signals::for_needs(&needs, c, s.kv.cells.n_slots(), s.state.n_batch);
+        s.mass_main = mass_main;
+        s.mass_prompt = mass_prompt;
         Ok(s)
+    }
+
+    /// A session for one generation from an `n_prompt`-token prompt under
+    /// `cfg`: the policy built for `model`, a clear error when a kept
+    /// prompt cannot fit next to the recent window, the prompt marked,
+    /// cache type and position mode applied.
+    pub fn for_config(
+        w: &'w Weights<'w>,
+        cfg: &PolicyConfig,
+        seed: u64,
+        model: &std::path::Path,
+        n_ctx: usize,
+        n_threads: usize,
+        n_batch: usize,
+        n_prompt: usize,
+    ) -> Result<Session<'w>> {
+        let mut s = match cfg.build(seed, model)? {
+            None => Session::new(w, n_ctx, n_threads, n_batch),
+            Some(p) => {
+                let e = &p.evictor;
+                if e.keep_prompt_until > 0
+                    && p.prompt.is_none()
+                    && n_prompt + e.n_recent >= e.budget
+                {
+                    return Err(Error::config(
+                        Field::Budget,
+                        Msg::default()
+                            .t(format!(
+                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
+                                e.budget, e.n_recent
+                            ))
+                            .f(Field::PromptPolicy),
+                    ));
+                }
+                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
+                s.protect_prompt(n_prompt);
+                s
+            }
+        };
+        s.configure(cfg)?;
+        Ok(s)
+    }
+
+    /// Apply the cache settings of `cfg` that hold with and without a
+    /// policy (cache type, position mode); only while the cache is empty.
+    pub fn configure(&mut self, cfg: &PolicyConfig) -> Result<()> {
+        self.set_cache_type(cfg.cache_type)?;
+        self.set_pos_mode(cfg.pos_mode)
     }
 
     fn build(
@@ -245,14 +298,15 @@ impl<'w, B: Backend> Session<'w, B> {
             n_evicted: 0,
             prompt_end: 0,
             pos_mode: PosMode::Absolute,
-            taps: None,
-            queries: None,
+            signals: Signals::default(),
+            mass_main: MassMode::None,
+            mass_prompt: MassMode::None,
             offsets: Vec::new(),
             want: Vec::new(),
             evicted_entries: 0,
-            mass: vec![0.0; n_slots],
             scores: Vec::new(),
             victims: Vec::new(),
+            scratch: EvictScratch::default(),
             logits: Vec::new(),
         }
     }
@@ -264,8 +318,8 @@ impl<'w, B: Backend> Session<'w, B> {
             return Ok(());
         }
         if self.kv.cells.n_live() > 0 {
-            return Err(Error::arg(
-                "--cache-type",
+            return Err(Error::config(
+                Field::CacheType,
                 "the cache type can only change while the cache is empty",
             ));
         }
@@ -290,9 +344,9 @@ impl<'w, B: Backend> Session<'w, B> {
     }
 
     /// RoPE positions (`--pos-mode`). `Cache` (StreamingLLM's in-cache
-    /// positions) needs the `window` policy, whose resident set is sinks +
-    /// a contiguous recent window, as in the paper; only while the cache is
-    /// empty.
+    /// positions) needs a policy whose resident set is sinks + a contiguous
+    /// recent window, as in the paper (`Caps::cache_positions`: `window`),
+    /// and no prompt phase; only while the cache is empty.
     pub fn set_pos_mode(&mut self, mode: PosMode) -> Result<()> {
         if mode == self.pos_mode {
             return Ok(());
@@ -301,17 +355,22 @@ impl<'w, B: Backend> Session<'w, B> {
             let ok = self
                 .policy
                 .as_ref()
-                .is_some_and(|p| p.scorer.name() == "window" && p.prompt.is_none());
+                .is_some_and(|p| p.caps.cache_positions && p.prompt.is_none());
             if !ok {
-                return Err(Error::arg(
-                    "--pos-mode",
-                    "cache (StreamingLLM in-cache positions) needs --policy window (and no --prompt-policy)",
+                return Err(Error::config(
+                    Field::PosMode,
+                    Msg::default()
+                        .t("cache (StreamingLLM in-cache positions) needs ")
+                        .f(Field::Policy)
+                        .t(" window (and no ")
+                        .f(Field::PromptPolicy)
+                        .t(")"),
                 ));
             }
         }
         if self.kv.cells.n_live() > 0 {
-            return Err(Error::arg(
-                "--pos-mode",
+            return Err(Error::config(
+                Field::PosMode,
                 "the position mode can only change while the cache is empty",
             ));
         }
@@ -319,9 +378,14 @@ impl<'w, B: Backend> Session<'w, B> {
         Ok(())
     }
 
+    /// The signals the forward pass records for this session's scorers.
+    pub fn signals(&self) -> &Signals {
+        &self.signals
+    }
+
     /// The recent query rows kept for the scorer (stream policies), if any.
     pub fn queries(&self) -> Option<&QueryWindow> {
-        self.queries.as_ref()
+        self.signals.queries.as_ref()
     }
 
     /// Forget the sequence.
@@ -330,12 +394,7 @@ impl<'w, B: Backend> Session<'w, B> {
         self.n_past = 0;
         self.n_evicted = 0;
         self.evicted_entries = 0;
-        if let Some(t) = &mut self.taps {
-            t.reset();
-        }
-        if let Some(q) = &mut self.queries {
-            q.reset();
-        }
+        self.signals.reset();
         if let Some(p) = &mut self.policy {
             p.scorer.reset();
             if let Some(pp) = &mut p.prompt {
@@ -355,12 +414,7 @@ impl<'w, B: Backend> Session<'w, B> {
         self.evict_range(n, self.n_past)?;
         self.n_past = n;
         // the previous token's hidden state (and recent queries) are gone with it
-        if let Some(t) = &mut self.taps {
-            t.reset();
-        }
-        if let Some(q) = &mut self.queries {
-            q.reset();
-        }
+        self.signals.reset();
         Ok(())
     }
 
@@ -379,19 +433,78 @@ impl<'w, B: Backend> Session<'w, B> {
             if p.evictor.keep_prompt_until > 0 {
                 p.evictor.keep_prompt_until = n;
             }
-            p.scorer.set_prompt_end(n);
         }
+    }
+
+    /// The main scorer's scores of the live tokens (token-uniform layout),
+    /// `out[i]` for `kv.live()`'s slot i, as the evictor would see them now.
+    pub fn live_scores(&mut self, out: &mut Vec<f32>) -> Result<()> {
+        let Some(p) = &mut self.policy else {
+            return Err(Error::Other("live_scores: no policy".into()));
+        };
+        if p.plan.is_some() {
+            return Err(Error::Other("live_scores: a stream layout".into()));
+        }
+        let (slots, pos) = self.kv.live();
+        out.clear();
+        out.resize(slots.len(), 0.0);
+        let ctx = ScoreCtx {
+            kv: &self.kv,
+            signals: &self.signals,
+            pool: self.backend.host_pool(),
+            rules: &p.evictor,
+            newest: self.n_past as i64,
+            prompt_end: self.prompt_end as i64,
+            entries: Entries::Tokens { slots, pos },
+        };
+        p.scorer.score(&ctx, out);
+        Ok(())
     }
 
     /// Feed `tokens` at the current position (in chunks of at most
     /// `n_batch`, evicting between chunks); returns the requested logits.
     pub fn feed(&mut self, tokens: &[u32], want: Logits) -> Result<&[f32]> {
+        self.feed_inner(tokens, want, None)
+    }
+
+    /// `feed`, with `obs` watching every forward step (its signals are
+    /// allocated on first use; the attention mass it asks for must agree
+    /// with the policy's).
+    pub fn feed_observed(
+        &mut self,
+        tokens: &[u32],
+        want: Logits,
+        obs: &mut dyn StepObserver,
+    ) -> Result<&[f32]> {
+        let needs = obs.needs();
+        if mass_for(needs.mass, self.mass_main).is_none()
+            || mass_for(needs.mass, self.mass_prompt).is_none()
+        {
+            return Err(Error::Other(format!(
+                "an observer asking for {:?} attention mass cannot share a step with a policy observing {:?}",
+                needs.mass,
+                self.mass_main.max(self.mass_prompt)
+            )));
+        }
+        let c = &self.w.config;
+        self.signals
+            .grow(&needs, c, self.kv.cells.n_slots(), self.state.n_batch);
+        self.feed_inner(tokens, want, Some(obs))
+    }
+
+    fn feed_inner(
+        &mut self,
+        tokens: &[u32],
+        want: Logits,
+        mut obs: Option<&mut dyn StepObserver>,
+    ) -> Result<&[f32]> {
         if self.n_past + tokens.len() > self.n_ctx {
             return Err(Error::ContextTooSmall {
                 n_prompt: self.n_past + tokens.len(),
                 n_ctx: self.n_ctx,
             });
         }
+        let obs_mass = obs.as_ref().map_or(MassMode::None, |o| o.needs().mass);
         self.logits.clear();
         let nb = self.state.n_batch;
         let mut done = 0;
@@ -409,58 +522,83 @@ impl<'w, B: Backend> Session<'w, B> {
             // prompt chunks go to the prompt-phase policy when there is one
             let prompt_chunk = pos0 < self.prompt_end;
             self.victims.clear();
-            let mass_mode = match &mut self.policy {
-                Some(p) => {
-                    let (scorer, evictor) = match (&mut p.prompt, prompt_chunk) {
-                        (Some(pp), true) => (&mut pp.scorer, &pp.evictor),
-                        _ => (&mut p.scorer, &p.evictor),
-                    };
-                    let newest = (pos0 + n - 1) as i64;
-                    if let (Some(plan), Some(qw)) = (&p.plan, &self.queries) {
-                        // per-(layer, KV-head) streams: score every entry,
-                        // evict per group
-                        if plan.over(&self.kv, n, &mut self.want) {
-                            stream_offsets(&self.kv, &mut self.offsets);
-                            let total = self.offsets.last().copied().unwrap_or(0);
-                            self.scores.resize(total, 0.0);
-                            scorer.score_streams(
-                                &self.kv,
-                                qw,
-                                self.backend.host_pool(),
-                                &self.want,
-                                &self.offsets,
-                                &mut self.scores,
-                            );
-                            evictor.select_streams(
-                                plan,
-                                &self.kv,
-                                &self.scores,
-                                &self.offsets,
-                                n,
-                                newest,
-                                &mut self.victims,
-                            )?;
-                        }
-                    } else if self.kv.live().0.len() + n > evictor.budget {
-                        let (slots, pos) = self.kv.live();
-                        self.scores.resize(slots.len(), 0.0);
-                        scorer.score(&self.kv, slots, pos, &mut self.scores);
-                        evictor.select(slots, pos, &self.scores, n, newest, &mut self.victims)?;
+            let mut in_prompt_phase = false;
+            if let Some(p) = &mut self.policy {
+                let (scorer, evictor, prompt_end) = match (&mut p.prompt, prompt_chunk) {
+                    (Some(pp), true) => {
+                        in_prompt_phase = true;
+                        (&mut pp.scorer, &pp.evictor, 0)
                     }
-                    scorer.mass_mode()
+                    _ => (&mut p.scorer, &p.evictor, self.prompt_end as i64),
+                };
+                let newest = (pos0 + n - 1) as i64;
+                if let Some(plan) = &p.plan {
+                    // per-(layer, KV-head) streams: score every entry of
+                    // the groups over budget, evict per group
+                    if plan.over(&self.kv, n, &mut self.want) {
+                        stream_offsets(&self.kv, &mut self.offsets);
+                        let total = self.offsets.last().copied().unwrap_or(0);
+                        self.scores.resize(total, 0.0);
+                        let ctx = ScoreCtx {
+                            kv: &self.kv,
+                            signals: &self.signals,
+                            pool: self.backend.host_pool(),
+                            rules: evictor,
+                            newest,
+                            prompt_end,
+                            entries: Entries::Streams {
+                                plan,
+                                want: &self.want,
+                                off: &self.offsets,
+                            },
+                        };
+                        scorer.score(&ctx, &mut self.scores);
+                        evictor.select_streams_with(
+                            &mut self.scratch,
+                            plan,
+                            &self.kv,
+                            &self.scores,
+                            &self.offsets,
+                            n,
+                            newest,
+                            &mut self.victims,
+                        )?;
+                    }
+                } else if self.kv.live().0.len() + n > evictor.budget {
+                    let (slots, pos) = self.kv.live();
+                    self.scores.resize(slots.len(), 0.0);
+                    let ctx = ScoreCtx {
+                        kv: &self.kv,
+                        signals: &self.signals,
+                        pool: self.backend.host_pool(),
+                        rules: evictor,
+                        newest,
+                        prompt_end,
+                        entries: Entries::Tokens { slots, pos },
+                    };
+                    scorer.score(&ctx, &mut self.scores);
+                    evictor.select_with(
+                        &mut self.scratch,
+                        slots,
+                        pos,
+                        &self.scores,
+                        n,
+                        newest,
+                        &mut self.victims,
+                    )?;
                 }
-                None => MassMode::None,
+            }
+            // the attention mass of this step: the ranking phase's scorer's
+            // (and the observer's; they agree, see `feed_observed`)
+            let scorer_mass = if in_prompt_phase {
+                self.mass_prompt
+            } else {
+                self.mass_main
             };
+            let mass_mode = mass_for(scorer_mass, obs_mass).unwrap_or(scorer_mass);
             let io = StepIo {
                 victims: &self.victims,
-                mass_mode,
-                mass: if mass_mode != MassMode::None {
-                    Some(&mut self.mass)
-                } else {
-                    None
-                },
-                taps: self.taps.as_mut(),
-                queries: self.queries.as_mut(),
+                signals: self.signals.step(mass_mode),
                 pos_mode: self.pos_mode,
             };
             let out = forward(
@@ -479,25 +617,44 @@ impl<'w, B: Backend> Session<'w, B> {
             self.evicted_entries += self.victims.len();
             self.n_evicted = self.evicted_entries / self.kv.n_streams();
             self.n_past += n;
+            let exported = match (&self.signals.mass, mass_mode) {
+                (Some(m), mode) if mode != MassMode::None => Some(&m[..]),
+                _ => None,
+            };
+            let step = |mass, prompt_end: i64| Step {
+                kv: &self.kv,
+                slots: self.state.step_slots(),
+                positions: self.state.step_positions(),
+                signals: &self.signals,
+                mass,
+                prompt_end,
+            };
             if let Some(p) = &mut self.policy {
-                let (new_slots, new_pos) = (self.state.step_slots(), self.state.step_positions());
-                if let Some(t) = &self.taps {
-                    p.scorer.on_hidden(t, new_slots, new_pos);
+                // the main scorer sees every step (its per-slot state
+                // follows every write); the mass is its own only outside
+                // a prompt phase
+                let main_mass = if in_prompt_phase || scorer_mass == MassMode::None {
+                    None
+                } else {
+                    exported
+                };
+                p.scorer.observe(&step(main_mass, self.prompt_end as i64));
+                if let (Some(pp), true) = (&mut p.prompt, in_prompt_phase) {
+                    let pmass = if scorer_mass == MassMode::None {
+                        None
+                    } else {
+                        exported
+                    };
+                    pp.scorer.observe(&step(pmass, 0));
                 }
-                p.scorer.on_write(&self.kv, new_slots, new_pos);
-                match (&mut p.prompt, prompt_chunk) {
-                    (Some(pp), true) => {
-                        pp.scorer.on_write(&self.kv, new_slots, new_pos);
-                        if mass_mode != MassMode::None {
-                            pp.scorer.observe(&self.mass);
-                        }
-                    }
-                    _ => {
-                        if mass_mode != MassMode::None {
-                            p.scorer.observe(&self.mass);
-                        }
-                    }
-                }
+            }
+            if let Some(o) = obs.as_deref_mut() {
+                let omass = if obs_mass == MassMode::None {
+                    None
+                } else {
+                    exported
+                };
+                o.on_step(&step(omass, self.prompt_end as i64));
             }
             done += n;
         }

@@ -11,7 +11,8 @@
 //!   [`format`] (the GGUF container and the memory map);
 //! - [`kv`] (the ring-indexed KV cache), [`backend`] (CPU compute),
 //!   [`model`] (config, weights, the forward pass), [`sample`],
-//!   [`policy`] (eviction policies), [`tokenizer`], [`chat`] (templates,
+//!   [`signals`] (what a forward step hands to the scorers), [`policy`]
+//!   (eviction policies), [`tokenizer`], [`chat`] (templates,
 //!   think-tag splitting, stop strings);
 //! - [`load`] (a GGUF file or an HF directory → weights, tokenizer,
 //!   template), [`generate`] (the decode loop);
@@ -36,6 +37,7 @@ pub mod model;
 pub mod policy;
 pub mod quant;
 pub mod sample;
+pub mod signals;
 pub mod tensor;
 pub mod tokenizer;
 

@@ -10,13 +10,15 @@ use kvrun::cmd::calibrate::{propose, spearman};
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
 use kvrun::kv::KvCache;
-use kvrun::model::llama::{HiddenTaps, Logits};
+use kvrun::backend::pool::ThreadPool;
+use kvrun::model::llama::Logits;
 use kvrun::model::{Config, Weights};
 use kvrun::policy::epikv::{
     band, config_path_for, lag, parse_bands, parse_layers, seg, Epikv, EpikvLayers, EpikvOptions,
     Rolling, Variant, Z_EPS,
 };
-use kvrun::policy::Scorer;
+use kvrun::policy::{CacheShape, Entries, Evictor, ScoreCtx, Scorer, Step};
+use kvrun::signals::{ModelView, Needs, Signals};
 use kvrun::sample::Rng;
 use kvrun::tokenizer::Tokenizer;
 use std::process::Command;
@@ -171,6 +173,72 @@ fn overrides_beat_config_beat_scaling() {
 
 // ------------------------------------------------- variants on hand-built g
 
+/// A scorer prepared for a model `c` and `n_slots` slots.
+fn prepared(variant: Variant, c: &Config, n_slots: usize) -> Epikv {
+    let mut e = Epikv::new(variant, EpikvOptions::default());
+    e.prepare(
+        &ModelView::config_only(c),
+        CacheShape {
+            n_slots,
+            budget: n_slots,
+        },
+    )
+    .unwrap();
+    e
+}
+
+/// Signals holding taps at `layers`.
+fn tap_signals(layers: &[usize], c: &Config) -> Signals {
+    let s = Signals::for_needs(&Needs::taps(layers.to_vec()), c, 1, 1);
+    assert_eq!(s.taps.as_ref().unwrap().layers, layers);
+    s
+}
+
+/// `e` observes a step that wrote `slots` at `positions`.
+fn observe(e: &mut Epikv, kv: &KvCache, sig: &Signals, slots: &[u32], positions: &[i64], prompt_end: i64) {
+    e.observe(&Step {
+        kv,
+        slots,
+        positions,
+        signals: sig,
+        mass: None,
+        prompt_end,
+    });
+}
+
+/// `e`'s scores of `kv`'s live tokens under `budget`, recent window
+/// `n_recent` and prompt end `prompt_end`.
+fn score_live(
+    e: &mut Epikv,
+    kv: &KvCache,
+    sig: &Signals,
+    budget: usize,
+    n_recent: usize,
+    prompt_end: i64,
+) -> Vec<f32> {
+    let (slots, pos) = kv.live();
+    let rules = Evictor {
+        budget,
+        n_sink: 0,
+        n_recent,
+        keep_prompt_until: 0,
+        evict_every: 1,
+    };
+    let pool = ThreadPool::new(1);
+    let ctx = ScoreCtx {
+        kv,
+        signals: sig,
+        pool: &pool,
+        rules: &rules,
+        newest: pos.last().copied().unwrap_or(0),
+        prompt_end,
+        entries: Entries::Tokens { slots, pos },
+    };
+    let mut out = vec![0f32; slots.len()];
+    e.score(&ctx, &mut out);
+    out
+}
+
 /// Feed one token per step with per-layer g given by `g(t, layer)`; return
 /// the frozen score of each token.
 fn scores_for(
@@ -181,20 +249,20 @@ fn scores_for(
 ) -> (Vec<f32>, Vec<usize>) {
     let mut c = model_config();
     c.n_layers = n_layers;
-    let mut e = Epikv::new(variant, n, EpikvOptions::default(), 8);
-    e.prepare(&c).unwrap();
-    let layers = e.tap_layers();
-    let mut taps = HiddenTaps::new(layers.clone(), c.dim);
-    let kv = KvCache::new(1, 8, 8, n);
+    let mut e = prepared(variant, &c, n);
+    let layers = e.needs().tap_layers;
+    let mut sig = tap_signals(&layers, &c);
+    let mut kv = KvCache::new(1, 8, 8, n);
+    let mut slot = Vec::new();
     for t in 0..n {
+        kv.apply(&[], &[t as i64], &mut slot).unwrap();
+        assert_eq!(slot, [t as u32]);
+        let taps = sig.taps.as_mut().unwrap();
         taps.g = layers.iter().map(|&l| g(t, l)).collect();
         taps.first_valid = 0;
-        e.on_hidden(&taps, &[t as u32], &[t as i64]);
+        observe(&mut e, &kv, &sig, &[t as u32], &[t as i64], 0);
     }
-    let slots: Vec<u32> = (0..n as u32).collect();
-    let pos: Vec<i64> = (0..n as i64).collect();
-    let mut out = vec![0.0; n];
-    e.score(&kv, &slots, &pos, &mut out);
+    let out = score_live(&mut e, &kv, &sig, n, 8, 0);
     (out, layers)
 }
 
@@ -349,17 +417,15 @@ fn lag_score_matches_a_direct_computation_incrementally() {
     let mut c = model_config();
     c.n_kv_heads = 2;
     c.head_dim = 4;
-    let mut e = Epikv::new(Variant::Lag, n_slots, EpikvOptions::default(), 8);
-    e.prepare(&c).unwrap();
+    let mut e = prepared(Variant::Lag, &c, n_slots);
     assert!(
-        e.tap_layers().is_empty(),
+        e.needs().tap_layers.is_empty(),
         "epikv-lag reads no hidden states"
     );
-    e.on_write(&kv, &slots, &(0..450).collect::<Vec<i64>>());
+    let none = Signals::default();
+    observe(&mut e, &kv, &none, &slots, &(0..450).collect::<Vec<i64>>(), 0);
     let check = |e: &mut Epikv, kv: &KvCache| {
-        let (s, p) = kv.live();
-        let mut out = vec![0f32; s.len()];
-        e.score(kv, s, p, &mut out);
+        let out = score_live(e, kv, &none, n_slots, 8, 0);
         let want = lag_direct(kv);
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
             assert!(
@@ -386,7 +452,7 @@ fn lag_score_matches_a_direct_computation_incrementally() {
                 kv.write(l, sl as usize, &k, &v);
             }
         }
-        e.on_write(&kv, &new_slots, &pos);
+        observe(&mut e, &kv, &none, &new_slots, &pos, 0);
         check(&mut e, &kv);
     }
 }
@@ -414,21 +480,17 @@ fn seg_caps_follow_key_variance_tertiles() {
     );
     let mut c = model_config();
     c.n_layers = 32;
-    let mut e = Epikv::new(Variant::Seg, n, EpikvOptions::default(), 16);
-    e.prepare(&c).unwrap();
-    e.set_budget(n);
-    e.set_prompt_end(10);
-    let layers = e.tap_layers();
-    let mut taps = HiddenTaps::new(layers.clone(), c.dim);
+    let mut e = prepared(Variant::Seg, &c, n);
+    let layers = e.needs().tap_layers;
+    let mut sig = tap_signals(&layers, &c);
     for t in 0..n {
+        let taps = sig.taps.as_mut().unwrap();
         taps.g = layers.iter().map(|&l| hand_g(t, l)).collect();
         taps.first_valid = 0;
-        e.on_hidden(&taps, &[slots[t]], &[t as i64]);
+        observe(&mut e, &kv, &sig, &[slots[t]], &[t as i64], 10);
     }
-    e.on_write(&kv, &slots, &(0..n as i64).collect::<Vec<_>>());
-    let (s, p) = kv.live();
-    let mut out = vec![0f32; s.len()];
-    e.score(&kv, s, p, &mut out);
+    let s = kv.live().0;
+    let mut out = score_live(&mut e, &kv, &sig, n, 16, 10);
     let kept = |out: &[f32], a: usize, b: usize| out[a..b].iter().filter(|&&x| x > 1e5).count();
     assert_eq!(kept(&out, 10, 138), seg::CAPS[0]);
     assert_eq!(kept(&out, 138, 266), seg::CAPS[1]);
@@ -448,8 +510,7 @@ fn seg_caps_follow_key_variance_tertiles() {
         );
     }
     // a tight budget spends the caps left to right
-    e.set_budget(10 + 16 + 1 + 70);
-    e.score(&kv, s, p, &mut out);
+    out = score_live(&mut e, &kv, &sig, 10 + 16 + 1 + 70, 16, 10);
     assert_eq!(
         (
             kept(&out, 10, 138),
@@ -839,5 +900,64 @@ fn cli_errors_are_one_line() {
     assert!(
         err.contains("policy=epikv") && err.contains("peak=") && !err.contains("peak=257"),
         "{err}"
+    );
+}
+
+/// Regression: a prompt-phase policy gets the signals it declares, whatever
+/// the main policy reads. The session used to record only the main scorer's
+/// hidden-state taps and never hand them to the prompt scorer, so
+/// `--prompt-policy epikv` silently ranked the prompt by position (its
+/// survivors were exactly `--prompt-policy window`'s).
+#[test]
+fn prompt_phase_scorer_gets_its_own_signals() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let ids = wiki_ids(330);
+    // (prompt survivors, attention exports during the prompt, after decoding)
+    let run_phase = |main: &str, prompt: &str| -> (Vec<i64>, u64, u64) {
+        let mut a = kv_args(main, 128);
+        a.prompt_policy = Some(prompt.into());
+        a.prompt_budget = Some(64);
+        let p = a.build(0, &util::default_model()).unwrap().unwrap();
+        let mut s = Session::with_policy(&w, ids.len(), THREADS, 64, p).unwrap();
+        s.protect_prompt(300);
+        s.feed(&ids[..300], Logits::Last).unwrap();
+        let survivors = s.kv.live().1.to_vec();
+        let in_prompt = s.state.prob_exports;
+        for &t in &ids[300..] {
+            s.feed(&[t], Logits::Last).unwrap();
+        }
+        (survivors, in_prompt, s.state.prob_exports)
+    };
+    // ranking by position alone: sinks + the newest prompt tokens
+    let (by_pos, _, _) = run_phase("window", "window");
+    let (a, ea, ea_end) = run_phase("window", "epikv");
+    assert!(a.len() <= 64 && a.len() > 32, "{} survivors", a.len());
+    assert_ne!(
+        a, by_pos,
+        "--prompt-policy epikv ranked the prompt by position: it got no hidden-state taps"
+    );
+    // the same survivors whatever the main policy taps (none, other layers, the same)
+    for main in ["epikv-band", "epikv", "h2o"] {
+        let (b, _, _) = run_phase(main, "epikv");
+        assert_eq!(a, b, "--policy {main} --prompt-policy epikv");
+    }
+    assert_eq!((ea, ea_end), (0, 0), "window + epikv read no attention");
+    // a prompt scorer that reads attention gets it during the prompt only
+    let (_, eh, eh_end) = run_phase("window", "h2o");
+    assert!(eh > 0, "--prompt-policy h2o exported no attention");
+    assert_eq!(eh, eh_end, "attention exported after the prompt phase");
+    // a prompt scorer that needs per-head streams (recent queries) cannot
+    // work under a token-uniform main policy: a clear error, not a silent
+    // ranking by position
+    let mut a = kv_args("window", 128);
+    a.prompt_policy = Some("snapkv".into());
+    let e = a
+        .build(0, &util::default_model())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--prompt-policy") && e.contains("token-uniform") && !e.contains('\n'),
+        "{e}"
     );
 }

@@ -13,7 +13,8 @@ use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
-use kvrun::policy::{by_name, Evictor, PolicyArgs};
+use kvrun::policy::table::ScorerOptions;
+use kvrun::policy::{find, Evictor};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -57,7 +58,9 @@ fn max_alloc_feeding<'w>(
     let mut s = match policy {
         None => Session::new(w, toks.len(), 2, 64),
         Some((name, budget)) => {
-            let scorer = by_name(name, budget, &PolicyArgs::default())
+            let p = find(name)
+                .unwrap()
+                .build(&ScorerOptions::default())
                 .unwrap()
                 .unwrap();
             let evictor = Evictor {
@@ -67,7 +70,7 @@ fn max_alloc_feeding<'w>(
                 keep_prompt_until: 0,
                 evict_every: 1,
             };
-            Session::with_policy(w, toks.len(), 2, 64, KvPolicy::new(scorer, evictor)).unwrap()
+            Session::with_policy(w, toks.len(), 2, 64, KvPolicy::new(p, evictor)).unwrap()
         }
     };
     // warm the scratch buffers that grow to their steady size on first use

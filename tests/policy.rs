@@ -9,9 +9,12 @@ mod util;
 
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};
-use kvrun::model::llama::{Logits, MassMode};
+use kvrun::error::Field;
+use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
-use kvrun::policy::{by_name, names, Evictor, PolicyArgs, POLICIES};
+use kvrun::policy::table::{lookup, ScorerOptions};
+use kvrun::policy::{find, names, Evictor, POLICIES};
+use kvrun::signals::MassMode;
 use kvrun::sample::Rng;
 use kvrun::tokenizer::Tokenizer;
 use std::time::Instant;
@@ -41,17 +44,15 @@ fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) ->
 }
 
 fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
-    let scorer = by_name(
-        name,
-        e.budget,
-        &PolicyArgs {
+    let p = find(name)
+        .unwrap()
+        .build(&ScorerOptions {
             seed,
             ..Default::default()
-        },
-    )
-    .unwrap()
-    .expect("a scorer");
-    KvPolicy::new(scorer, e)
+        })
+        .unwrap()
+        .expect("a scorer");
+    KvPolicy::new(p, e)
 }
 
 // ------------------------------------------------------------ 1. registry
@@ -72,28 +73,36 @@ fn registry_names_construct_and_describe() {
             "duplicate {}",
             p.name
         );
-        let s = by_name(p.name, 16, &PolicyArgs::default())
+        let s = p
+            .build(&ScorerOptions::default())
             .unwrap_or_else(|e| panic!("{}: {e}", p.name));
+        assert_eq!(p.budgeted(), p.name != "full");
         match p.name {
             "full" => assert!(s.is_none(), "full has no scorer"),
             _ => {
                 let s = s.unwrap_or_else(|| panic!("{} built no scorer", p.name));
-                assert_eq!(s.name(), p.name);
+                assert_eq!(s.name, p.name);
+                assert_eq!(s.caps, p.caps);
+                assert_eq!(
+                    p.caps.streams,
+                    s.rule.streams(),
+                    "{}: layout capability vs budget rule",
+                    p.name
+                );
+                assert_eq!(s.scorer.per_stream(), s.rule.streams(), "{}", p.name);
                 let want = match p.name {
                     "h2o" => MassMode::AllRows,
                     "tova" => MassMode::LastRow,
                     _ => MassMode::None,
                 };
-                assert_eq!(s.mass_mode(), want, "{}", p.name);
+                assert_eq!(s.scorer.needs().mass, want, "{}", p.name);
             }
         }
     }
     for must in ["full", "window", "h2o", "tova", "knorm", "random"] {
         assert!(ns.contains(&must), "{must} missing from POLICIES");
     }
-    let e = by_name("lru", 16, &PolicyArgs::default())
-        .unwrap_err()
-        .to_string();
+    let e = lookup("lru", Field::Policy).unwrap_err().to_string();
     assert!(e.contains("--policy") && e.contains("'lru'"), "{e}");
     for n in &ns {
         assert!(e.contains(n), "error does not list {n}: {e}");
@@ -694,12 +703,9 @@ fn knorm_evicts_the_lowest_scored() {
             let (a, b) = s.kv.live();
             (a.to_vec(), b.to_vec())
         };
-        let mut scores = vec![0f32; slots.len()];
-        s.policy
-            .as_mut()
-            .unwrap()
-            .scorer
-            .score(&s.kv, &slots, &pos, &mut scores);
+        let mut scores = Vec::new();
+        s.live_scores(&mut scores).unwrap();
+        assert_eq!(scores.len(), slots.len());
         for (j, &sl) in slots.iter().enumerate() {
             let want = knorm_score(&s.kv, sl as usize);
             assert!(
@@ -795,16 +801,10 @@ fn tova_scores_are_a_probability_row() {
     .unwrap();
     assert!(s.state.n_batch < 150, "prompt must be chunked");
     let sum_live = |s: &mut Session| {
-        let (slots, pos) = {
-            let (a, b) = s.kv.live();
-            (a.to_vec(), b.to_vec())
-        };
-        let mut sc = vec![0f32; slots.len()];
-        s.policy
-            .as_mut()
-            .unwrap()
-            .scorer
-            .score(&s.kv, &slots, &pos, &mut sc);
+        let n_live = s.kv.live().0.len();
+        let mut sc = Vec::new();
+        s.live_scores(&mut sc).unwrap();
+        assert_eq!(sc.len(), n_live);
         assert!(
             sc.iter().all(|&x| (0.0..=1.0).contains(&x)),
             "scores outside [0, 1]: {sc:?}"
@@ -844,12 +844,9 @@ fn h2o_accumulated_mass_is_conserved() {
             let (a, b) = s.kv.live();
             (a.to_vec(), b.to_vec())
         };
-        let mut sc = vec![0f32; slots.len()];
-        s.policy
-            .as_mut()
-            .unwrap()
-            .scorer
-            .score(&s.kv, &slots, &pos, &mut sc);
+        let mut sc = Vec::new();
+        s.live_scores(&mut sc).unwrap();
+        assert_eq!(sc.len(), slots.len());
         (pos, sc)
     };
     let nb = s.state.n_batch;

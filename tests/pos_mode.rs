@@ -13,7 +13,8 @@ use kvrun::generate::{KvPolicy, Session};
 use kvrun::kv::{KvType, PosMode};
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
-use kvrun::policy::{by_name, Evictor, PolicyArgs};
+use kvrun::policy::table::ScorerOptions;
+use kvrun::policy::{find, Evictor};
 use kvrun::tokenizer::Tokenizer;
 
 fn wiki_tokens(g: &Gguf, n: usize) -> Vec<u32> {
@@ -30,7 +31,9 @@ fn window<'w>(w: &'w Weights<'w>, n: usize, budget: usize, mode: PosMode) -> Ses
         keep_prompt_until: 0,
         evict_every: 1,
     };
-    let sc = by_name("window", budget, &PolicyArgs::default())
+    let sc = find("window")
+        .unwrap()
+        .build(&ScorerOptions::default())
         .unwrap()
         .unwrap();
     let mut s = Session::with_policy(w, n, 1, 16, KvPolicy::new(sc, e)).unwrap();

@@ -13,10 +13,11 @@ use kvrun::kv::streams::Region;
 use kvrun::kv::{KvCache, KvType, Layout};
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
-use kvrun::policy::pyramidkv::layer_budgets;
+use kvrun::policy::budget::layer_budgets;
 use kvrun::policy::snapkv::window_scores;
 use kvrun::policy::streams::{stream_offsets, Group, StreamPlan};
-use kvrun::policy::{by_name, Evictor, PolicyArgs};
+use kvrun::policy::table::ScorerOptions;
+use kvrun::policy::{find, Evictor};
 use kvrun::sample::Rng;
 use kvrun::tokenizer::Tokenizer;
 
@@ -47,10 +48,12 @@ fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) ->
 }
 
 fn policy(name: &str, e: Evictor) -> KvPolicy {
-    let s = by_name(name, e.budget, &PolicyArgs::default())
+    let p = find(name)
+        .unwrap()
+        .build(&ScorerOptions::default())
         .unwrap()
         .unwrap();
-    KvPolicy::new(s, e)
+    KvPolicy::new(p, e)
 }
 
 /// (slots, positions) of every stream.

@@ -108,17 +108,48 @@ impl KvArgs {
         }
     }
 
+    /// The flags resolved into the clap-free policy configuration.
+    pub fn config(&self) -> Result<crate::policy::PolicyConfig> {
+        use crate::policy::epikv;
+        Ok(crate::policy::PolicyConfig {
+            policy: self.policy.clone(),
+            budget: self.kv_budget,
+            sinks: self.kv_sink,
+            recent: self.kv_recent,
+            keep_prompt: self.keep_prompt,
+            evict_every: self.evict_every,
+            prompt_policy: self.prompt_policy.clone(),
+            prompt_budget: self.prompt_budget,
+            epikv_layers: self
+                .epikv_layers
+                .as_deref()
+                .map(epikv::parse_layers)
+                .transpose()?,
+            epikv_bands: self
+                .epikv_bands
+                .as_deref()
+                .map(epikv::parse_bands)
+                .transpose()?,
+            epikv_window: self.epikv_window,
+            epikv_config: self.epikv_config.clone(),
+            epikv_score_prompt: self.epikv_score_prompt,
+            obs_window: self.obs_window,
+            pool_kernel: self.pool_kernel,
+            adakv_safeguard: self.adakv_safeguard,
+            pyramid_beta: self.pyramid_beta,
+            cache_type: self.kv_type()?,
+            pos_mode: self.pos_mode()?,
+        })
+    }
+
     /// Apply the cache settings that hold with and without a policy
     /// (`--cache-type`, `--pos-mode`) to a fresh session.
     pub fn configure(&self, s: &mut Session<'_>) -> Result<()> {
-        s.set_cache_type(self.kv_type()?)?;
-        s.set_pos_mode(self.pos_mode()?)
+        s.configure(&self.config()?)
     }
 
-    /// A session for one generation from an `n_prompt`-token prompt: the
-    /// policy built for `model`, a clear error when a kept prompt cannot fit
-    /// next to the recent window, the prompt marked, cache type and position
-    /// mode applied.
+    /// A session for one generation from an `n_prompt`-token prompt (see
+    /// `Session::for_config`).
     pub fn session<'w>(
         &self,
         w: &'w crate::model::Weights<'w>,
@@ -129,185 +160,22 @@ impl KvArgs {
         n_batch: usize,
         n_prompt: usize,
     ) -> Result<Session<'w>> {
-        let mut s = match self.build(seed, model)? {
-            None => Session::new(w, n_ctx, n_threads, n_batch),
-            Some(p) => {
-                let e = &p.evictor;
-                if e.keep_prompt_until > 0
-                    && p.prompt.is_none()
-                    && n_prompt + e.n_recent >= e.budget
-                {
-                    return Err(Error::arg(
-                        "--kv-budget",
-                        format!(
-                            "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use --prompt-policy",
-                            e.budget, e.n_recent
-                        ),
-                    ));
-                }
-                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
-                s.protect_prompt(n_prompt);
-                s
-            }
-        };
-        self.configure(&mut s)?;
-        Ok(s)
-    }
-
-    /// The observation-window options, checked.
-    pub fn snap_options(&self) -> Result<crate::policy::snapkv::SnapOptions> {
-        let d = crate::policy::snapkv::SnapOptions::default();
-        let o = crate::policy::snapkv::SnapOptions {
-            window: self.obs_window.unwrap_or(d.window),
-            kernel: self.pool_kernel.unwrap_or(d.kernel),
-            safeguard: self.adakv_safeguard.unwrap_or(d.safeguard),
-            beta: self.pyramid_beta.unwrap_or(d.beta),
-        };
-        if o.window == 0 {
-            return Err(Error::arg("--obs-window", "must be at least 1"));
-        }
-        if o.kernel.is_multiple_of(2) {
-            return Err(Error::arg(
-                "--pool-kernel",
-                format!("must be odd (1 = no pooling), got {}", o.kernel),
-            ));
-        }
-        if !(0.0..=1.0).contains(&o.safeguard) {
-            return Err(Error::arg(
-                "--adakv-safeguard",
-                format!("must be in 0..1, got {}", o.safeguard),
-            ));
-        }
-        if !(o.beta >= 1.0) {
-            return Err(Error::arg(
-                "--pyramid-beta",
-                format!("must be at least 1, got {}", o.beta),
-            ));
-        }
-        Ok(o)
+        Session::<crate::backend::Host>::for_config(
+            w,
+            &self.config()?,
+            seed,
+            model,
+            n_ctx,
+            n_threads,
+            n_batch,
+            n_prompt,
+        )
     }
 
     /// Build the policy (None for `full`) for `model` (whose directory may
     /// hold a calibrated `<stem>.epikv.json`).
     pub fn build(&self, seed: u64, model: &Path) -> Result<Option<crate::generate::KvPolicy>> {
-        use crate::policy::epikv;
-        self.kv_type()?;
-        if self.pos_mode()? == crate::kv::PosMode::Cache
-            && (self.policy != "window" || self.prompt_policy.is_some())
-        {
-            return Err(Error::arg(
-                "--pos-mode",
-                format!(
-                    "cache (StreamingLLM in-cache positions) needs --policy window, not {}{}",
-                    self.policy,
-                    if self.prompt_policy.is_some() {
-                        " with --prompt-policy"
-                    } else {
-                        ""
-                    }
-                ),
-            ));
-        }
-        let Some(budget) = (match (self.policy.as_str(), self.kv_budget) {
-            ("full", _) => None,
-            (_, None) => {
-                return Err(Error::arg(
-                    "--kv-budget",
-                    format!("--policy {} needs --kv-budget N", self.policy),
-                ))
-            }
-            (_, Some(b)) => Some(b),
-        }) else {
-            if self.prompt_policy.is_some() {
-                return Err(Error::arg(
-                    "--prompt-policy",
-                    "needs a budgeted --policy (not full)",
-                ));
-            }
-            return Ok(None);
-        };
-        let streams = crate::policy::is_stream_policy(&self.policy);
-        let evict_every = match self.evict_every {
-            Some(0) => return Err(Error::arg("--evict-every", "must be at least 1")),
-            Some(e) => e,
-            None if streams => (budget / 8).clamp(1, 128),
-            None => 1,
-        };
-        let snap = self.snap_options()?;
-        let is_epikv = epikv::Variant::from_name(&self.policy).is_some();
-        let config = match &self.epikv_config {
-            Some(p) => Some(epikv::EpikvLayers::load(p)?),
-            None => {
-                let auto = epikv::config_path_for(model);
-                if is_epikv && auto.is_file() {
-                    Some(epikv::EpikvLayers::load(&auto)?)
-                } else {
-                    None
-                }
-            }
-        };
-        let n_recent = self.kv_recent.unwrap_or(if streams {
-            snap.window
-        } else {
-            (budget / 4).min(128)
-        });
-        let args = crate::policy::PolicyArgs {
-            seed,
-            n_recent,
-            epikv: epikv::EpikvOptions {
-                layers: self
-                    .epikv_layers
-                    .as_deref()
-                    .map(epikv::parse_layers)
-                    .transpose()?,
-                bands: self
-                    .epikv_bands
-                    .as_deref()
-                    .map(epikv::parse_bands)
-                    .transpose()?,
-                window: self.epikv_window,
-                config,
-                score_prompt: self.epikv_score_prompt,
-            },
-            snap,
-        };
-        let scorer = crate::policy::by_name(&self.policy, budget, &args)?
-            .ok_or_else(|| Error::arg("--policy", "full has no scorer"))?;
-        // EPIKV as published keeps the whole prompt (decode budget = budget -
-        // prompt), unless prompt tokens are scored or go to a prompt policy
-        let keep_prompt = self.keep_prompt
-            || (is_epikv && !self.epikv_score_prompt)
-            || self.prompt_policy.is_some();
-        let evictor = crate::policy::Evictor {
-            budget,
-            n_sink: self.kv_sink,
-            n_recent,
-            keep_prompt_until: if keep_prompt { usize::MAX } else { 0 },
-            evict_every,
-        };
-        let mut policy = crate::generate::KvPolicy::new(scorer, evictor.clone());
-        if let Some(pp) = &self.prompt_policy {
-            let pb = self.prompt_budget.unwrap_or(budget / 2);
-            let pscorer = crate::policy::by_name(pp, budget, &args)?.ok_or_else(|| {
-                Error::arg("--prompt-policy", "full keeps the whole prompt: leave --prompt-policy out (and use --keep-prompt)")
-            })?;
-            let pevictor = crate::policy::Evictor {
-                budget: pb,
-                n_recent: n_recent.min(pb / 4),
-                keep_prompt_until: 0,
-                ..evictor
-            };
-            policy.prompt = Some(crate::generate::PromptPhase {
-                scorer: pscorer,
-                evictor: pevictor,
-            });
-        } else if self.prompt_budget.is_some() {
-            return Err(Error::arg(
-                "--prompt-budget",
-                "only applies with --prompt-policy",
-            ));
-        }
-        Ok(Some(policy))
+        self.config()?.build(seed, model)
     }
 }
 

@@ -190,7 +190,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             format!(
                 "kvrun KV: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
                 a.kv.kv_budget
-                    .filter(|_| *p != "full")
+                    .filter(|_| crate::policy::find(p).is_some_and(|d| d.budgeted()))
                     .map(|b| b.to_string())
                     .unwrap_or_else(|| "none".into()),
                 sess.kv.peak_live,
@@ -220,7 +220,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         for (pi, p) in policies.iter().enumerate() {
             let (m, sd) = mean_sd(&ours[i][pi]);
             let ratio = theirs[i].as_ref().map(|r| m / mean_sd(r).0);
-            let engine = if policies.len() == 1 && *p == "full" {
+            let engine = if policies.len() == 1 && crate::policy::find(p).is_some_and(|d| !d.budgeted()) {
                 "kvrun".to_owned()
             } else {
                 format!("kvrun {p}")

@@ -23,16 +23,15 @@
 use crate::cmd::args::{resolve_model, resolve_threads, ModelArgs};
 use crate::cmd::load_model;
 use crate::error::{Error, Result};
-use crate::generate::{KvPolicy, Session};
-use crate::kv::KvCache;
-use crate::model::llama::{HiddenTaps, Logits, MassMode};
+use crate::generate::{Session, StepObserver};
+use crate::model::llama::Logits;
 use crate::model::Config;
 use crate::policy::epikv::{EpikvLayers, Rolling};
-use crate::policy::{Evictor, Scorer};
+use crate::policy::Step;
+use crate::signals::{MassMode, Needs};
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 /// `kvrun calibrate ...`
 #[derive(Subcommand, Debug)]
@@ -103,7 +102,7 @@ pub struct Calibration {
     pub note: String,
 }
 
-/// Shared buffers the recording scorer fills.
+/// What the recorder collects over one trace.
 #[derive(Debug, Default)]
 struct Record {
     /// (n, n_layers) g by position.
@@ -116,59 +115,48 @@ struct Record {
     slot_pos: Vec<i64>,
 }
 
-/// A scorer that never ranks anything (the budget is never reached): it
-/// taps every layer and, for attention labels, records attention mass.
+/// A step observer (no policy: the cache keeps everything) that taps every
+/// layer and, for attention labels, records attention mass.
 #[derive(Debug)]
 struct Recorder {
     n_layers: usize,
     attention: bool,
-    rec: Arc<Mutex<Record>>,
+    rec: Record,
 }
 
-impl Scorer for Recorder {
-    fn name(&self) -> &'static str {
-        "calibrate"
-    }
-    fn mass_mode(&self) -> MassMode {
-        if self.attention {
-            MassMode::AllRows
-        } else {
-            MassMode::None
+impl StepObserver for Recorder {
+    fn needs(&self) -> Needs {
+        Needs {
+            mass: if self.attention {
+                MassMode::AllRows
+            } else {
+                MassMode::None
+            },
+            ..Needs::taps((0..self.n_layers).collect())
         }
     }
-    fn tap_layers(&self) -> Vec<usize> {
-        (0..self.n_layers).collect()
-    }
-    fn on_hidden(&mut self, taps: &HiddenTaps, _slots: &[u32], positions: &[i64]) {
+    fn on_step(&mut self, step: &Step<'_>) {
         let nl = self.n_layers;
-        let Ok(mut r) = self.rec.lock() else { return };
-        for (i, &p) in positions.iter().enumerate() {
-            let p = p as usize;
-            r.g[p * nl..(p + 1) * nl].copy_from_slice(&taps.g[i * nl..(i + 1) * nl]);
-            r.valid[p] = i >= taps.first_valid;
+        let r = &mut self.rec;
+        if let Some(taps) = &step.signals.taps {
+            for (i, &p) in step.positions.iter().enumerate() {
+                let p = p as usize;
+                r.g[p * nl..(p + 1) * nl].copy_from_slice(taps.row(i));
+                r.valid[p] = i >= taps.first_valid;
+            }
         }
-    }
-    fn on_write(&mut self, _kv: &KvCache, slots: &[u32], positions: &[i64]) {
-        let Ok(mut r) = self.rec.lock() else { return };
-        for (&s, &p) in slots.iter().zip(positions) {
+        for (&s, &p) in step.slots.iter().zip(step.positions) {
             r.slot_pos[s as usize] = p;
         }
-    }
-    fn observe(&mut self, mass: &[f32]) {
-        let Ok(mut r) = self.rec.lock() else { return };
-        let Record {
-            mass: m, slot_pos, ..
-        } = &mut *r;
-        for (s, &x) in mass.iter().enumerate() {
-            if let Some(&p) = slot_pos.get(s) {
-                if p >= 0 {
-                    m[p as usize] += x as f64;
+        if let Some(mass) = step.mass {
+            for (s, &x) in mass.iter().enumerate() {
+                if let Some(&p) = r.slot_pos.get(s) {
+                    if p >= 0 {
+                        r.mass[p as usize] += x as f64;
+                    }
                 }
             }
         }
-    }
-    fn score(&mut self, _kv: &KvCache, _slots: &[u32], _pos: &[i64], out: &mut [f32]) {
-        out.fill(0.0);
     }
 }
 
@@ -346,33 +334,20 @@ fn run_trace<'w>(
 ) -> Result<TraceData> {
     let c: &Config = &w.config;
     let (n, nl, vocab) = (ids.len(), c.n_layers, c.vocab);
-    let rec = Arc::new(Mutex::new(Record {
-        g: vec![0.0; n * nl],
-        valid: vec![false; n],
-        mass: vec![0.0; n],
-        slot_pos: vec![-1; n],
-    }));
-    let recorder = Recorder {
+    let mut recorder = Recorder {
         n_layers: nl,
         attention: a.label == Label::Attention,
-        rec: rec.clone(),
-    };
-    // a budget that is never reached: every token stays
-    let evictor = Evictor {
-        budget: n,
-        n_sink: 0,
-        n_recent: 0,
-        keep_prompt_until: 0,
-        evict_every: 1,
+        rec: Record {
+            g: vec![0.0; n * nl],
+            valid: vec![false; n],
+            mass: vec![0.0; n],
+            slot_pos: vec![-1; n],
+        },
     };
     let step = a.occlusion;
-    let mut base = Session::with_policy(
-        w,
-        n,
-        n_threads,
-        step,
-        KvPolicy::new(Box::new(recorder), evictor),
-    )?;
+    // every token stays (no policy); prefill chunks of at most n/8 tokens,
+    // as the never-reached budget of earlier versions had them
+    let mut base = Session::new(w, n, n_threads, step.min((n / 8).max(1)).max(1));
     let mut scratch = Session::new(w, n, n_threads, a.continuation.max(1));
     // full-cache NLL of each token given its prefix, (n,)
     let mut full_nll = vec![f64::NAN; n];
@@ -381,7 +356,7 @@ fn run_trace<'w>(
     let mut done = 0;
     while done < n {
         let k = step.min(n - done);
-        let logits = base.feed(&ids[done..done + k], Logits::All)?;
+        let logits = base.feed_observed(&ids[done..done + k], Logits::All, &mut recorder)?;
         for j in 0..k {
             if done + j + 1 < n {
                 full_nll[done + j + 1] =
@@ -404,9 +379,7 @@ fn run_trace<'w>(
             masked.push((w0, s / (a.continuation - 1) as f64));
         }
     }
-    let r = rec
-        .lock()
-        .map_err(|_| Error::Other("calibration state poisoned".into()))?;
+    let r = &recorder.rec;
     // per-token labels
     let mut lab = vec![f64::NAN; n];
     match a.label {

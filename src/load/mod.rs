@@ -166,7 +166,7 @@ impl Loaded {
 
     /// The weights (borrowing this model's maps).
     pub fn weights(&self) -> &Weights<'_> {
-        &self.weights
+        self.weights.shorten()
     }
 
     /// The checkpoint the weights come from.

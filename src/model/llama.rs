@@ -11,6 +11,7 @@ use crate::backend::{AttnStep, Backend, Host};
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, PosMode};
 use crate::model::{LayerWeights, Weights};
+use crate::signals::{QueryWindow, StepSignals};
 
 pub use crate::backend::MassMode;
 
@@ -93,175 +94,13 @@ impl<B: Backend> RunState<B> {
     }
 }
 
-/// Residual-stream taps: the change of the hidden state between consecutive
-/// positions at chosen decoder layers, g_l(t) = ‖h_l(t) − h_l(t−1)‖₂, where
-/// h_l is the raw residual stream at the output of layer l. Only the
-/// previous token's vector per tapped layer is kept; the whole stream is
-/// never copied.
-#[derive(Debug, Clone, Default)]
-pub struct HiddenTaps {
-    /// Tapped decoder layers (0-based), ascending.
-    pub layers: Vec<usize>,
-    /// (n_taps, dim) hidden state of the previous token at each tapped layer.
-    prev: Vec<f32>,
-    /// Whether `prev` holds a real previous token.
-    has_prev: bool,
-    /// (n, n_taps) g of the last step's tokens, row-major.
-    pub g: Vec<f32>,
-    /// Rows of `g` before this index have no previous token (the first
-    /// token of a sequence); their g is 0.
-    pub first_valid: usize,
-}
-
-impl HiddenTaps {
-    /// Taps at `layers` (deduplicated, sorted) of a model with residual width `dim`.
-    pub fn new(mut layers: Vec<usize>, dim: usize) -> HiddenTaps {
-        layers.sort_unstable();
-        layers.dedup();
-        HiddenTaps {
-            prev: vec![0.0; layers.len() * dim],
-            layers,
-            has_prev: false,
-            g: Vec::new(),
-            first_valid: 0,
-        }
-    }
-    /// Forget the previous token (new sequence).
-    pub fn reset(&mut self) {
-        self.has_prev = false;
-    }
-    /// Number of tapped layers.
-    pub fn n_taps(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// Start a step of `n` tokens: g zeroed, the first row valid only when
-    /// a previous token is known.
-    fn begin(&mut self, n: usize) {
-        self.g.clear();
-        self.g.resize(n * self.n_taps(), 0.0);
-        self.first_valid = usize::from(!self.has_prev);
-    }
-
-    /// Record g for the `n` rows of `x` (n, dim) at tap index `ti`, then keep
-    /// the last row as the next step's previous vector.
-    fn record(&mut self, ti: usize, x: &[f32], n: usize, dim: usize) {
-        let nt = self.layers.len();
-        for i in 0..n {
-            let cur = &x[i * dim..(i + 1) * dim];
-            let prev = if i == 0 {
-                if !self.has_prev {
-                    self.g[ti] = 0.0;
-                    continue;
-                }
-                &self.prev[ti * dim..(ti + 1) * dim]
-            } else {
-                &x[(i - 1) * dim..i * dim]
-            };
-            let d2: f32 = cur.iter().zip(prev).map(|(a, b)| (a - b) * (a - b)).sum();
-            self.g[i * nt + ti] = d2.sqrt();
-        }
-        self.prev[ti * dim..(ti + 1) * dim].copy_from_slice(&x[(n - 1) * dim..n * dim]);
-    }
-}
-
-/// The post-RoPE queries of the last `w` tokens at every layer (SnapKV's
-/// observation window): the scorers that vote with recent queries read them
-/// when they rank, instead of any stored attention matrix. A ring of `w`
-/// rows per layer; row order does not matter, positions say which keys
-/// each row could see.
-#[derive(Debug, Clone, Default)]
-pub struct QueryWindow {
-    /// Rows kept per layer.
-    pub w: usize,
-    /// Query width (n_heads · head_dim).
-    pub q_dim: usize,
-    /// (n_layers, w, q_dim) query rows.
-    rows: Vec<f32>,
-    /// (w,) absolute position of each ring row.
-    pos: Vec<i64>,
-    /// Filled rows (≤ w).
-    len: usize,
-    /// Next ring row to overwrite.
-    head: usize,
-}
-
-impl QueryWindow {
-    /// A window of `w` rows for `n_layers` layers of `q_dim` queries.
-    pub fn new(w: usize, n_layers: usize, q_dim: usize) -> QueryWindow {
-        QueryWindow {
-            w,
-            q_dim,
-            rows: vec![0.0; n_layers * w * q_dim],
-            pos: vec![0; w],
-            len: 0,
-            head: 0,
-        }
-    }
-    /// Forget every row (new sequence).
-    pub fn reset(&mut self) {
-        self.len = 0;
-        self.head = 0;
-    }
-    /// Rows held (≤ w).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// Whether no row is held.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// Row `r`'s (r < len) query at `layer`, (q_dim,), and its position.
-    #[inline]
-    pub fn row(&self, layer: usize, r: usize) -> (&[f32], i64) {
-        let o = (layer * self.w + r) * self.q_dim;
-        (&self.rows[o..o + self.q_dim], self.pos[r])
-    }
-    /// The smallest position held (the window's first token), if any.
-    pub fn first_pos(&self) -> Option<i64> {
-        self.pos[..self.len].iter().copied().min()
-    }
-    /// Keep the last rows of `q` (n, q_dim) at `layer`, for tokens at
-    /// `pos0..pos0+n`. Called for every layer of a step, layer 0 first.
-    fn record(&mut self, layer: usize, q: &[f32], n: usize, pos0: usize) {
-        if self.w == 0 {
-            return;
-        }
-        let skip = n.saturating_sub(self.w);
-        for (k, i) in (skip..n).enumerate() {
-            let r = (self.head + k) % self.w;
-            let o = (layer * self.w + r) * self.q_dim;
-            self.rows[o..o + self.q_dim].copy_from_slice(&q[i * self.q_dim..(i + 1) * self.q_dim]);
-            if layer == 0 {
-                self.pos[r] = (pos0 + i) as i64;
-            }
-        }
-    }
-    /// After the last layer of a step of `n` tokens: advance the ring.
-    fn advance(&mut self, n: usize) {
-        if self.w == 0 {
-            return;
-        }
-        let k = n.min(self.w);
-        self.head = (self.head + k) % self.w;
-        self.len = (self.len + k).min(self.w);
-    }
-}
-
 /// What one forward step reads and exports besides logits.
 #[derive(Debug, Default)]
 pub struct StepIo<'a> {
     /// Slots to free before the new tokens are written (chosen by the evictor).
     pub victims: &'a [u32],
-    /// Attention-probability export mode.
-    pub mass_mode: MassMode,
-    /// (n_slots,) receives, per slot, the attention probability averaged
-    /// over every query head of every layer (summed over rows for `AllRows`).
-    pub mass: Option<&'a mut [f32]>,
-    /// Residual-stream taps to fill (None = no taps, no cost).
-    pub taps: Option<&'a mut HiddenTaps>,
-    /// Query rows to keep (None = no cost).
-    pub queries: Option<&'a mut QueryWindow>,
+    /// Signals to record for the scorers (each None = not recorded, no cost).
+    pub signals: StepSignals<'a>,
     /// RoPE positions: absolute (default) or in-cache (StreamingLLM pos-shift).
     pub pos_mode: PosMode,
 }
@@ -323,7 +162,7 @@ fn forward_chunk<B: Backend>(
 
     // what attention must do this step: causal over the live entries, at
     // absolute or in-cache positions, exporting probabilities if asked
-    let export = io.mass.is_some() && io.mass_mode != MassMode::None;
+    let export = io.signals.mass.is_some() && io.signals.mass_mode != MassMode::None;
     if export {
         s.prob_exports += 1;
     }
@@ -334,14 +173,22 @@ fn forward_chunk<B: Backend>(
         n_kv_heads: c.n_kv_heads,
         head_dim: c.head_dim,
         cache_positions: io.pos_mode == PosMode::Cache,
-        mass: if export { io.mass_mode } else { MassMode::None },
+        mass: if export {
+            io.signals.mass_mode
+        } else {
+            MassMode::None
+        },
         mass_w: 1.0 / (c.n_heads * c.n_layers) as f32,
     };
     b.begin_attention(&mut s.scratch, &*kv, &st);
-    let mut taps = io.taps;
-    let mut queries = io.queries;
+    let mut taps = io.signals.taps;
+    let mut queries = io.signals.queries;
+    let mut attn_inputs = io.signals.attn_inputs;
     if let Some(t) = taps.as_deref_mut() {
-        t.begin(n);
+        t.begin_step(n);
+    }
+    if let Some(a) = attn_inputs.as_deref_mut() {
+        a.begin_step(n);
     }
 
     // token embeddings: x[i] = token_embd[tokens[i]]           (n, dim)
@@ -350,6 +197,10 @@ fn forward_chunk<B: Backend>(
     for (l, lw) in w.layers.iter().enumerate() {
         // attention rmsnorm                                     (n, dim)
         b.rmsnorm(&s.x, 0, &lw.attn_norm, c.norm_eps, n, &mut s.xb);
+        // keep the attention block's input for scorers that read it
+        if let Some(a) = attn_inputs.as_deref_mut() {
+            a.record(l, &b.host(&s.xb, 0..n * dim));
+        }
         attention_block(b, w, s, kv, lw, l, &st, queries.as_deref_mut());
         // residual, then the ffn rmsnorm                         (n, dim)
         b.add_rmsnorm(&mut s.x, &mut s.xb, &lw.ffn_norm, c.norm_eps, n);
@@ -365,14 +216,14 @@ fn forward_chunk<B: Backend>(
         }
     }
     if let Some(t) = taps {
-        t.has_prev = true;
+        t.end_step();
     }
     if let Some(qw) = queries {
         qw.advance(n);
     }
 
     // the exported attention mass into the caller's (n_slots,) buffer
-    if let (true, Some(out)) = (export, io.mass) {
+    if let (true, Some(out)) = (export, io.signals.mass) {
         b.end_attention(&mut s.scratch, n_slots, out);
     }
 

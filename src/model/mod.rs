@@ -225,6 +225,22 @@ pub struct Weights<'a, B: Backend = Host> {
 }
 
 impl<'a> Weights<'a, Host> {
+    /// The same weights seen with a shorter borrow of their maps. Host
+    /// weights are covariant in that borrow (matrices are `QMat<'a>`, a
+    /// `Cow<'a, [u8]>`), but the compiler cannot see it through the
+    /// backend's associated type, so this is the explicit coercion.
+    pub fn shorten<'b>(&'b self) -> &'b Weights<'b, Host>
+    where
+        'a: 'b,
+    {
+        // SAFETY: Weights<'a, Host> and Weights<'b, Host> are the same type
+        // up to the lifetime (same layout); every field that carries 'a
+        // (QMat<'a>: a Cow<'a, [u8]> and plain data) is covariant in it, so
+        // reading them as borrowed for 'b ≤ 'a is a valid subtyping
+        // coercion, and the result's borrow of `self` keeps 'b alive.
+        unsafe { std::mem::transmute::<&'b Weights<'a, Host>, &'b Weights<'b, Host>>(self) }
+    }
+
     /// Load from a GGUF file for the host backend (checks every shape against the config).
     pub fn from_gguf(g: &'a Gguf) -> Result<Weights<'a, Host>> {
         Self::from_gguf_on(&HOST_LOADER, g)

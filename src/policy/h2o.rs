@@ -9,48 +9,42 @@
 //! evictor (`--kv-sink` 4, `--kv-recent`). The probabilities come out of the
 //! fused attention pass; no attention matrix is stored.
 
-use super::Scorer;
-use crate::kv::KvCache;
-use crate::model::llama::MassMode;
+use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer, Step};
+use crate::error::Result;
+use crate::signals::{MassMode, Needs};
 
 /// Accumulated attention per slot.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct H2o {
     /// (n_slots,) attention received since the slot was written.
     acc: Vec<f32>,
 }
 
-impl H2o {
-    /// State for `n_slots` slots.
-    pub fn new(n_slots: usize) -> H2o {
-        H2o {
-            acc: vec![0.0; n_slots],
-        }
-    }
-}
-
 impl Scorer for H2o {
-    fn name(&self) -> &'static str {
-        "h2o"
+    fn needs(&self) -> Needs {
+        Needs::mass(MassMode::AllRows)
     }
-    fn mass_mode(&self) -> MassMode {
-        MassMode::AllRows
+    fn prepare(&mut self, _m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
+        self.acc = vec![0.0; cache.n_slots];
+        Ok(())
     }
-    fn on_write(&mut self, _kv: &KvCache, slots: &[u32], _pos: &[i64]) {
-        // The step's mass (observed next) already includes the new rows' own
-        // attention to the new slots; start them from zero before it arrives.
-        for &s in slots {
+    fn observe(&mut self, step: &Step<'_>) {
+        // The step's mass already includes the new rows' own attention to
+        // the new slots; start them from zero before adding it.
+        for &s in step.slots {
             self.acc[s as usize] = 0.0;
         }
-    }
-    fn observe(&mut self, mass: &[f32]) {
-        for (a, &m) in self.acc.iter_mut().zip(mass) {
-            *a += m;
+        if let Some(mass) = step.mass {
+            for (a, &m) in self.acc.iter_mut().zip(mass) {
+                *a += m;
+            }
         }
     }
-    fn score(&mut self, _kv: &KvCache, slots: &[u32], _pos: &[i64], out: &mut [f32]) {
-        for (o, &s) in out.iter_mut().zip(slots) {
-            *o = self.acc[s as usize];
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        if let Entries::Tokens { slots, .. } = ctx.entries {
+            for (o, &s) in out.iter_mut().zip(slots) {
+                *o = self.acc[s as usize];
+            }
         }
     }
     fn reset(&mut self) {

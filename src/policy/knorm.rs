@@ -5,37 +5,34 @@
 //! −‖k‖₂ of the stored (post-RoPE) key, averaged over layers and KV heads,
 //! computed once when the token is written. Attention-free.
 
-use super::Scorer;
-use crate::kv::KvCache;
+use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer, Step};
+use crate::error::Result;
 
 /// −mean‖k‖ per slot.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct KNorm {
     /// (n_slots,) score computed at write time.
     score: Vec<f32>,
-}
-
-impl KNorm {
-    /// State for `n_slots` slots.
-    pub fn new(n_slots: usize) -> KNorm {
-        KNorm {
-            score: vec![0.0; n_slots],
-        }
-    }
+    /// (kv_dim,) one key row.
+    row: Vec<f32>,
 }
 
 impl Scorer for KNorm {
-    fn name(&self) -> &'static str {
-        "knorm"
+    fn prepare(&mut self, m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
+        self.score = vec![0.0; cache.n_slots];
+        self.row = vec![0.0; m.config().kv_dim()];
+        Ok(())
     }
-    fn on_write(&mut self, kv: &KvCache, slots: &[u32], _pos: &[i64]) {
+    fn observe(&mut self, step: &Step<'_>) {
+        let kv = step.kv;
         let hd = kv.head_dim;
-        let mut row = vec![0f32; kv.kv_dim];
-        for &s in slots {
+        let row = &mut self.row;
+        row.resize(kv.kv_dim, 0.0);
+        for &s in step.slots {
             let mut total = 0f32;
             let mut n = 0;
             for l in 0..kv.n_layers {
-                kv.k_f32(l, s as usize, &mut row);
+                kv.k_f32(l, s as usize, row);
                 for k in row.chunks_exact(hd) {
                     total += k.iter().map(|x| x * x).sum::<f32>().sqrt();
                     n += 1;
@@ -44,9 +41,11 @@ impl Scorer for KNorm {
             self.score[s as usize] = -total / n as f32;
         }
     }
-    fn score(&mut self, _kv: &KvCache, slots: &[u32], _pos: &[i64], out: &mut [f32]) {
-        for (o, &s) in out.iter_mut().zip(slots) {
-            *o = self.score[s as usize];
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        if let Entries::Tokens { slots, .. } = ctx.entries {
+            for (o, &s) in out.iter_mut().zip(slots) {
+                *o = self.score[s as usize];
+            }
         }
     }
 }

@@ -1,312 +1,259 @@
-//! Eviction policies: scorers rank cached tokens, one shared `Evictor`
-//! chooses the victims.
+//! Eviction policies: a policy is a **scorer** × a **budget rule**, with
+//! optional **wrappers** around the scorer (kvpress's presses are the
+//! model).
 //!
-//! A scorer never mutates the cache: it sees what the engine already has
-//! (slot positions, stored keys and values, attention probabilities exported
-//! by the fused attention pass when it asks for them) and returns one score
-//! per live slot, higher = keep. The `Evictor` applies the protection rules
-//! (sinks, recent window, prompt) that every policy shares, and picks exactly
-//! the lowest-scored unprotected slots (ties: older position first).
+//! - A [`Scorer`] ranks cached entries, higher = keep, and never mutates
+//!   the cache. It declares once, as data ([`Needs`]), which signals of the
+//!   forward pass it reads (hidden-state taps, recent queries, attention
+//!   mass, attention inputs); it is prepared with a [`ModelView`] (config
+//!   and weights), observes every forward step ([`Step`]) and scores the
+//!   entries of a [`ScoreCtx`], which says which entries (one per token, or
+//!   every entry of the per-(layer, KV-head) streams over budget) and under
+//!   which budget and protection rules.
+//! - A [`BudgetRule`] (`budget.rs`) says how the budget is shared:
+//!   token-uniform (one slot map), per stream (SnapKV), per layer with a
+//!   safeguard (Ada-KV), pyramid (PyramidKV), or global across every layer
+//!   and head.
+//! - A wrapper ([`wrap::Rescorer`]) takes any scorer and rescores its
+//!   output, seeing the inner scores, the model and the group budget.
+//! - One [`Evictor`] (`evict.rs`) applies the protection rules shared by
+//!   every policy (sinks, recent window, prompt) and picks the
+//!   lowest-scored unprotected entries of every group over budget (ties:
+//!   older position first, then the lower stream), for the token-uniform
+//!   and the stream layouts alike.
 //!
-//! `POLICIES` is the single registry: the CLI's `--policy` values, `--help`
-//! and the tests all read it.
+//! [`POLICIES`] (`table.rs`) is the single registry: one row per policy
+//! (name, help, constructor, defaults, capabilities); the CLI's `--policy`
+//! values, `--help`, the server and the tests all read it. A new scorer is
+//! one file plus one row; a new budget rule is one `BudgetRule` variant; a
+//! new wrapper is one `Rescorer` implementation plus the rows that use it.
+//! [`PolicyConfig`] (`config.rs`) is the clap-free configuration the CLI
+//! flags and the server's request fields both resolve to.
 
-pub mod adakv;
+pub mod budget;
+pub mod config;
 pub mod epikv;
+pub mod evict;
 pub mod h2o;
 pub mod knorm;
-pub mod pyramidkv;
 pub mod random;
 pub mod snapkv;
 pub mod streams;
+pub mod table;
 pub mod tova;
 pub mod window;
+pub mod wrap;
 
 use crate::backend::pool::ThreadPool;
-use crate::error::{Error, Result};
+use crate::error::{Error, Field, Msg, Result};
 use crate::kv::KvCache;
-use crate::model::llama::{HiddenTaps, MassMode, QueryWindow};
-use crate::model::Config;
+pub use crate::signals::{MassMode, ModelView, Needs, Signals};
+pub use budget::BudgetRule;
+pub use config::PolicyConfig;
+pub use evict::Evictor;
 use streams::StreamPlan;
+pub use table::{find, names, Caps, PolicyDef, POLICIES};
 
-/// Ranks cached entries. Token-uniform scorers (the default) give one score
-/// per slot shared by every layer and head (`score`); per-(layer, KV-head)
-/// scorers return a `stream_plan` and score every stream's entries
-/// (`score_streams`). Per-slot state lives in the scorer, indexed by slot.
-pub trait Scorer: std::fmt::Debug + Send {
-    /// Name accepted by `--policy`.
-    fn name(&self) -> &'static str;
-    /// Which attention probabilities the forward pass must export (default: none, zero cost).
-    fn mass_mode(&self) -> MassMode {
-        MassMode::None
+/// The cache a scorer's per-slot state indexes, given at `prepare`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    /// Slots (token-uniform) or pool rows (streams) of the cache.
+    pub n_slots: usize,
+    /// The budget the scorer's phase works under (tokens per layer per KV head).
+    pub budget: usize,
+}
+
+/// One forward step, as a scorer observes it after the step's K/V were
+/// written.
+#[derive(Debug)]
+pub struct Step<'a> {
+    pub kv: &'a KvCache,
+    /// Slots the step's tokens were written to, (n,) (stream caches:
+    /// (n_streams, n), stream-major).
+    pub slots: &'a [u32],
+    /// Positions of the step's tokens, (n,).
+    pub positions: &'a [i64],
+    /// Everything the session's forward pass recorded (the union of what
+    /// its scorers need; taps are looked up by layer).
+    pub signals: &'a Signals,
+    /// (n_slots,) attention mass exported for this scorer this step (None
+    /// when the step exported none for it).
+    pub mass: Option<&'a [f32]>,
+    /// First position after the prompt (0 in a prompt phase: every token
+    /// is ranked).
+    pub prompt_end: i64,
+}
+
+/// The entries a scorer ranks.
+#[derive(Debug, Clone, Copy)]
+pub enum Entries<'a> {
+    /// One score per live token: `out[i]` belongs to `slots[i]` at
+    /// `pos[i]` (position order).
+    Tokens { slots: &'a [u32], pos: &'a [i64] },
+    /// Per-(layer, KV-head) streams: stream s (l · n_kv_heads + h) owns
+    /// `out[off[s]..off[s + 1]]`, in the order of its live list; only
+    /// streams with `want[s]` (their group is over budget) need scores, the
+    /// others may be left stale.
+    Streams {
+        plan: &'a StreamPlan,
+        want: &'a [bool],
+        off: &'a [usize],
+    },
+}
+
+/// What a scorer ranks and under which rules.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreCtx<'a> {
+    pub kv: &'a KvCache,
+    pub signals: &'a Signals,
+    pub pool: &'a ThreadPool,
+    /// The phase's protection rules and token budget.
+    pub rules: &'a Evictor,
+    /// Position of the newest token once the step is written.
+    pub newest: i64,
+    /// First position after the prompt (0 in a prompt phase).
+    pub prompt_end: i64,
+    pub entries: Entries<'a>,
+}
+
+impl ScoreCtx<'_> {
+    /// The budget of the group stream `s` belongs to (token-uniform: the
+    /// cache budget, `s` ignored).
+    pub fn group_budget(&self, s: usize) -> usize {
+        match self.entries {
+            Entries::Tokens { .. } => self.rules.budget,
+            Entries::Streams { plan, .. } => plan.group_of(s).map_or(0, |g| g.budget),
+        }
     }
-    /// Resolve model-dependent settings (layers, widths) once the model is known.
-    fn prepare(&mut self, _c: &Config) -> Result<()> {
+}
+
+/// Ranks cached entries; higher = keep. Token-uniform scorers give one
+/// score per live token (`Entries::Tokens`), per-stream scorers one per
+/// entry of each (layer, KV-head) stream (`Entries::Streams`). Per-slot
+/// state lives in the scorer, indexed by slot.
+pub trait Scorer: std::fmt::Debug + Send {
+    /// The signals the forward pass must produce (asked once, after
+    /// `prepare`; default: none, zero cost).
+    fn needs(&self) -> Needs {
+        Needs::none()
+    }
+    /// Whether the scorer ranks per-(layer, KV-head) stream entries (it
+    /// then needs a stream budget rule); default: one score per token.
+    fn per_stream(&self) -> bool {
+        false
+    }
+    /// Resolve model-dependent settings and size per-slot state, once the
+    /// model and the cache are known.
+    fn prepare(&mut self, _model: &ModelView<'_>, _cache: CacheShape) -> Result<()> {
         Ok(())
     }
-    /// Decoder layers whose residual-stream change the scorer reads (default: none).
-    fn tap_layers(&self) -> Vec<usize> {
-        Vec::new()
-    }
-    /// Positions below `n` are the prompt.
-    fn set_prompt_end(&mut self, _n: usize) {}
-    /// The cache budget the scorer works under.
-    fn set_budget(&mut self, _budget: usize) {}
-    /// Hidden-state change of the step's tokens (`taps.g`, one row per token
-    /// of `slots`/`positions`), delivered before `on_write`.
-    fn on_hidden(&mut self, _taps: &HiddenTaps, _slots: &[u32], _positions: &[i64]) {}
-    /// New tokens were written into `slots` at `positions` (K/V already stored).
-    fn on_write(&mut self, _kv: &KvCache, _slots: &[u32], _positions: &[i64]) {}
-    /// Attention mass of the last step, (n_slots,), averaged over layers and heads.
-    fn observe(&mut self, _mass: &[f32]) {}
-    /// Fill `out[i]` with the score of live slot `live_slots[i]`; higher = keep.
-    /// (Token-uniform scorers; stream scorers rank with `score_streams`.)
-    fn score(&mut self, _kv: &KvCache, _live_slots: &[u32], _live_pos: &[i64], out: &mut [f32]) {
-        out.fill(0.0);
-    }
-    /// Per-(layer, KV-head) scorers: how the budget is shared among streams
-    /// (None: token-uniform, the default).
-    fn stream_plan(&self, _c: &Config, _budget: usize) -> Result<Option<StreamPlan>> {
-        Ok(None)
-    }
-    /// Query rows per layer the scorer reads when ranking (default: none, no cost).
-    fn query_window(&self) -> usize {
-        0
-    }
-    /// Stream scorers: fill `out` (stream s at `off[s]..off[s + 1]`, in the
-    /// order of its live list) with the score of every entry of each stream
-    /// s with `want[s]` (others may be left stale); higher = keep.
-    fn score_streams(
-        &mut self,
-        _kv: &KvCache,
-        _qw: &QueryWindow,
-        _pool: &ThreadPool,
-        _want: &[bool],
-        _off: &[usize],
-        _out: &mut [f32],
-    ) {
-    }
+    /// A forward step wrote new tokens (K/V stored, signals recorded).
+    fn observe(&mut self, _step: &Step<'_>) {}
+    /// Fill `out` with the score of every entry of `ctx.entries`.
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]);
     /// Forget per-sequence state.
     fn reset(&mut self) {}
 }
 
-/// One registry entry.
-#[derive(Debug, Clone, Copy)]
-pub struct PolicyInfo {
+/// A scorer and the budget rule it ranks under, with the registry row's
+/// name and capabilities.
+#[derive(Debug)]
+pub struct Policy {
     pub name: &'static str,
-    pub about: &'static str,
-    /// Per-(layer, KV-head) streams (else token-uniform).
-    pub streams: bool,
+    pub caps: Caps,
+    pub scorer: Box<dyn Scorer>,
+    pub rule: BudgetRule,
 }
 
-/// Every policy `--policy` accepts, with its one-line description.
-pub const POLICIES: &[PolicyInfo] = &[
-    PolicyInfo {
-        name: "full",
-        about: "no eviction: the whole context stays cached (the baseline)",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "window",
-        about: "StreamingLLM: attention sinks + the most recent tokens",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "h2o",
-        about: "H2O: heavy hitters by accumulated attention + recent window",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "tova",
-        about: "TOVA: keep what the current query attends to (mean over heads and layers)",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "snapkv",
-        about: "SnapKV: per-head votes of the last 32 queries (pooled), equal budget per (layer, KV head)",
-        streams: true,
-    },
-    PolicyInfo {
-        name: "adakv",
-        about: "Ada-KV: SnapKV scores, a layer's heads share its budget adaptively (20% safeguard per head)",
-        streams: true,
-    },
-    PolicyInfo {
-        name: "pyramidkv",
-        about: "PyramidKV: SnapKV scores, per-layer budgets shrinking with depth (beta 20)",
-        streams: true,
-    },
-    PolicyInfo {
-        name: "knorm",
-        about: "K-norm: keep tokens whose keys have the lowest L2 norm",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "random",
-        about: "random scores (seeded), a floor for comparisons",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "epikv",
-        about: "EPIKV-Flat: rolling z-score of hidden-state change, layer A minus layer B (attention-free)",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "epikv-raw",
-        about: "EPIKV raw: rolling mean of hidden-state change, layer A minus layer B",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "epikv-band",
-        about: "EPIKV band: z-scores of band-mean hidden-state change, 1.29·A − 1.0·B",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "epikv-lag",
-        about: "EPIKV lag: K/V spread normalized by the previous 128-token chunk",
-        streams: false,
-    },
-    PolicyInfo {
-        name: "epikv-seg",
-        about: "EPIKV-Seg: key-variance tertile caps per 128-token segment, Flat ranking inside",
-        streams: false,
-    },
-];
-
-/// Whether `name` is a per-(layer, KV-head) stream policy.
-pub fn is_stream_policy(name: &str) -> bool {
-    POLICIES.iter().any(|p| p.name == name && p.streams)
-}
-
-/// Names of every policy.
-pub fn names() -> Vec<&'static str> {
-    POLICIES.iter().map(|p| p.name).collect()
-}
-
-/// Options shared by the scorers.
-#[derive(Debug, Clone, Default)]
-pub struct PolicyArgs {
-    pub seed: u64,
-    /// The evictor's recent window (scorers that cap per segment need it).
-    pub n_recent: usize,
-    /// EPIKV layer/window choices.
-    pub epikv: epikv::EpikvOptions,
-    /// Observation-window options (snapkv, adakv, pyramidkv).
-    pub snap: snapkv::SnapOptions,
-}
-
-/// Build a scorer by name (`Ok(None)` for `full`).
-pub fn by_name(name: &str, n_slots: usize, args: &PolicyArgs) -> Result<Option<Box<dyn Scorer>>> {
-    Ok(Some(match name {
-        "full" => return Ok(None),
-        "window" => Box::new(window::Window),
-        "h2o" => Box::new(h2o::H2o::new(n_slots)),
-        "tova" => Box::new(tova::Tova::new(n_slots)),
-        "knorm" => Box::new(knorm::KNorm::new(n_slots)),
-        "snapkv" => Box::new(snapkv::SnapKv { opts: args.snap }),
-        "adakv" => Box::new(adakv::AdaKv { opts: args.snap }),
-        "pyramidkv" => Box::new(pyramidkv::PyramidKv { opts: args.snap }),
-        "random" => Box::new(random::Random::new(n_slots, args.seed)),
-        name if epikv::Variant::from_name(name).is_some() => Box::new(epikv::Epikv::new(
-            epikv::Variant::from_name(name).unwrap_or(epikv::Variant::Flat),
-            n_slots,
-            args.epikv.clone(),
-            args.n_recent,
-        )),
-        other => {
-            return Err(Error::arg(
-                "--policy",
-                format!("unknown policy '{other}' (known: {})", names().join(", ")),
-            ))
-        }
-    }))
-}
-
-/// Budget and protection rules shared by every policy.
-#[derive(Debug, Clone)]
-pub struct Evictor {
-    /// Most tokens resident at any moment (per layer per KV head).
-    pub budget: usize,
-    /// The first `n_sink` positions are never evicted.
-    pub n_sink: usize,
-    /// The newest `n_recent` positions are never evicted.
-    pub n_recent: usize,
-    /// Positions below this are prompt tokens, never evicted (0 = prompt evictable).
-    pub keep_prompt_until: usize,
-    /// Evict in batches: when over budget, free `evict_every - 1` extra slots
-    /// so the next steps need no scoring.
-    pub evict_every: usize,
-}
-
-impl Evictor {
-    /// Whether the token at `pos` is protected when the newest position after
-    /// the step will be `newest`.
-    #[inline]
-    pub fn protected(&self, pos: i64, newest: i64) -> bool {
-        (pos as usize) < self.n_sink
-            || (pos as usize) < self.keep_prompt_until
-            || pos > newest - self.n_recent as i64
-    }
-
-    /// How many protected tokens there can be at most (for feasibility checks).
-    pub fn max_protected(&self) -> usize {
-        self.n_sink.max(self.keep_prompt_until) + self.n_recent
-    }
-
-    /// Victims to free before writing `n_new` tokens whose last position is
-    /// `newest`: the lowest-scored unprotected live slots (ties: older first).
-    /// `scores[i]` belongs to `live_slots[i]`.
-    pub fn select(
-        &self,
-        live_slots: &[u32],
-        live_pos: &[i64],
-        scores: &[f32],
-        n_new: usize,
-        newest: i64,
-        victims: &mut Vec<u32>,
-    ) -> Result<()> {
-        victims.clear();
-        let n_live = live_slots.len();
-        if n_live + n_new <= self.budget {
-            return Ok(());
-        }
-        let mut need = n_live + n_new - self.budget;
-        let mut cand: Vec<usize> = (0..n_live)
-            .filter(|&i| !self.protected(live_pos[i], newest))
-            .collect();
-        if cand.len() < need {
-            return Err(Error::arg(
-                "--kv-budget",
-                format!(
-                    "budget {} cannot hold the protected tokens: {} live, {} new, only {} evictable (sinks {}, recent {}, prompt {}){}",
-                    self.budget,
-                    n_live,
-                    n_new,
-                    cand.len(),
-                    self.n_sink,
-                    self.n_recent,
-                    if self.keep_prompt_until == usize::MAX { "all".to_string() } else { self.keep_prompt_until.to_string() },
-                    if self.keep_prompt_until > 0 {
-                        "; the prompt is kept: raise --kv-budget, or choose a prompt-phase policy with --prompt-policy (or --epikv-score-prompt)"
+impl Policy {
+    /// Pair `scorer` with `rule` (a per-stream scorer needs a stream rule,
+    /// a token scorer the token-uniform one).
+    pub fn new(
+        name: &'static str,
+        caps: Caps,
+        scorer: Box<dyn Scorer>,
+        rule: BudgetRule,
+    ) -> Result<Policy> {
+        if scorer.per_stream() != rule.streams() {
+            return Err(Error::config(
+                Field::Policy,
+                Msg::default().t(format!(
+                    "{name}: its scorer ranks {} but its budget rule is {:?}",
+                    if scorer.per_stream() {
+                        "per-(layer, KV-head) streams"
                     } else {
-                        ""
-                    }
-                ),
+                        "tokens"
+                    },
+                    rule
+                )),
             ));
         }
-        need = (need + self.evict_every.max(1) - 1).min(cand.len());
-        // (score, position) is a total order: partition out the `need`
-        // lowest in O(n) instead of sorting every candidate each step.
-        let order = |&a: &usize, &b: &usize| {
-            scores[a]
-                .total_cmp(&scores[b])
-                .then(live_pos[a].cmp(&live_pos[b]))
-        };
-        if need < cand.len() {
-            cand.select_nth_unstable_by(need, order);
+        Ok(Policy {
+            name,
+            caps,
+            scorer,
+            rule,
+        })
+    }
+}
+
+/// A budgeted KV cache: the policy (scorer × budget rule), the evictor
+/// that enforces the budget and protection, and an optional prompt phase.
+#[derive(Debug)]
+pub struct KvPolicy {
+    pub name: &'static str,
+    pub caps: Caps,
+    pub scorer: Box<dyn Scorer>,
+    pub rule: BudgetRule,
+    pub evictor: Evictor,
+    /// A different policy for the prompt (`--prompt-policy`).
+    pub prompt: Option<PromptPhase>,
+    /// Per-(layer, KV-head) budgets of a stream rule (set by the session).
+    pub plan: Option<StreamPlan>,
+}
+
+impl KvPolicy {
+    /// One policy for prompt and generation.
+    pub fn new(p: Policy, evictor: Evictor) -> KvPolicy {
+        KvPolicy {
+            name: p.name,
+            caps: p.caps,
+            scorer: p.scorer,
+            rule: p.rule,
+            evictor,
+            prompt: None,
+            plan: None,
         }
-        cand[..need].sort_unstable_by(order);
-        victims.extend(cand[..need].iter().map(|&i| live_slots[i]));
-        Ok(())
+    }
+}
+
+/// The prompt phase of a two-phase policy: while the prompt is prefilled,
+/// `scorer` ranks and `evictor` (its own, smaller budget, prompt not
+/// protected) trims; the prompt tokens that survive are then kept, and the
+/// main policy works in the rest of the budget. Token-uniform only.
+#[derive(Debug)]
+pub struct PromptPhase {
+    pub name: &'static str,
+    pub scorer: Box<dyn Scorer>,
+    pub evictor: Evictor,
+}
+
+impl PromptPhase {
+    /// `p` (token-uniform) trimming the prompt under `evictor`.
+    pub fn new(p: Policy, evictor: Evictor) -> Result<PromptPhase> {
+        if p.rule.streams() {
+            return Err(Error::config(
+                Field::PromptPolicy,
+                Msg::default().t(format!(
+                    "{} keeps per-head streams; a prompt phase works with token-uniform policies only",
+                    p.name
+                )),
+            ));
+        }
+        Ok(PromptPhase {
+            name: p.name,
+            scorer: p.scorer,
+            evictor,
+        })
     }
 }

@@ -2,8 +2,8 @@
 //! when it is written. A floor for comparisons; with sinks and a recent
 //! window it is a surprisingly strong sanity baseline (kvpress RandomPress).
 
-use super::Scorer;
-use crate::kv::KvCache;
+use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer, Step};
+use crate::error::Result;
 use crate::sample::Rng;
 
 /// Seeded random score per slot.
@@ -15,10 +15,10 @@ pub struct Random {
 }
 
 impl Random {
-    /// State for `n_slots` slots.
-    pub fn new(n_slots: usize, seed: u64) -> Random {
+    /// Scores drawn from a generator seeded with `seed`.
+    pub fn new(seed: u64) -> Random {
         Random {
-            score: vec![0.0; n_slots],
+            score: Vec::new(),
             rng: Rng::new(seed),
             seed,
         }
@@ -26,17 +26,20 @@ impl Random {
 }
 
 impl Scorer for Random {
-    fn name(&self) -> &'static str {
-        "random"
+    fn prepare(&mut self, _m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
+        self.score = vec![0.0; cache.n_slots];
+        Ok(())
     }
-    fn on_write(&mut self, _kv: &KvCache, slots: &[u32], _pos: &[i64]) {
-        for &s in slots {
+    fn observe(&mut self, step: &Step<'_>) {
+        for &s in step.slots {
             self.score[s as usize] = self.rng.next_f64() as f32;
         }
     }
-    fn score(&mut self, _kv: &KvCache, slots: &[u32], _pos: &[i64], out: &mut [f32]) {
-        for (o, &s) in out.iter_mut().zip(slots) {
-            *o = self.score[s as usize];
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        if let Entries::Tokens { slots, .. } = ctx.entries {
+            for (o, &s) in out.iter_mut().zip(slots) {
+                *o = self.score[s as usize];
+            }
         }
     }
     fn reset(&mut self) {

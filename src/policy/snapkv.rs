@@ -1,5 +1,8 @@
-//! `snapkv`: SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are
-//! Looking for Before Generation", arXiv 2404.14469), per (layer, KV head).
+//! `snapkv`, `adakv`, `pyramidkv`: the observation-window scorer of SnapKV
+//! (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before
+//! Generation", arXiv 2404.14469), per (layer, KV head), under three budget
+//! rules (`budget.rs`): equal per stream (SnapKV), shared per layer with a
+//! safeguard (Ada-KV), shrinking with depth (PyramidKV).
 //!
 //! Idea: the last few queries (the observation window) already attend to
 //! what later queries will need. Each KV head keeps the tokens that the
@@ -8,8 +11,10 @@
 //! rows and over the query heads of the GQA group (kvpress's mean reduction:
 //! keys are never repeated per query head), smoothed by 1-D average pooling
 //! along the stream (kernel 5, zero padding); the window's own tokens are
-//! forced kept. Every (layer, KV head) stream keeps its own top `budget`
-//! tokens in its own storage rows.
+//! forced kept. Every (layer, KV head) stream keeps its tokens in its own
+//! storage rows; scores are comparable across the heads of a layer
+//! (softmax probabilities averaged the same way), which the shared budget
+//! rules rely on.
 //!
 //! Cadence: the original compresses once after the prompt. kvrun keeps the
 //! budget at every moment, so it scores whenever a stream is over budget,
@@ -20,16 +25,15 @@
 //! 128), so scoring is amortized.
 //!
 //! Parameters: `--obs-window` w = 32 (the original's window; kvpress uses
-//! 64), `--pool-kernel` 5; the recent window defaults to w (`--kv-recent`),
-//! sinks 4. The queries come from the forward pass (`QueryWindow`); no
+//! 64), `--pool-kernel` 5, `--adakv-safeguard` 0.2, `--pyramid-beta` 20;
+//! the recent window defaults to w (`--kv-recent`), sinks 4. The queries
+//! come from the forward pass (`QueryWindow`, declared in `needs`); no
 //! attention matrix is stored: per stream the scratch is O(n).
 
-use super::streams::StreamPlan;
-use super::Scorer;
+use super::{Entries, ScoreCtx, Scorer};
 use crate::backend::pool::{SharedMut, ThreadPool};
 use crate::kv::KvCache;
-use crate::model::llama::QueryWindow;
-use crate::model::Config;
+use crate::signals::{Needs, QueryWindow};
 
 /// Observation-window options shared by snapkv, adakv and pyramidkv.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -57,10 +61,25 @@ impl Default for SnapOptions {
 
 /// Fill `out` (laid out by `off`, see `streams::stream_offsets`) with the
 /// observation-window score of every entry of every stream s with
-/// `want[s]` (the others are left as they are).
+/// `want[s]` (the others are left as they are), every row of `qw` voting.
 pub fn window_scores(
     kv: &KvCache,
     qw: &QueryWindow,
+    pool: &ThreadPool,
+    kernel: usize,
+    want: &[bool],
+    off: &[usize],
+    out: &mut [f32],
+) {
+    window_scores_last(kv, qw, qw.w, pool, kernel, want, off, out)
+}
+
+/// `window_scores` with only the rows of the last `w` positions voting (a
+/// window kept longer for another scorer holds more).
+pub fn window_scores_last(
+    kv: &KvCache,
+    qw: &QueryWindow,
+    w: usize,
     pool: &ThreadPool,
     kernel: usize,
     want: &[bool],
@@ -75,8 +94,11 @@ pub fn window_scores(
     let group = n_heads / nkv;
     let ns = st.n_streams();
     let rows = qw.len();
+    // the voting rows: positions lo..=last (all of them when the ring is w long)
+    let lo = qw.last_pos().map_or(i64::MIN, |p| p - w as i64 + 1);
+    let n_votes = (0..rows).filter(|&r| qw.row_pos(r) >= lo).count();
     let scale = 1.0 / (hd as f32).sqrt();
-    let first = qw.first_pos().unwrap_or(i64::MAX);
+    let first = qw.first_pos().map_or(i64::MAX, |p| p.max(lo));
     let nt = pool.n_threads();
     let outs = SharedMut::new(out);
     pool.run(|ti| {
@@ -104,10 +126,13 @@ pub fn window_scores(
                 }
             }
             lg.resize(n, 0.0);
-            let norm = 1.0 / (rows.max(1) * group) as f32;
+            let norm = 1.0 / (n_votes.max(1) * group) as f32;
             // a[j] = mean over window rows and group heads of softmax(q·k)[j]
             for r in 0..rows {
                 let (q, qp) = qw.row(l, r);
+                if qp < lo {
+                    continue;
+                }
                 let nv = pos.partition_point(|&p| p <= qp);
                 if nv == 0 {
                     continue;
@@ -155,35 +180,34 @@ pub fn window_scores(
     });
 }
 
-/// SnapKV: observation-window votes, equal budget per (layer, KV head).
+/// Observation-window votes per (layer, KV head) stream entry.
 #[derive(Debug)]
 pub struct SnapKv {
     pub opts: SnapOptions,
 }
 
 impl Scorer for SnapKv {
-    fn name(&self) -> &'static str {
-        "snapkv"
+    fn needs(&self) -> Needs {
+        Needs::queries(self.opts.window)
     }
-    fn stream_plan(&self, c: &Config, budget: usize) -> crate::error::Result<Option<StreamPlan>> {
-        Ok(Some(StreamPlan::per_stream(
-            c.n_layers,
-            c.n_kv_heads,
-            &vec![budget; c.n_layers],
-        )))
+    fn per_stream(&self) -> bool {
+        true
     }
-    fn query_window(&self) -> usize {
-        self.opts.window
-    }
-    fn score_streams(
-        &mut self,
-        kv: &KvCache,
-        qw: &QueryWindow,
-        pool: &ThreadPool,
-        want: &[bool],
-        off: &[usize],
-        out: &mut [f32],
-    ) {
-        window_scores(kv, qw, pool, self.opts.kernel, want, off, out)
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        let (Entries::Streams { want, off, .. }, Some(qw)) =
+            (ctx.entries, ctx.signals.queries.as_ref())
+        else {
+            return;
+        };
+        window_scores_last(
+            ctx.kv,
+            qw,
+            self.opts.window,
+            ctx.pool,
+            self.opts.kernel,
+            want,
+            off,
+            out,
+        )
     }
 }

@@ -1,17 +1,15 @@
-//! Budgets and victim choice for per-(layer, KV-head) stream policies.
+//! Budget groups of per-(layer, KV-head) stream policies.
 //!
 //! A stream policy ranks every entry of every stream (higher = keep); how
-//! its budget is shared is a `StreamPlan`: streams are grouped, each group
-//! has a budget in entries, and a group over budget evicts its lowest-scored
-//! unprotected entries, whichever of its streams they are in. One stream
-//! per group with an equal budget is SnapKV; one group per layer with a
-//! per-head safeguard is AdaKV; layer-dependent single-stream budgets are
-//! PyramidKV; one group of all streams is a global budget. Protection
-//! (sinks, recent window, prompt) is the shared `Evictor`'s, applied per
-//! entry by position.
+//! its budget is shared is a `StreamPlan` (made by a `BudgetRule`): streams
+//! are grouped, each group has a budget in entries, and a group over budget
+//! evicts its lowest-scored unprotected entries, whichever of its streams
+//! they are in (`Evictor::select_streams`). One stream per group with an
+//! equal budget is SnapKV; one group per layer with a per-head safeguard is
+//! AdaKV; layer-dependent single-stream budgets are PyramidKV; one group of
+//! all streams is a global budget. Protection (sinks, recent window,
+//! prompt) is the shared `Evictor`'s, applied per entry by position.
 
-use super::Evictor;
-use crate::error::{Error, Result};
 use crate::kv::KvCache;
 
 /// A set of consecutive streams sharing one budget.
@@ -76,6 +74,33 @@ impl StreamPlan {
         }
     }
 
+    /// Every stream of every layer shares n_layers · n_kv_heads · `budget`
+    /// entries (one global group); each keeps at least its top `safeguard`.
+    pub fn global(
+        n_layers: usize,
+        n_kv_heads: usize,
+        budget: usize,
+        safeguard: usize,
+    ) -> StreamPlan {
+        let ns = n_layers * n_kv_heads;
+        StreamPlan {
+            n_layers,
+            n_kv_heads,
+            groups: vec![Group {
+                first: 0,
+                len: ns,
+                budget: ns * budget,
+                safeguard,
+            }],
+        }
+    }
+
+    /// The group stream `s` belongs to (groups are consecutive, ascending).
+    pub fn group_of(&self, s: usize) -> Option<&Group> {
+        let i = self.groups.partition_point(|g| g.first <= s);
+        self.groups[..i].last().filter(|g| s < g.first + g.len)
+    }
+
     /// One pool region per group, sized by its budget.
     pub fn regions(&self) -> Vec<crate::kv::streams::Region> {
         self.groups
@@ -134,93 +159,5 @@ pub fn stream_offsets(kv: &KvCache, off: &mut Vec<usize>) {
         for s in 0..st.n_streams() {
             off.push(off[s] + st.len(s));
         }
-    }
-}
-
-impl Evictor {
-    /// Victims (pool slots) to free before writing `n_new` tokens whose last
-    /// position is `newest`, so that every group of `plan` stays within its
-    /// budget: per group over budget, its lowest-scored entries (ties: older
-    /// first, then the lower stream) that are neither protected by position nor among their
-    /// stream's top `safeguard`. `scores` is flat, laid out by `off`
-    /// (`stream_offsets`). Groups under budget lose nothing.
-    pub fn select_streams(
-        &self,
-        plan: &StreamPlan,
-        kv: &KvCache,
-        scores: &[f32],
-        off: &[usize],
-        n_new: usize,
-        newest: i64,
-        victims: &mut Vec<u32>,
-    ) -> Result<()> {
-        victims.clear();
-        let Some(st) = kv.streams() else {
-            return Ok(());
-        };
-        // (score, position, stream, slot) of a group's candidates
-        let mut cand: Vec<(f32, i64, u32, u32)> = Vec::new();
-        let mut rank: Vec<usize> = Vec::new();
-        for g in &plan.groups {
-            let live: usize = (g.first..g.first + g.len).map(|s| st.len(s)).sum();
-            if live + n_new * g.len <= g.budget {
-                continue;
-            }
-            let mut need = live + n_new * g.len - g.budget;
-            cand.clear();
-            for s in g.first..g.first + g.len {
-                let (slots, pos) = st.stream(s);
-                let sc = &scores[off[s]..off[s + 1]];
-                // the stream's top `safeguard` by (score, position) are kept
-                let mut keep_from = f32::INFINITY;
-                let mut keep_pos = i64::MAX;
-                if g.safeguard > 0 && !slots.is_empty() {
-                    rank.clear();
-                    rank.extend(0..slots.len());
-                    let k = g.safeguard.min(slots.len());
-                    let desc =
-                        |&a: &usize, &b: &usize| sc[b].total_cmp(&sc[a]).then(pos[b].cmp(&pos[a]));
-                    rank.select_nth_unstable_by(k - 1, desc);
-                    let t = rank[k - 1];
-                    (keep_from, keep_pos) = (sc[t], pos[t]);
-                }
-                for j in 0..slots.len() {
-                    let c = sc[j].total_cmp(&keep_from);
-                    let guarded =
-                        g.safeguard > 0 && (c.is_gt() || (c.is_eq() && pos[j] >= keep_pos));
-                    if !guarded && !self.protected(pos[j], newest) {
-                        cand.push((sc[j], pos[j], s as u32, slots[j]));
-                    }
-                }
-            }
-            if cand.len() < need {
-                return Err(Error::arg(
-                    "--kv-budget",
-                    format!(
-                        "budget {} entries of streams {}..{} cannot hold the protected tokens: {} live, {} new each, only {} evictable (sinks {}, recent {}, safeguard {} per stream{})",
-                        g.budget,
-                        g.first,
-                        g.first + g.len,
-                        live,
-                        n_new,
-                        cand.len(),
-                        self.n_sink,
-                        self.n_recent,
-                        g.safeguard,
-                        if self.keep_prompt_until > 0 { ", prompt kept" } else { "" }
-                    ),
-                ));
-            }
-            need = (need + (self.evict_every.max(1) - 1) * g.len).min(cand.len());
-            // a total order: score, then older position, then lower stream
-            let order = |a: &(f32, i64, u32, u32), b: &(f32, i64, u32, u32)| {
-                a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
-            };
-            if need < cand.len() {
-                cand.select_nth_unstable_by(need, order);
-            }
-            victims.extend(cand[..need].iter().map(|c| c.3));
-        }
-        Ok(())
     }
 }

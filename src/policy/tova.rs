@@ -7,40 +7,36 @@
 //! token-uniform, so layers are averaged too). No sinks in the paper: use
 //! `--kv-sink 0` to match it exactly.
 
-use super::Scorer;
-use crate::kv::KvCache;
-use crate::model::llama::MassMode;
+use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer, Step};
+use crate::error::Result;
+use crate::signals::{MassMode, Needs};
 
 /// Last-row attention per slot.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Tova {
     /// (n_slots,) attention of the most recent query row.
     last: Vec<f32>,
 }
 
-impl Tova {
-    /// State for `n_slots` slots.
-    pub fn new(n_slots: usize) -> Tova {
-        Tova {
-            last: vec![0.0; n_slots],
+impl Scorer for Tova {
+    fn needs(&self) -> Needs {
+        Needs::mass(MassMode::LastRow)
+    }
+    fn prepare(&mut self, _m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
+        self.last = vec![0.0; cache.n_slots];
+        Ok(())
+    }
+    fn observe(&mut self, step: &Step<'_>) {
+        if let Some(mass) = step.mass {
+            let n = self.last.len();
+            self.last.copy_from_slice(&mass[..n]);
         }
     }
-}
-
-impl Scorer for Tova {
-    fn name(&self) -> &'static str {
-        "tova"
-    }
-    fn mass_mode(&self) -> MassMode {
-        MassMode::LastRow
-    }
-    fn observe(&mut self, mass: &[f32]) {
-        let n = self.last.len();
-        self.last.copy_from_slice(&mass[..n]);
-    }
-    fn score(&mut self, _kv: &KvCache, slots: &[u32], _pos: &[i64], out: &mut [f32]) {
-        for (o, &s) in out.iter_mut().zip(slots) {
-            *o = self.last[s as usize];
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        if let Entries::Tokens { slots, .. } = ctx.entries {
+            for (o, &s) in out.iter_mut().zip(slots) {
+                *o = self.last[s as usize];
+            }
         }
     }
     fn reset(&mut self) {

@@ -8,20 +8,18 @@
 //! positions by default (as kvpress does); `--pos-mode cache` applies the
 //! paper's in-cache positions (see `model::llama::forward`).
 
-use super::Scorer;
-use crate::kv::KvCache;
+use super::{Entries, ScoreCtx, Scorer};
 
 /// Sinks + recent window.
 #[derive(Debug, Default)]
 pub struct Window;
 
 impl Scorer for Window {
-    fn name(&self) -> &'static str {
-        "window"
-    }
-    fn score(&mut self, _kv: &KvCache, _slots: &[u32], pos: &[i64], out: &mut [f32]) {
-        for (o, &p) in out.iter_mut().zip(pos) {
-            *o = p as f32;
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        if let Entries::Tokens { pos, .. } = ctx.entries {
+            for (o, &p) in out.iter_mut().zip(pos) {
+                *o = p as f32;
+            }
         }
     }
 }

@@ -126,10 +126,10 @@ impl SweepArgs {
     pub fn policy_list(&self) -> Result<Vec<String>> {
         let known = crate::policy::names();
         let list: Vec<String> = if self.policies.is_empty() {
-            known
+            crate::policy::POLICIES
                 .iter()
-                .filter(|&&n| n != "full")
-                .map(|s| s.to_string())
+                .filter(|p| p.budgeted())
+                .map(|p| p.name.to_string())
                 .collect()
         } else {
             self.policies

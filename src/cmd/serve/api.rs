@@ -6,7 +6,7 @@
 
 use super::App;
 use crate::chat::Message;
-use crate::cmd::args::KvArgs;
+use crate::policy::PolicyConfig;
 use crate::error::Error;
 use crate::sample::SamplerConfig;
 use axum::body::Bytes;
@@ -64,20 +64,13 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Flag names in library errors, as the request fields that set them.
-fn field_names(s: &str) -> String {
-    s.replace("--kv-budget", "kv_budget")
-        .replace("--kv-sink", "kv_sink")
-        .replace("--kv-recent", "kv_recent")
-        .replace("--keep-prompt", "keep_prompt")
-        .replace("--evict-every", "evict_every")
-        .replace("--policy", "policy")
-}
-
 impl From<Error> for ApiError {
     fn from(e: Error) -> ApiError {
         match e {
-            Error::BadArg { .. } => ApiError::bad(field_names(&e.to_string())),
+            // settings a request can override are named by their request
+            // fields, the others by the server's flags
+            Error::Config(c) => ApiError::bad(c.render(|f| f.json().unwrap_or(f.flag()))),
+            Error::BadArg { .. } => ApiError::bad(e.to_string()),
             Error::ContextTooSmall { n_prompt, n_ctx } => ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "context_length_exceeded",
@@ -110,7 +103,7 @@ pub(super) struct Job {
     pub(super) sampler: SamplerConfig,
     pub(super) stop: Vec<String>,
     pub(super) ignore_eos: bool,
-    pub(super) kv: KvArgs,
+    pub(super) kv: PolicyConfig,
     pub(super) tx: UnboundedSender<Ev>,
 }
 
@@ -376,19 +369,19 @@ pub(super) fn parse_job(
     };
     let ignore_eos = opt_bool(v, "ignore_eos")?.unwrap_or(false);
     // KV policy: the server's flags, overridden per request
-    let mut kv = d.kv.clone();
+    let mut kv = d.kv.config()?;
     if let Some(p) = opt_str(v, "policy")? {
         kv.policy = p.to_owned();
     }
     let budget = opt_usize(v, "kv_budget", app.n_ctx)?;
     if budget.is_some() {
-        kv.kv_budget = budget;
+        kv.budget = budget;
     }
     if let Some(s) = opt_usize(v, "kv_sink", app.n_ctx)? {
-        kv.kv_sink = s;
+        kv.sinks = s;
     }
     if let Some(r) = opt_usize(v, "kv_recent", app.n_ctx)? {
-        kv.kv_recent = Some(r);
+        kv.recent = Some(r);
     }
     if let Some(k) = opt_bool(v, "keep_prompt")? {
         kv.keep_prompt = k;
@@ -396,13 +389,14 @@ pub(super) fn parse_job(
     if let Some(e) = opt_usize(v, "evict_every", app.n_ctx)? {
         kv.evict_every = Some(e);
     }
-    if kv.policy == "full" && budget.is_some() {
+    let budgeted = kv.def()?.budgeted();
+    if !budgeted && budget.is_some() {
         return Err(ApiError::bad(
             "'kv_budget' needs an eviction policy: set 'policy' (e.g. \"window\", \"h2o\")",
         ));
     }
-    if let Some(b) = kv.kv_budget {
-        if kv.policy != "full" && b > app.n_ctx {
+    if let Some(b) = kv.budget {
+        if budgeted && b > app.n_ctx {
             return Err(ApiError::bad(format!(
                 "'kv_budget' {b} is larger than the context ({} tokens)",
                 app.n_ctx
@@ -537,10 +531,19 @@ impl RespCtx {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::{Field, Msg};
 
     #[test]
     fn api_errors_are_openai_shaped() {
-        let e: ApiError = Error::arg("--kv-budget", "--policy h2o needs --kv-budget N").into();
+        let e: ApiError = Error::config(
+            Field::Budget,
+            Msg::default()
+                .f(Field::Policy)
+                .t(" h2o needs ")
+                .f(Field::Budget)
+                .t(" N"),
+        )
+        .into();
         let b = e.body();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(b["error"]["type"], "invalid_request_error");

@@ -7,7 +7,7 @@
 use super::api::{ApiError, Done, Ev, Input, Job};
 use super::{App, ReasoningFormat};
 use crate::chat::{ChatTemplate, StopMatch, ThinkEvent, ThinkSplit};
-use crate::cmd::args::KvArgs;
+use crate::policy::PolicyConfig;
 use crate::cmd::prompt::encode_rendered;
 use crate::error::Error;
 use crate::generate::{generate, GenOptions, Session, StopReason};
@@ -30,33 +30,8 @@ pub(super) struct Engine {
     pub(super) reasoning: ReasoningFormat,
 }
 
-/// What identifies a reusable session.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct KvKey {
-    policy: String,
-    budget: Option<usize>,
-    sink: usize,
-    recent: Option<usize>,
-    keep_prompt: bool,
-    evict_every: Option<usize>,
-    cache_type: String,
-    pos_mode: String,
-}
-
-impl KvKey {
-    fn of(k: &KvArgs) -> KvKey {
-        KvKey {
-            policy: k.policy.clone(),
-            budget: k.kv_budget,
-            sink: k.kv_sink,
-            recent: k.kv_recent,
-            keep_prompt: k.keep_prompt,
-            evict_every: k.evict_every,
-            cache_type: k.cache_type.clone(),
-            pos_mode: k.pos_mode.clone(),
-        }
-    }
-}
+/// What identifies a reusable session: the whole policy configuration.
+type KvKey = PolicyConfig;
 
 /// One slot's thread: take jobs until the queue closes.
 pub(super) fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<Receiver<Job>>>) {
@@ -138,15 +113,16 @@ fn run_job<'e>(
         .into());
     }
     // a slot keeps its session while the policy stays the same
-    let key = KvKey::of(&job.kv);
-    let reuse = job.kv.policy != "random" && cache.as_ref().is_some_and(|(k, _)| *k == key);
+    let key: KvKey = job.kv.clone();
+    let reusable = job.kv.def().is_ok_and(|d| d.caps.reusable_session);
+    let reuse = reusable && cache.as_ref().is_some_and(|(k, _)| *k == key);
     if !reuse {
         *cache = None;
         let mut sess = match job.kv.build(job.sampler.seed, &eng.model.path)? {
             None => Session::new(w, eng.n_ctx, eng.n_threads, eng.n_batch),
             Some(p) => Session::with_policy(w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?,
         };
-        job.kv.configure(&mut sess)?;
+        sess.configure(&job.kv)?;
         *cache = Some((key, sess));
     }
     let Some((_, sess)) = cache.as_mut() else {

@@ -3,8 +3,8 @@
 //! Matrix", arXiv 2606.26472; reference code stevenkolawole/epiphany-kv-cache).
 //!
 //! Signal: g_l(t) = ‖h_l(t) − h_l(t−1)‖₂ at the output of decoder layer l,
-//! read from the forward pass through `HiddenTaps` (only the previous token's
-//! vector per tapped layer is kept). On reasoning traces g in a middle band
+//! read from the forward pass through `HiddenTaps` (declared in `needs`;
+//! only the previous token's vector per tapped layer is kept). On reasoning traces g in a middle band
 //! of layers (A, ≈0.22–0.41 of depth) correlates positively with a token's
 //! importance and g in an upper-middle band (B, ≈0.56–0.78) negatively, so
 //! the scores are "A minus B". Every score is computed once, when the token
@@ -35,11 +35,9 @@ pub mod lag;
 pub mod raw;
 pub mod seg;
 
-use super::Scorer;
-use crate::error::{Error, Result};
-use crate::kv::KvCache;
-use crate::model::llama::HiddenTaps;
-use crate::model::Config;
+use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer, Step};
+use crate::error::{Error, Field, Result};
+use crate::signals::{HiddenTaps, Needs};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -182,8 +180,8 @@ impl EpikvLayers {
     /// Check every layer exists in a model of `n_layers` layers.
     pub fn validate(&self, n_layers: usize) -> Result<()> {
         let bad = |what: &str| {
-            Error::arg(
-                "--epikv-layers",
+            Error::config(
+                Field::EpikvLayers,
                 format!("{what} (the model has {n_layers} layers, 0-based)"),
             )
         };
@@ -199,7 +197,7 @@ impl EpikvLayers {
             }
         }
         if self.window == 0 {
-            return Err(Error::arg("--epikv-window", "must be at least 1"));
+            return Err(Error::config(Field::EpikvWindow, "must be at least 1"));
         }
         Ok(())
     }
@@ -211,7 +209,7 @@ impl EpikvLayers {
             source: e,
         })?;
         serde_json::from_str(&text)
-            .map_err(|e| Error::arg("--epikv-config", format!("{}: {e}", path.display())))
+            .map_err(|e| Error::config(Field::EpikvConfig, format!("{}: {e}", path.display())))
     }
 }
 
@@ -247,8 +245,8 @@ impl EpikvOptions {
         let mut l = match &self.config {
             Some(c) if c.n_layers == n_layers => c.clone(),
             Some(c) => {
-                return Err(Error::arg(
-                    "--epikv-config",
+                return Err(Error::config(
+                    Field::EpikvConfig,
                     format!(
                         "config is for {} layers, the model has {n_layers}",
                         c.n_layers
@@ -276,8 +274,8 @@ impl EpikvOptions {
 /// Parse `A,B`.
 pub fn parse_layers(s: &str) -> Result<(usize, usize)> {
     let bad = || {
-        Error::arg(
-            "--epikv-layers",
+        Error::config(
+            Field::EpikvLayers,
             format!("expected A,B (two layer indices), got '{s}'"),
         )
     };
@@ -290,7 +288,7 @@ pub fn parse_layers(s: &str) -> Result<(usize, usize)> {
 
 /// Parse `a0-a1,b0-b1`.
 pub fn parse_bands(s: &str) -> Result<(Band, Band)> {
-    let bad = || Error::arg("--epikv-bands", format!("expected a0-a1,b0-b1, got '{s}'"));
+    let bad = || Error::config(Field::EpikvBands, format!("expected a0-a1,b0-b1, got '{s}'"));
     let band = |t: &str| -> Result<Band> {
         let (x, y) = t.split_once('-').ok_or_else(bad)?;
         Ok((
@@ -302,7 +300,8 @@ pub fn parse_bands(s: &str) -> Result<(Band, Band)> {
     Ok((band(a)?, band(b)?))
 }
 
-/// Which EPIKV score.
+/// Which EPIKV score (one registry row each: `epikv`, `epikv-raw`,
+/// `epikv-band`, `epikv-lag`, `epikv-seg`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
     Flat,
@@ -310,30 +309,6 @@ pub enum Variant {
     Band,
     Lag,
     Seg,
-}
-
-impl Variant {
-    /// By policy name (`epikv`, `epikv-raw`, ...).
-    pub fn from_name(name: &str) -> Option<Variant> {
-        Some(match name {
-            "epikv" => Variant::Flat,
-            "epikv-raw" => Variant::Raw,
-            "epikv-band" => Variant::Band,
-            "epikv-lag" => Variant::Lag,
-            "epikv-seg" => Variant::Seg,
-            _ => return None,
-        })
-    }
-    /// The policy name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Variant::Flat => "epikv",
-            Variant::Raw => "epikv-raw",
-            Variant::Band => "epikv-band",
-            Variant::Lag => "epikv-lag",
-            Variant::Seg => "epikv-seg",
-        }
-    }
 }
 
 /// Per-variant state and the per-token score.
@@ -354,31 +329,31 @@ pub struct Epikv {
     /// Resolved at `prepare`.
     layers: Option<EpikvLayers>,
     signal: Option<Signal>,
-    /// Tapped layers, ascending (what `tap_layers` reports).
+    /// Tapped layers, ascending (what `needs` declares).
     taps: Vec<usize>,
+    /// The session's tapped layers (a superset of `taps` when several
+    /// scorers share the taps) and the column of each of ours in them.
+    bound: Vec<usize>,
+    cols: Vec<usize>,
+    /// One token's g at our taps, in `taps` order.
+    g: Vec<f32>,
     /// (n_slots,) the score frozen when the slot's token was written.
     score: Vec<f32>,
-    /// First position after the prompt (prompt tokens are scored only with
-    /// `score_prompt`).
-    prompt_end: i64,
-    /// Budget and recent window (for `epikv-seg`'s caps).
-    budget: usize,
-    n_recent: usize,
 }
 
 impl Epikv {
-    /// A scorer for `n_slots` slots.
-    pub fn new(variant: Variant, n_slots: usize, opts: EpikvOptions, n_recent: usize) -> Epikv {
+    /// A scorer of `variant` (per-slot state is sized at `prepare`).
+    pub fn new(variant: Variant, opts: EpikvOptions) -> Epikv {
         Epikv {
             variant,
             opts,
             layers: None,
             signal: None,
             taps: Vec::new(),
-            score: vec![0.0; n_slots],
-            prompt_end: 0,
-            budget: n_slots,
-            n_recent,
+            bound: Vec::new(),
+            cols: Vec::new(),
+            g: Vec::new(),
+            score: Vec::new(),
         }
     }
 
@@ -391,6 +366,37 @@ impl Epikv {
     pub fn slot_score(&self, slot: u32) -> f32 {
         self.score[slot as usize]
     }
+
+    /// Score the step's tokens from their hidden-state change (prompt
+    /// tokens below `prompt_end` only with `score_prompt`).
+    fn on_hidden(&mut self, taps: &HiddenTaps, slots: &[u32], positions: &[i64], prompt_end: i64) {
+        if self.bound != taps.layers {
+            self.cols.clear();
+            for &l in &self.taps {
+                debug_assert!(taps.col(l).is_some(), "layer {l} not tapped");
+                self.cols.push(taps.col(l).unwrap_or(0));
+            }
+            self.bound.clone_from(&taps.layers);
+        }
+        for (i, (&slot, &pos)) in slots.iter().zip(positions).enumerate() {
+            let s = &mut self.score[slot as usize];
+            *s = 0.0;
+            if (pos < prompt_end && !self.opts.score_prompt) || i < taps.first_valid {
+                continue;
+            }
+            let row = taps.row(i);
+            self.g.clear();
+            self.g.extend(self.cols.iter().map(|&c| row[c]));
+            let g = &self.g;
+            *s = match &mut self.signal {
+                Some(Signal::Flat(f)) => f.push(g),
+                Some(Signal::Raw(r)) => r.push(g),
+                Some(Signal::Band(b)) => b.push(g),
+                Some(Signal::Seg(sg)) => sg.flat.push(g),
+                Some(Signal::Lag(_)) | None => 0.0,
+            } as f32;
+        }
+    }
 }
 
 /// Index of `layer` in the ascending tap list.
@@ -399,11 +405,13 @@ fn tap_index(taps: &[usize], layer: usize) -> usize {
 }
 
 impl Scorer for Epikv {
-    fn name(&self) -> &'static str {
-        self.variant.name()
+    fn needs(&self) -> Needs {
+        Needs::taps(self.taps.clone())
     }
 
-    fn prepare(&mut self, c: &Config) -> Result<()> {
+    fn prepare(&mut self, m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
+        let c = m.config();
+        let n_slots = cache.n_slots;
         let l = self.opts.resolve(c.n_layers)?;
         let (signal, taps) = match self.variant {
             Variant::Flat => {
@@ -435,7 +443,7 @@ impl Scorer for Epikv {
                 (Signal::Band(s), taps)
             }
             Variant::Lag => (
-                Signal::Lag(lag::Lag::new(self.score.len(), c.kv_dim())),
+                Signal::Lag(lag::Lag::new(n_slots, c.kv_dim())),
                 Vec::new(),
             ),
             Variant::Seg => {
@@ -445,70 +453,47 @@ impl Scorer for Epikv {
                     tap_index(&taps, l.layer_b),
                     l.window,
                 );
-                (Signal::Seg(seg::Seg::new(f, self.score.len())), taps)
+                (Signal::Seg(seg::Seg::new(f, n_slots)), taps)
             }
         };
         self.signal = Some(signal);
         self.taps = taps;
+        self.bound.clear();
+        self.score = vec![0.0; n_slots];
         self.layers = Some(l);
         Ok(())
     }
 
-    fn tap_layers(&self) -> Vec<usize> {
-        self.taps.clone()
-    }
-
-    fn set_prompt_end(&mut self, n: usize) {
-        self.prompt_end = n as i64;
-    }
-
-    fn set_budget(&mut self, budget: usize) {
-        self.budget = budget;
-    }
-
-    fn on_hidden(&mut self, taps: &HiddenTaps, slots: &[u32], positions: &[i64]) {
-        let nt = taps.n_taps();
-        for (i, (&slot, &pos)) in slots.iter().zip(positions).enumerate() {
-            let s = &mut self.score[slot as usize];
-            *s = 0.0;
-            if (pos < self.prompt_end && !self.opts.score_prompt) || i < taps.first_valid {
-                continue;
-            }
-            let g = &taps.g[i * nt..(i + 1) * nt];
-            *s = match &mut self.signal {
-                Some(Signal::Flat(f)) => f.push(g),
-                Some(Signal::Raw(r)) => r.push(g),
-                Some(Signal::Band(b)) => b.push(g),
-                Some(Signal::Seg(sg)) => sg.flat.push(g),
-                Some(Signal::Lag(_)) | None => 0.0,
-            } as f32;
+    fn observe(&mut self, step: &Step<'_>) {
+        if let (Some(t), false) = (&step.signals.taps, self.taps.is_empty()) {
+            self.on_hidden(t, step.slots, step.positions, step.prompt_end);
         }
-    }
-
-    fn on_write(&mut self, kv: &KvCache, slots: &[u32], _positions: &[i64]) {
         match &mut self.signal {
-            Some(Signal::Lag(l)) => l.on_write(kv, slots),
-            Some(Signal::Seg(s)) => s.on_write(kv, slots),
+            Some(Signal::Lag(l)) => l.on_write(step.kv, step.slots),
+            Some(Signal::Seg(s)) => s.on_write(step.kv, step.slots),
             _ => {}
         }
     }
 
-    fn score(&mut self, _kv: &KvCache, slots: &[u32], pos: &[i64], out: &mut [f32]) {
+    fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        let Entries::Tokens { slots, pos } = ctx.entries else {
+            return;
+        };
         match &mut self.signal {
             Some(Signal::Lag(l)) => l.score(slots, out),
             Some(Signal::Seg(s)) => {
                 let newest = pos.last().copied().unwrap_or(0);
-                let ctx = seg::SegContext {
+                let sctx = seg::SegContext {
                     prompt_end: if self.opts.score_prompt {
                         0
                     } else {
-                        self.prompt_end
+                        ctx.prompt_end
                     },
                     newest,
-                    n_recent: self.n_recent,
-                    budget: self.budget,
+                    n_recent: ctx.rules.n_recent,
+                    budget: ctx.rules.budget,
                 };
-                s.score(&self.score, slots, pos, &ctx, out)
+                s.score(&self.score, slots, pos, &sctx, out)
             }
             _ => {
                 for (o, &s) in out.iter_mut().zip(slots) {

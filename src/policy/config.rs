@@ -1,0 +1,251 @@
+//! `PolicyConfig`: the KV-policy settings of one session, free of any
+//! front end. The CLI's flags (`cli::KvArgs`) and the server's request
+//! fields both resolve to it; `build` checks it against the registry and
+//! makes the policy. Errors name the setting by `Field`, which each front
+//! end spells its own way (`--kv-budget` / `kv_budget`).
+
+use super::epikv::{self, Band, EpikvLayers, EpikvOptions};
+use super::evict::Evictor;
+use super::snapkv::SnapOptions;
+use super::table::{lookup, PolicyDef, ScorerOptions};
+use super::{KvPolicy, PromptPhase};
+use crate::error::{Error, Field, Msg, Result};
+use crate::kv::{KvType, PosMode};
+use std::path::{Path, PathBuf};
+
+/// Everything that decides a session's KV cache and eviction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    /// Registry name (`full` = no eviction).
+    pub policy: String,
+    /// Tokens kept per layer per KV head; required unless `full`.
+    pub budget: Option<usize>,
+    /// First positions never evicted.
+    pub sinks: usize,
+    /// Newest positions never evicted (default: the policy's).
+    pub recent: Option<usize>,
+    /// Never evict prompt tokens.
+    pub keep_prompt: bool,
+    /// Entries freed per stream at once when over budget (default: the policy's).
+    pub evict_every: Option<usize>,
+    /// Policy of the prompt phase, and its budget (default: budget / 2).
+    pub prompt_policy: Option<String>,
+    pub prompt_budget: Option<usize>,
+    /// EPIKV representative layers A, B.
+    pub epikv_layers: Option<(usize, usize)>,
+    /// EPIKV bands for `epikv-band`.
+    pub epikv_bands: Option<(Band, Band)>,
+    /// EPIKV rolling window.
+    pub epikv_window: Option<usize>,
+    /// EPIKV per-model config file.
+    pub epikv_config: Option<PathBuf>,
+    /// EPIKV: score prompt tokens instead of keeping them.
+    pub epikv_score_prompt: bool,
+    /// Observation window (snapkv, adakv, pyramidkv).
+    pub obs_window: Option<usize>,
+    /// Average-pooling kernel over the votes.
+    pub pool_kernel: Option<usize>,
+    /// adakv: fraction of the per-head budget every head keeps.
+    pub adakv_safeguard: Option<f32>,
+    /// pyramidkv: ratio of the largest to the smallest layer term.
+    pub pyramid_beta: Option<f32>,
+    /// KV storage type.
+    pub cache_type: KvType,
+    /// RoPE positions.
+    pub pos_mode: PosMode,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            policy: "full".into(),
+            budget: None,
+            sinks: 4,
+            recent: None,
+            keep_prompt: false,
+            evict_every: None,
+            prompt_policy: None,
+            prompt_budget: None,
+            epikv_layers: None,
+            epikv_bands: None,
+            epikv_window: None,
+            epikv_config: None,
+            epikv_score_prompt: false,
+            obs_window: None,
+            pool_kernel: None,
+            adakv_safeguard: None,
+            pyramid_beta: None,
+            cache_type: KvType::default(),
+            pos_mode: PosMode::default(),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// The registry row of `policy`.
+    pub fn def(&self) -> Result<&'static PolicyDef> {
+        lookup(&self.policy, Field::Policy)
+    }
+
+    /// The observation-window options, checked.
+    pub fn snap_options(&self) -> Result<SnapOptions> {
+        let d = SnapOptions::default();
+        let o = SnapOptions {
+            window: self.obs_window.unwrap_or(d.window),
+            kernel: self.pool_kernel.unwrap_or(d.kernel),
+            safeguard: self.adakv_safeguard.unwrap_or(d.safeguard),
+            beta: self.pyramid_beta.unwrap_or(d.beta),
+        };
+        if o.window == 0 {
+            return Err(Error::config(Field::ObsWindow, "must be at least 1"));
+        }
+        if o.kernel.is_multiple_of(2) {
+            return Err(Error::config(
+                Field::PoolKernel,
+                format!("must be odd (1 = no pooling), got {}", o.kernel),
+            ));
+        }
+        if !(0.0..=1.0).contains(&o.safeguard) {
+            return Err(Error::config(
+                Field::AdakvSafeguard,
+                format!("must be in 0..1, got {}", o.safeguard),
+            ));
+        }
+        if !(o.beta >= 1.0) {
+            return Err(Error::config(
+                Field::PyramidBeta,
+                format!("must be at least 1, got {}", o.beta),
+            ));
+        }
+        Ok(o)
+    }
+
+    /// Build the policy (None for `full`) for `model` (whose directory may
+    /// hold a calibrated `<stem>.epikv.json`), seeding seeded scorers with
+    /// `seed`.
+    pub fn build(&self, seed: u64, model: &Path) -> Result<Option<KvPolicy>> {
+        let def = self.def()?;
+        let pdef = self
+            .prompt_policy
+            .as_deref()
+            .map(|p| lookup(p, Field::PromptPolicy))
+            .transpose()?;
+        if self.pos_mode == PosMode::Cache
+            && (!def.caps.cache_positions || self.prompt_policy.is_some())
+        {
+            let ok: Vec<&str> = super::POLICIES
+                .iter()
+                .filter(|p| p.caps.cache_positions)
+                .map(|p| p.name)
+                .collect();
+            let mut m = Msg::default()
+                .t("cache (StreamingLLM in-cache positions) needs ")
+                .f(Field::Policy)
+                .t(format!(" {}, not {}", ok.join(" or "), self.policy));
+            if self.prompt_policy.is_some() {
+                m = m.t(" with ").f(Field::PromptPolicy);
+            }
+            return Err(Error::config(Field::PosMode, m));
+        }
+        let budget = match (def.budgeted(), self.budget) {
+            (false, _) => None,
+            (true, None) => {
+                return Err(Error::config(
+                    Field::Budget,
+                    Msg::default()
+                        .f(Field::Policy)
+                        .t(format!(" {} needs ", self.policy))
+                        .f(Field::Budget)
+                        .t(" N"),
+                ))
+            }
+            (true, Some(b)) => Some(b),
+        };
+        let Some(budget) = budget else {
+            if self.prompt_policy.is_some() {
+                return Err(Error::config(
+                    Field::PromptPolicy,
+                    Msg::default().t("needs a budgeted ").f(Field::Policy).t(" (not full)"),
+                ));
+            }
+            return Ok(None);
+        };
+        let evict_every = match self.evict_every {
+            Some(0) => return Err(Error::config(Field::EvictEvery, "must be at least 1")),
+            Some(e) => e,
+            None => def.default_evict_every(budget),
+        };
+        let snap = self.snap_options()?;
+        // an explicit config always; the one next to the model when a
+        // policy of this session reads it
+        let reads_config = def.caps.epikv_config || pdef.is_some_and(|p| p.caps.epikv_config);
+        let config = match &self.epikv_config {
+            Some(p) => Some(EpikvLayers::load(p)?),
+            None => {
+                let auto = epikv::config_path_for(model);
+                if reads_config && auto.is_file() {
+                    Some(EpikvLayers::load(&auto)?)
+                } else {
+                    None
+                }
+            }
+        };
+        let n_recent = self
+            .recent
+            .unwrap_or_else(|| def.default_recent(budget, &snap));
+        let opts = ScorerOptions {
+            seed,
+            epikv: EpikvOptions {
+                layers: self.epikv_layers,
+                bands: self.epikv_bands,
+                window: self.epikv_window,
+                config,
+                score_prompt: self.epikv_score_prompt,
+            },
+            snap,
+        };
+        let policy = def
+            .build(&opts)?
+            .ok_or_else(|| Error::config(Field::Policy, "full has no scorer"))?;
+        // EPIKV as published keeps the whole prompt (decode budget = budget -
+        // prompt), unless prompt tokens are scored or go to a prompt policy
+        let keep_prompt = self.keep_prompt
+            || (def.defaults.keep_prompt && !self.epikv_score_prompt)
+            || self.prompt_policy.is_some();
+        let evictor = Evictor {
+            budget,
+            n_sink: self.sinks,
+            n_recent,
+            keep_prompt_until: if keep_prompt { usize::MAX } else { 0 },
+            evict_every,
+        };
+        let mut kp = KvPolicy::new(policy, evictor.clone());
+        if let Some(pdef) = pdef {
+            let pb = self.prompt_budget.unwrap_or(budget / 2);
+            let pp = pdef.build(&opts)?.ok_or_else(|| {
+                Error::config(
+                    Field::PromptPolicy,
+                    Msg::default()
+                        .t("full keeps the whole prompt: leave ")
+                        .f(Field::PromptPolicy)
+                        .t(" out (and use ")
+                        .f(Field::KeepPrompt)
+                        .t(")"),
+                )
+            })?;
+            let pevictor = Evictor {
+                budget: pb,
+                n_recent: n_recent.min(pb / 4),
+                keep_prompt_until: 0,
+                ..evictor
+            };
+            kp.prompt = Some(PromptPhase::new(pp, pevictor)?);
+        } else if self.prompt_budget.is_some() {
+            return Err(Error::config(
+                Field::PromptBudget,
+                Msg::default().t("only applies with ").f(Field::PromptPolicy),
+            ));
+        }
+        Ok(Some(kp))
+    }
+}

@@ -1,0 +1,300 @@
+//! The policy registry: one row per `--policy` value, with its one-line
+//! help, its constructor (scorer × budget rule), its default recent window
+//! and eviction cadence, and its capabilities. The CLI's `--policy` values
+//! and `--help`, the server and the tests read this table; nothing else
+//! compares policy names.
+
+use super::budget::BudgetRule;
+use super::epikv::{Epikv, EpikvOptions, Variant};
+use super::snapkv::{SnapKv, SnapOptions};
+use super::{h2o, knorm, random, tova, window, Policy, Scorer};
+use crate::error::{Error, Field, Msg, Result};
+
+/// What a policy can be combined with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Caps {
+    /// `--pos-mode cache` (StreamingLLM's in-cache positions) applies: the
+    /// resident set is sinks + a contiguous recent window, as in the paper.
+    pub cache_positions: bool,
+    /// A server slot may keep the session between requests (reset, not
+    /// rebuilt): nothing in the policy depends on the request (a seed does).
+    pub reusable_session: bool,
+    /// Per-(layer, KV-head) streams (else token-uniform).
+    pub streams: bool,
+    /// Reads EPIKV's per-model layer config (`<model stem>.epikv.json`
+    /// next to the model) when no `--epikv-config` is given.
+    pub epikv_config: bool,
+}
+
+/// Default recent window (`--kv-recent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecentDefault {
+    /// min(128, budget / 4).
+    QuarterBudget,
+    /// The observation window (`--obs-window`).
+    ObsWindow,
+}
+
+/// Default eviction cadence (`--evict-every`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CadenceDefault {
+    /// One token per step once full.
+    EveryStep,
+    /// budget / 8 at a time, clamped to 1..=128 (scoring is amortized).
+    EighthBudget,
+}
+
+/// A policy's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Defaults {
+    pub recent: RecentDefault,
+    pub evict_every: CadenceDefault,
+    /// The prompt is kept (decode budget = budget − prompt) unless its
+    /// tokens are scored (`--epikv-score-prompt`) or go to a prompt policy.
+    pub keep_prompt: bool,
+}
+
+/// Options the constructors read.
+#[derive(Debug, Clone, Default)]
+pub struct ScorerOptions {
+    /// Seed of seeded scorers (`random`).
+    pub seed: u64,
+    /// EPIKV layer/window choices.
+    pub epikv: EpikvOptions,
+    /// Observation-window options (snapkv, adakv, pyramidkv).
+    pub snap: SnapOptions,
+}
+
+/// Builds a policy's scorer and budget rule.
+pub type Make = fn(&ScorerOptions) -> Result<(Box<dyn Scorer>, BudgetRule)>;
+
+/// One registry row.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyDef {
+    pub name: &'static str,
+    pub about: &'static str,
+    /// The constructor (None: `full`, no eviction).
+    pub make: Option<Make>,
+    pub defaults: Defaults,
+    pub caps: Caps,
+}
+
+impl PolicyDef {
+    /// Whether the policy evicts (everything but `full`); it then needs a budget.
+    pub fn budgeted(&self) -> bool {
+        self.make.is_some()
+    }
+
+    /// The scorer × budget rule (None for `full`).
+    pub fn build(&self, o: &ScorerOptions) -> Result<Option<Policy>> {
+        let Some(make) = self.make else {
+            return Ok(None);
+        };
+        let (scorer, rule) = make(o)?;
+        Policy::new(self.name, self.caps, scorer, rule).map(Some)
+    }
+
+    /// The recent window when `--kv-recent` is not given.
+    pub fn default_recent(&self, budget: usize, snap: &SnapOptions) -> usize {
+        match self.defaults.recent {
+            RecentDefault::QuarterBudget => (budget / 4).min(128),
+            RecentDefault::ObsWindow => snap.window,
+        }
+    }
+
+    /// The eviction cadence when `--evict-every` is not given.
+    pub fn default_evict_every(&self, budget: usize) -> usize {
+        match self.defaults.evict_every {
+            CadenceDefault::EveryStep => 1,
+            CadenceDefault::EighthBudget => (budget / 8).clamp(1, 128),
+        }
+    }
+}
+
+const TOKEN: Defaults = Defaults {
+    recent: RecentDefault::QuarterBudget,
+    evict_every: CadenceDefault::EveryStep,
+    keep_prompt: false,
+};
+const STREAM: Defaults = Defaults {
+    recent: RecentDefault::ObsWindow,
+    evict_every: CadenceDefault::EighthBudget,
+    keep_prompt: false,
+};
+const EPIKV: Defaults = Defaults {
+    keep_prompt: true,
+    ..TOKEN
+};
+const PLAIN: Caps = Caps {
+    cache_positions: false,
+    reusable_session: true,
+    streams: false,
+    epikv_config: false,
+};
+const STREAMS: Caps = Caps {
+    streams: true,
+    ..PLAIN
+};
+const EPIKV_CAPS: Caps = Caps {
+    epikv_config: true,
+    ..PLAIN
+};
+
+fn tokens(s: impl Scorer + 'static) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    Ok((Box::new(s), BudgetRule::Tokens))
+}
+
+fn obs(o: &ScorerOptions, rule: BudgetRule) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    Ok((Box::new(SnapKv { opts: o.snap }), rule))
+}
+
+fn epikv(o: &ScorerOptions, v: Variant) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    tokens(Epikv::new(v, o.epikv.clone()))
+}
+
+/// Every policy `--policy` accepts.
+pub const POLICIES: &[PolicyDef] = &[
+    PolicyDef {
+        name: "full",
+        about: "no eviction: the whole context stays cached (the baseline)",
+        make: None,
+        defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "window",
+        about: "StreamingLLM: attention sinks + the most recent tokens",
+        make: Some(|_| tokens(window::Window)),
+        defaults: TOKEN,
+        caps: Caps {
+            cache_positions: true,
+            ..PLAIN
+        },
+    },
+    PolicyDef {
+        name: "h2o",
+        about: "H2O: heavy hitters by accumulated attention + recent window",
+        make: Some(|_| tokens(h2o::H2o::default())),
+        defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "tova",
+        about: "TOVA: keep what the current query attends to (mean over heads and layers)",
+        make: Some(|_| tokens(tova::Tova::default())),
+        defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "snapkv",
+        about: "SnapKV: per-head votes of the last 32 queries (pooled), equal budget per (layer, KV head)",
+        make: Some(|o| obs(o, BudgetRule::PerStream)),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "adakv",
+        about: "Ada-KV: SnapKV scores, a layer's heads share its budget adaptively (20% safeguard per head)",
+        make: Some(|o| {
+            obs(
+                o,
+                BudgetRule::PerLayer {
+                    safeguard: o.snap.safeguard,
+                },
+            )
+        }),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "pyramidkv",
+        about: "PyramidKV: SnapKV scores, per-layer budgets shrinking with depth (beta 20)",
+        make: Some(|o| {
+            obs(
+                o,
+                BudgetRule::Pyramid {
+                    window: o.snap.window,
+                    beta: o.snap.beta,
+                },
+            )
+        }),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "knorm",
+        about: "K-norm: keep tokens whose keys have the lowest L2 norm",
+        make: Some(|_| tokens(knorm::KNorm::default())),
+        defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "random",
+        about: "random scores (seeded), a floor for comparisons",
+        make: Some(|o| tokens(random::Random::new(o.seed))),
+        defaults: TOKEN,
+        caps: Caps {
+            reusable_session: false,
+            ..PLAIN
+        },
+    },
+    PolicyDef {
+        name: "epikv",
+        about: "EPIKV-Flat: rolling z-score of hidden-state change, layer A minus layer B (attention-free)",
+        make: Some(|o| epikv(o, Variant::Flat)),
+        defaults: EPIKV,
+        caps: EPIKV_CAPS,
+    },
+    PolicyDef {
+        name: "epikv-raw",
+        about: "EPIKV raw: rolling mean of hidden-state change, layer A minus layer B",
+        make: Some(|o| epikv(o, Variant::Raw)),
+        defaults: EPIKV,
+        caps: EPIKV_CAPS,
+    },
+    PolicyDef {
+        name: "epikv-band",
+        about: "EPIKV band: z-scores of band-mean hidden-state change, 1.29·A − 1.0·B",
+        make: Some(|o| epikv(o, Variant::Band)),
+        defaults: EPIKV,
+        caps: EPIKV_CAPS,
+    },
+    PolicyDef {
+        name: "epikv-lag",
+        about: "EPIKV lag: K/V spread normalized by the previous 128-token chunk",
+        make: Some(|o| epikv(o, Variant::Lag)),
+        defaults: EPIKV,
+        caps: EPIKV_CAPS,
+    },
+    PolicyDef {
+        name: "epikv-seg",
+        about: "EPIKV-Seg: key-variance tertile caps per 128-token segment, Flat ranking inside",
+        make: Some(|o| epikv(o, Variant::Seg)),
+        defaults: EPIKV,
+        caps: EPIKV_CAPS,
+    },
+];
+
+/// The row named `name`, if any.
+pub fn find(name: &str) -> Option<&'static PolicyDef> {
+    POLICIES.iter().find(|p| p.name == name)
+}
+
+/// The row named `name`; an unknown name is an error about `field`
+/// listing every policy.
+pub fn lookup(name: &str, field: Field) -> Result<&'static PolicyDef> {
+    find(name).ok_or_else(|| {
+        Error::config(
+            field,
+            Msg::from(format!(
+                "unknown policy '{name}' (known: {})",
+                names().join(", ")
+            )),
+        )
+    })
+}
+
+/// Names of every policy.
+pub fn names() -> Vec<&'static str> {
+    POLICIES.iter().map(|p| p.name).collect()
+}
