@@ -10,7 +10,7 @@
 //! a panic, an abort or a huge allocation is a finding.
 #![no_main]
 
-use kvrun::load::gguf::{parse_bytes, Gguf};
+use kvrun::format::gguf::{parse_bytes, Gguf};
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
 use std::sync::OnceLock;

@@ -1,4 +1,5 @@
-//! Answer extraction and grading for math benchmarks (MATH-500, GSM8K, AIME).
+//! Answer extraction and grading for math benchmarks (MATH-500, GSM8K, AIME),
+//! used by `kvrun batch`.
 //!
 //! Pure string functions, no model:
 //! - [`extract_boxed`]: the content of the last `\boxed{…}` / `\fbox{…}` /

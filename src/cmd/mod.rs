@@ -4,8 +4,8 @@
 //! kv, backend, load, tokenizer, chat, sample, generate), which never
 //! imports from `cmd`. [`parse`] turns argv into a [`Cli`] (llama.cpp's
 //! multi-letter short flags such as `-sys` or `-ngl` are rewritten to their
-//! long forms first, since clap only knows one-letter short flags); [`run`]
-//! dispatches it:
+//! long forms first, since clap only knows one-letter short flags);
+//! [`run()`](fn@run) dispatches it:
 //!
 //! - [`run`](mod@run): one-shot generation (no subcommand), [`inspect`],
 //!   [`bench`], [`chat`] (the REPL), [`eval`] (`ppl`, `sweep`, `passkey`),

@@ -21,10 +21,11 @@
 //!   send fails and the worker stops at the next token.
 //! - Every error is an OpenAI-shaped body `{"error":{"message","type","param","code"}}`.
 //!
-//! Files: [`routes`] (router, handlers, auth), [`api`] (request parsing,
-//! response JSON, errors), [`slots`] (worker threads and job running),
-//! [`sse`] (streaming), [`metrics`] (Prometheus). The model is loaded once
-//! as a [`Loaded`](crate::load::Loaded) and shared by the workers through an [`Arc`].
+//! Files: `routes` (router, handlers, auth), `api` (request parsing,
+//! response JSON, errors), `slots` (worker threads and job running), `sse`
+//! (streaming), `metrics` (Prometheus). The model is loaded once as a
+//! [`Loaded`](crate::load::Loaded) and shared by the workers through an
+//! [`Arc`].
 
 mod api;
 mod metrics;
