@@ -326,9 +326,9 @@ fn nll(logits: &[f32], target: u32) -> f64 {
     lse - logits[target as usize] as f64
 }
 
-fn run_trace(
+fn run_trace<'w>(
     a: &CalibrateArgs,
-    w: &crate::model::Weights<'_>,
+    w: &'w crate::model::Weights<'w>,
     ids: &[u32],
     n_threads: usize,
 ) -> Result<TraceData> {

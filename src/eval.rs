@@ -427,8 +427,8 @@ enum Job<'a, 'w> {
 ///
 /// `progress(k)` is called after each round with the k tokens every point
 /// has just finished. Returns one report per point, in order.
-pub fn eval_points(
-    w: &Weights<'_>,
+pub fn eval_points<'w>(
+    w: &'w Weights<'w>,
     text: &EvalText,
     points: &[KvArgs],
     lk: Lockstep<'_>,

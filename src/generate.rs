@@ -2,9 +2,10 @@
 //! for one sequence; `generate` prefills a prompt and samples tokens until an
 //! end-of-generation token or the `-n` limit, streaming text as it goes.
 
-use crate::backend::pool::ThreadPool;
+use crate::backend::cpu::Cpu;
+use crate::backend::{Backend, Host};
 use crate::error::{Error, Field, Msg, Result};
-use crate::kv::{KvCache, KvType, Layout, PosMode};
+use crate::kv::{KvCache, KvType, Layout, PosMode, StoreShape};
 use crate::model::llama::{forward, Logits, RunState, StepIo};
 use crate::model::Weights;
 use crate::policy::evict::EvictScratch;
@@ -12,7 +13,7 @@ use crate::policy::streams::stream_offsets;
 use crate::policy::{CacheShape, Entries, Evictor, PolicyConfig, ScoreCtx, Step};
 pub use crate::policy::{KvPolicy, PromptPhase};
 use crate::sample::Sampler;
-use crate::signals::{MassMode, ModelView, Needs, QueryWindow, Signals};
+use crate::signals::{BackendWeights, MassMode, ModelView, Needs, QueryWindow, Signals};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
@@ -42,13 +43,14 @@ fn mass_for(a: MassMode, b: MassMode) -> Option<MassMode> {
     }
 }
 
-/// One sequence being decoded: weights (shared, immutable), run state and
-/// KV cache (owned, mutable), and the optional eviction policy.
+/// One sequence being decoded: weights (shared, immutable), the backend
+/// that computes, run state and KV cache (owned, mutable), and the optional
+/// eviction policy.
 #[derive(Debug)]
-pub struct Session<'w> {
-    pub w: &'w Weights<'w>,
-    pub pool: ThreadPool,
-    pub state: RunState,
+pub struct Session<'w, B: Backend = Host> {
+    pub w: &'w Weights<'w, B>,
+    pub backend: B,
+    pub state: RunState<B>,
     pub kv: KvCache,
     /// Tokens processed so far (the next token's position).
     pub n_past: usize,
@@ -80,16 +82,15 @@ pub struct Session<'w> {
     logits: Vec<f32>,
 }
 
-impl<'w> Session<'w> {
-    /// A full-cache session with a context of `n_ctx` tokens, `n_threads`
+impl<'w> Session<'w, Cpu> {
+    /// A full-cache CPU session with a context of `n_ctx` tokens, `n_threads`
     /// threads and prefill chunks of `n_batch` tokens.
     pub fn new(w: &'w Weights<'w>, n_ctx: usize, n_threads: usize, n_batch: usize) -> Session<'w> {
-        Self::build(w, n_ctx, n_ctx, n_threads, n_batch, None)
+        Self::on(Cpu::new(n_threads), w, n_ctx, n_batch)
     }
 
-    /// A session whose cache holds at most `policy.evictor.budget` tokens,
-    /// for positions up to `n_ctx`. Prefill chunks are capped so that the
-    /// budget holds during prefill too.
+    /// A CPU session whose cache holds at most `policy.evictor.budget`
+    /// tokens (see `with_policy_on`).
     pub fn with_policy(
         w: &'w Weights<'w>,
         n_ctx: usize,
@@ -97,6 +98,72 @@ impl<'w> Session<'w> {
         n_batch: usize,
         policy: KvPolicy,
     ) -> Result<Session<'w>> {
+        Self::with_policy_on(Cpu::new(n_threads), w, n_ctx, n_batch, policy)
+    }
+
+    /// A CPU session for one generation from an `n_prompt`-token prompt
+    /// under `cfg`: the policy built for `model`, a clear error when a kept
+    /// prompt cannot fit next to the recent window, the prompt marked,
+    /// cache type and position mode applied.
+    pub fn for_config(
+        w: &'w Weights<'w>,
+        cfg: &PolicyConfig,
+        seed: u64,
+        model: &std::path::Path,
+        n_ctx: usize,
+        n_threads: usize,
+        n_batch: usize,
+        n_prompt: usize,
+    ) -> Result<Session<'w>> {
+        let mut s = match cfg.build(seed, model)? {
+            None => Session::new(w, n_ctx, n_threads, n_batch),
+            Some(p) => {
+                let e = &p.evictor;
+                if e.keep_prompt_until > 0
+                    && p.prompt.is_none()
+                    && n_prompt + e.n_recent >= e.budget
+                {
+                    return Err(Error::config(
+                        Field::Budget,
+                        Msg::default()
+                            .t(format!(
+                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
+                                e.budget, e.n_recent
+                            ))
+                            .f(Field::PromptPolicy),
+                    ));
+                }
+                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
+                s.protect_prompt(n_prompt);
+                s
+            }
+        };
+        s.configure(cfg)?;
+        Ok(s)
+    }
+}
+
+impl<'w, B: Backend> Session<'w, B> {
+    /// A full-cache session on `backend`.
+    pub fn on(backend: B, w: &'w Weights<'w, B>, n_ctx: usize, n_batch: usize) -> Session<'w, B> {
+        Self::build(backend, w, n_ctx, n_ctx, n_batch, None)
+    }
+
+    /// The host thread pool (scorers rank entries on it).
+    pub fn pool(&self) -> &crate::backend::pool::ThreadPool {
+        self.backend.host_pool()
+    }
+
+    /// A session whose cache holds at most `policy.evictor.budget` tokens,
+    /// for positions up to `n_ctx`. Prefill chunks are capped so that the
+    /// budget holds during prefill too.
+    pub fn with_policy_on(
+        backend: B,
+        w: &'w Weights<'w, B>,
+        n_ctx: usize,
+        n_batch: usize,
+        policy: KvPolicy,
+    ) -> Result<Session<'w, B>> {
         let e = &policy.evictor;
         if e.budget == 0 {
             return Err(Error::config(Field::Budget, "must be at least 1"));
@@ -115,7 +182,8 @@ impl<'w> Session<'w> {
         let budget = e.budget;
         let mut policy = policy;
         let c = &w.config;
-        let model = ModelView::new(w);
+        let weights = BackendWeights::new(&backend, w);
+        let model = ModelView::new(c, &weights);
         // per-(layer, KV-head) rules: a pool of head rows sized by the plan
         let plan = policy.rule.plan(c, budget)?;
         if let Some(plan) = &plan {
@@ -180,54 +248,15 @@ impl<'w> Session<'w> {
         }
         policy.plan = plan;
         let regions = policy.plan.as_ref().map(|p| p.regions());
-        let mut s = Self::build(w, n_ctx, budget, n_threads, n_batch, Some(policy));
+        let mut s = Self::build(backend, w, n_ctx, budget, n_batch, Some(policy));
         if let Some(r) = regions {
-            s.kv = KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
+            let b = &s.backend;
+            let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
+            s.kv = KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
         }
         s.signals = Signals::for_needs(&needs, c, s.kv.cells.n_slots(), s.state.n_batch);
         s.mass_main = mass_main;
         s.mass_prompt = mass_prompt;
-        Ok(s)
-    }
-
-    /// A session for one generation from an `n_prompt`-token prompt under
-    /// `cfg`: the policy built for `model`, a clear error when a kept
-    /// prompt cannot fit next to the recent window, the prompt marked,
-    /// cache type and position mode applied.
-    pub fn for_config(
-        w: &'w Weights<'w>,
-        cfg: &PolicyConfig,
-        seed: u64,
-        model: &std::path::Path,
-        n_ctx: usize,
-        n_threads: usize,
-        n_batch: usize,
-        n_prompt: usize,
-    ) -> Result<Session<'w>> {
-        let mut s = match cfg.build(seed, model)? {
-            None => Session::new(w, n_ctx, n_threads, n_batch),
-            Some(p) => {
-                let e = &p.evictor;
-                if e.keep_prompt_until > 0
-                    && p.prompt.is_none()
-                    && n_prompt + e.n_recent >= e.budget
-                {
-                    return Err(Error::config(
-                        Field::Budget,
-                        Msg::default()
-                            .t(format!(
-                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
-                                e.budget, e.n_recent
-                            ))
-                            .f(Field::PromptPolicy),
-                    ));
-                }
-                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
-                s.protect_prompt(n_prompt);
-                s
-            }
-        };
-        s.configure(cfg)?;
         Ok(s)
     }
 
@@ -239,20 +268,31 @@ impl<'w> Session<'w> {
     }
 
     fn build(
-        w: &'w Weights<'w>,
+        backend: B,
+        w: &'w Weights<'w, B>,
         n_ctx: usize,
         n_slots: usize,
-        n_threads: usize,
         n_batch: usize,
         policy: Option<KvPolicy>,
-    ) -> Session<'w> {
+    ) -> Session<'w, B> {
         let c = &w.config;
-        let pool = ThreadPool::new(n_threads);
+        let make = |sh: StoreShape| backend.kv_store(sh.ty, sh.n_rows, sh.row_vals);
+        let kv = match KvCache::uniform_on(
+            &make,
+            c.n_layers,
+            c.kv_dim(),
+            c.head_dim,
+            n_slots,
+            KvType::F16,
+        ) {
+            Ok(kv) => kv,
+            Err(_) => unreachable!("f16 caches accept any shape"),
+        };
         Session {
             w,
-            state: RunState::new(w, n_batch, n_threads, n_slots),
-            kv: KvCache::new(c.n_layers, c.kv_dim(), c.head_dim, n_slots),
-            pool,
+            state: RunState::new(&backend, w, n_batch),
+            kv,
+            backend,
             n_past: 0,
             n_ctx,
             policy,
@@ -286,15 +326,19 @@ impl<'w> Session<'w> {
         }
         let c = &self.w.config;
         let n = self.kv.cells.n_slots();
+        let b = &self.backend;
+        let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
         self.kv = match self.kv.layout() {
-            Layout::Uniform => KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, n, ty)?,
+            Layout::Uniform => {
+                KvCache::uniform_on(&make, c.n_layers, c.kv_dim(), c.head_dim, n, ty)?
+            }
             Layout::Streams => {
                 let r = self
                     .kv
                     .streams()
                     .map(|st| st.regions().to_vec())
                     .unwrap_or_default();
-                KvCache::with_streams(c.n_layers, c.kv_dim(), c.head_dim, &r, ty)?
+                KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, ty)?
             }
         };
         Ok(())
@@ -408,7 +452,7 @@ impl<'w> Session<'w> {
         let ctx = ScoreCtx {
             kv: &self.kv,
             signals: &self.signals,
-            pool: &self.pool,
+            pool: self.backend.host_pool(),
             rules: &p.evictor,
             newest: self.n_past as i64,
             prompt_end: self.prompt_end as i64,
@@ -434,14 +478,13 @@ impl<'w> Session<'w> {
         obs: &mut dyn StepObserver,
     ) -> Result<&[f32]> {
         let needs = obs.needs();
-        if mass_for(needs.mass, self.mass_main).is_none()
-            || mass_for(needs.mass, self.mass_prompt).is_none()
-        {
-            return Err(Error::Other(format!(
-                "an observer asking for {:?} attention mass cannot share a step with a policy observing {:?}",
-                needs.mass,
-                self.mass_main.max(self.mass_prompt)
-            )));
+        for policy_mass in [self.mass_main, self.mass_prompt] {
+            if mass_for(needs.mass, policy_mass).is_none() {
+                return Err(Error::Other(format!(
+                    "an observer asking for {:?} attention mass cannot share a step with a policy observing {policy_mass:?}",
+                    needs.mass
+                )));
+            }
         }
         let c = &self.w.config;
         self.signals
@@ -499,7 +542,7 @@ impl<'w> Session<'w> {
                         let ctx = ScoreCtx {
                             kv: &self.kv,
                             signals: &self.signals,
-                            pool: &self.pool,
+                            pool: self.backend.host_pool(),
                             rules: evictor,
                             newest,
                             prompt_end,
@@ -527,7 +570,7 @@ impl<'w> Session<'w> {
                     let ctx = ScoreCtx {
                         kv: &self.kv,
                         signals: &self.signals,
-                        pool: &self.pool,
+                        pool: self.backend.host_pool(),
                         rules: evictor,
                         newest,
                         prompt_end,
@@ -559,10 +602,10 @@ impl<'w> Session<'w> {
                 pos_mode: self.pos_mode,
             };
             let out = forward(
+                &self.backend,
                 self.w,
                 &mut self.state,
                 &mut self.kv,
-                &self.pool,
                 chunk,
                 pos0,
                 n_out,
@@ -713,8 +756,8 @@ impl Utf8Stream {
 
 /// Prefill `prompt` then sample until EOG / `n_predict` / context full.
 /// `on_text` receives each completed piece of text and returns false to stop.
-pub fn generate(
-    sess: &mut Session<'_>,
+pub fn generate<B: Backend>(
+    sess: &mut Session<'_, B>,
     tok: &Tokenizer,
     sampler: &mut Sampler,
     prompt: &[u32],

@@ -21,23 +21,27 @@
 //! - [`ModelView`]: read access to the weights a scorer may need once, at
 //!   `prepare` (the output projection W_O, for value-norm scoring).
 
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Config, Weights};
 
-/// Which attention probabilities a forward step exports to the scorers.
-///
-/// Ordered by what the export costs (`None` < `LastRow` < `AllRows`); the
-/// buffer is the same for both kinds, the mode is chosen per step by the
-/// scorer that ranks in that step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub enum MassMode {
-    /// Nothing (no cost).
-    #[default]
-    None,
-    /// The last query row of the step.
-    LastRow,
-    /// The sum over every query row of the step.
-    AllRows,
+/// Which attention probabilities a forward step exports (the attention
+/// kernels' mode; the buffer is the same for both kinds, the mode is chosen
+/// per step by the scorer that ranks in that step).
+pub use crate::backend::MassMode;
+
+/// The costlier of two exports (`None` < `LastRow` < `AllRows`).
+fn costlier(a: MassMode, b: MassMode) -> MassMode {
+    let rank = |m: MassMode| match m {
+        MassMode::None => 0,
+        MassMode::LastRow => 1,
+        MassMode::AllRows => 2,
+    };
+    if rank(b) > rank(a) {
+        b
+    } else {
+        a
+    }
 }
 
 /// What a scorer reads besides the cache itself. Declared once (after
@@ -101,7 +105,7 @@ impl Needs {
         Needs {
             tap_layers: layers,
             query_window: self.query_window.max(o.query_window),
-            mass: self.mass.max(o.mass),
+            mass: costlier(self.mass, o.mass),
             attn_inputs: self.attn_inputs || o.attn_inputs,
         }
     }
@@ -437,20 +441,67 @@ pub struct StepSignals<'a> {
     pub attn_inputs: Option<&'a mut AttnInputs>,
 }
 
+/// Weights a scorer may read at `prepare`, read back to the host from
+/// wherever the backend keeps them.
+pub trait WeightSource {
+    /// Layer `l`'s output projection W_O into `out`, (dim, q_dim) row-major.
+    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()>;
+}
+
+/// The weights of backend `B`, read through it.
+#[derive(Debug)]
+pub struct BackendWeights<'s, 'w, B: Backend> {
+    backend: &'s B,
+    weights: &'s Weights<'w, B>,
+}
+
+impl<'s, 'w, B: Backend> BackendWeights<'s, 'w, B> {
+    /// `w` as `backend` holds them.
+    pub fn new(backend: &'s B, weights: &'s Weights<'w, B>) -> Self {
+        BackendWeights { backend, weights }
+    }
+}
+
+impl<B: Backend> WeightSource for BackendWeights<'_, '_, B> {
+    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
+        let lw = self
+            .weights
+            .layers
+            .get(l)
+            .ok_or_else(|| Error::Other(format!("layer {l} out of range")))?;
+        let (rows, cols) = self.backend.mat_shape(&lw.wo);
+        out.clear();
+        out.resize(rows * cols, 0.0);
+        for (i, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            self.backend.mat_row(&lw.wo, i, row);
+        }
+        Ok(())
+    }
+}
+
 /// Read access to the model for scorers, at `prepare`: the configuration
-/// and weights a score needs once (on a device backend, a read-back).
-#[derive(Debug, Clone, Copy)]
+/// and the weights a score needs once (on a device backend, a read-back).
+#[derive(Clone, Copy)]
 pub struct ModelView<'a> {
     config: &'a Config,
-    weights: Option<&'a Weights<'a>>,
+    weights: Option<&'a dyn WeightSource>,
+}
+
+impl std::fmt::Debug for ModelView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelView")
+            .field("config", self.config)
+            .field("weights", &self.weights.is_some())
+            .finish()
+    }
 }
 
 impl<'a> ModelView<'a> {
-    /// The view of loaded weights.
-    pub fn new(w: &'a Weights<'a>) -> ModelView<'a> {
+    /// The model `config` whose weights `weights` reads.
+    pub fn new(config: &'a Config, weights: &'a dyn WeightSource) -> ModelView<'a> {
         ModelView {
-            config: &w.config,
-            weights: Some(w),
+            config,
+            weights: Some(weights),
         }
     }
 
@@ -472,19 +523,8 @@ impl<'a> ModelView<'a> {
     /// q_dim) row-major: row i holds the weights of output channel i, so
     /// head h's block is columns h·head_dim..(h+1)·head_dim.
     pub fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
-        let w = self
-            .weights
-            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?;
-        let lw = w
-            .layers
-            .get(l)
-            .ok_or_else(|| Error::Other(format!("layer {l} out of range")))?;
-        let (dim, q_dim) = (self.config.dim, self.config.q_dim());
-        out.clear();
-        out.resize(dim * q_dim, 0.0);
-        for (i, row) in out.chunks_exact_mut(q_dim).enumerate() {
-            lw.wo.dequantize_row(i, row);
-        }
-        Ok(())
+        self.weights
+            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?
+            .wo_f32(l, out)
     }
 }

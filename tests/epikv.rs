@@ -374,16 +374,14 @@ fn lag_direct(kv: &KvCache) -> Vec<f32> {
         m.iter().map(|x| x / kv.n_layers as f32).collect()
     };
     let krow = |l: usize, s: usize| {
-        kv.k_row(l, s)
-            .iter()
-            .map(|x| x.to_f32())
-            .collect::<Vec<_>>()
+        let mut r = vec![0f32; kv.kv_dim];
+        kv.k_f32(l, s, &mut r);
+        r
     };
     let vrow = |l: usize, s: usize| {
-        kv.v_row(l, s)
-            .iter()
-            .map(|x| x.to_f32())
-            .collect::<Vec<_>>()
+        let mut r = vec![0f32; kv.kv_dim];
+        kv.v_f32(l, s, &mut r);
+        r
     };
     let mut out = vec![0f32; slots.len()];
     for bar in [&krow as &dyn Fn(usize, usize) -> Vec<f32>, &vrow] {

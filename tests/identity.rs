@@ -70,46 +70,256 @@ fn profile() -> &'static str {
 
 /// (profile, prompt index, policy, sha256(tokens), sha256(logits)).
 const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
-    ("avx2", 0, "full", "a44dc035a60e95ddcc6bb0dfccd044ba796474f1a2efec62157e19eab2d6fb44", "e9ac5d6d48d4442e80353dc86fadc07ee88d9455af8e1d1ebfe8fe588bb5c471"),
-    ("avx2", 0, "window", "6bd99732bca85a19653c4642e8c4ac7eb16f845cb8b1e544aeaaa323abc03bac", "3c3665de01bcf66f25b7c5e05194b632077612581799f5c4100df752d1d47d9a"),
-    ("avx2", 0, "h2o", "c91df3599f11d9a72d1332a9d0fa24fb11dbf703ebca7566309e1f3b555ccd9d", "41c840edf2559194ab86ec39759802c30b8e24f829419ba60a227d1bb36e51f3"),
-    ("avx2", 0, "snapkv", "079f43a1935a155e95d4ae3cecc5455e37ae62bd985449a09d113ed5f646d5af", "c899d9018237c51d427cde805f41d5d5537241df0a737b56ed8346a70d7bbd42"),
-    ("avx2", 0, "adakv", "75cc8bc3e466cc86155c508d96b45387897ec9b9fd970bf168cf530a14607c2d", "3fa6bf7fa0a9aee3aeceeb92f53ee5ec8373172361eac98a8df949e1e769efdf"),
-    ("avx2", 0, "epikv", "580b1c07da313e1f191355e429a3fdb0957beca054f3f840e50b769dc42c6c3d", "85228ea2012f5ba5f97175e69a383b4074f913bf9eef8d54fe89b213b9ae8960"),
-    ("avx2", 0, "epikv-lag", "5851f19bcac18766ec3585f899449825847e9b7084ab1f02b8bf353d6f1124fd", "b617ff2934ee86d8d274f9a1910eae476858a919a6ba2f0bd1e16cd7bcb8f326"),
-    ("avx2", 1, "full", "e1390660113518a402e025b003804c5d94c8eda7ba909be1bcbb4ac5b25aae0c", "1513ce41c2321ec03402a73359afff4194b3d60aa45a35666cf0fc42028295ed"),
-    ("avx2", 1, "window", "df5a7e4be30d63352b633d33e1490c9c003bd84ac7d8367d81b4057d21c163bb", "b99562bc829ec35db638024066390e0d131b9c83846040d11404159e4c85d60e"),
-    ("avx2", 1, "h2o", "4521404ac4e4566224fe3367b528bf3781c1632f7533200872e95bf30e06adde", "3917210e94f23ab6562291e02243fc22b3eeb675d5f0880e5e4f0fcf0a2a2be2"),
-    ("avx2", 1, "snapkv", "eaab55581e1b0ebbfa46c8d51736ad18f76db43d4ac57715f5b86d6257ec616a", "ec59d1d093f791c4fba4eade83dc6bc65e4500eb498bc03789f9795e9751040e"),
-    ("avx2", 1, "adakv", "6d140f364e5f014501c7d347449cb5f2c84025fe88048db2fc6472e47cebf2d4", "d2985f461d2ae4cf8a9bd2e21f9a20353b16665db9f70abe051b0fe45dbde99d"),
-    ("avx2", 1, "epikv", "ef84cdc985263b78aee558a2e1887c97ad932a18ff1e2b15ac8f34f23ebcb359", "7ed697dc7891edd892647d531ac26907b4487f0f4a7a7171e53cf98fde15371b"),
-    ("avx2", 1, "epikv-lag", "01ddc294582b1ac3b6a4a87a54d3cea25b0aa2238849d740d1f15d463498d32f", "ec75406962cf01ad056c2d589ecf9b3daf17fb440f291d86cfd31fd8120034b2"),
-    ("avx2", 2, "full", "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f", "3e3a1842b9a9dc5796995b706777ecef022f446de630ff110066de50064522d4"),
-    ("avx2", 2, "window", "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f", "9f0a0cfd6458808c6a42c02a6642e594b977a110e390689e1edd7337a1c42fbc"),
-    ("avx2", 2, "h2o", "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f", "059b89404f6e127b74843cc59ce2924ec68b5b12737f6a547c408e9ec29743cc"),
-    ("avx2", 2, "snapkv", "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f", "0a47f74be5ac9f30b8c1450ed82b1e923c9bf2c82011c37a6b347917d345b8da"),
-    ("avx2", 2, "adakv", "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f", "94e53d8fe24a26889062623a29be0ccd9f5f909f9485c7889002f3dd2ccb1236"),
-    ("avx2", 2, "epikv", "2348d081d133c1cc3140d728e58e625be7f728dc2c9d7d648460b40d588b3c49", "75ec2f9d5c81a113827a12637b32200d981f819e185af4912118c4ca50797c18"),
-    ("avx2", 2, "epikv-lag", "e39cc1b2e9968b87942c3690e5137c838fc99276428cf69b02d93c33988bfd77", "9e8a04f1663538b976eccd02bf39279074de09075a1d7a906be2abd6064ab647"),
-    ("avx2", 3, "full", "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72", "59b9f9061f6eab0e73c2863b7349b3fd3bab3e2e6d48b35dbe460417ddea3144"),
-    ("avx2", 3, "window", "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72", "dd16c2feca3f375b70d67cec26132cb6d570b5fff8561ba5deb09b784edbc7ff"),
-    ("avx2", 3, "h2o", "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72", "41bde999a7a86cbf6863043333658ce8007736b5464afaa39ca20231bb86557a"),
-    ("avx2", 3, "snapkv", "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72", "f6505d55fb88ebc89ef1e1dc6d5c2076af274ced6bfb563d0749e8ac613f3d5f"),
-    ("avx2", 3, "adakv", "27c8c2406e6eff77c9f1b382ca444786806991fc36829402637681a9e9b66448", "c0fe589c8d35e3860ebad150b7a34574a507f254f106e7366e0fb6f179cc4d10"),
-    ("avx2", 3, "epikv", "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72", "e468a03f16141ea7015a6fc720f334df858161247e34a71ad32da26ebdc6b168"),
-    ("avx2", 3, "epikv-lag", "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72", "56b9d6031c13078c4471ed51967b19d4a56ba61ad8094312aba4be22a4882c6b"),
-    ("avx2", 4, "full", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "65963c712155486643ef7f0187081040c3bb79ac062fa5f98a4e0e09abda2120"),
-    ("avx2", 4, "window", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "a5a11c2fd26c74105b50902f555fd7707f7051528e028764d16a35d7465ec4bf"),
-    ("avx2", 4, "h2o", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "0968403d44174c593a226a8e8eea5018db7c1aaf57768b01011b558dd4f2c068"),
-    ("avx2", 4, "snapkv", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "33bd5392eb2fefc2c55859dbae8c3f90d863a542ef6a793d96c442e82bf90b5d"),
-    ("avx2", 4, "adakv", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "8d93f315ef62cf7716137d10079adb03f676b4e9f1e21de2397a6265e05efdf5"),
-    ("avx2", 4, "epikv", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "de5ad0113454b5ab5fa84538418c53f582d46c1dcecfb89824c38b7f373ec8c7"),
-    ("avx2", 4, "epikv-lag", "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a", "6aa502b085fad0058e6682a911fdd0ed39c5903ab5030a4238afd67b91bcb84a"),
+    (
+        "avx2",
+        0,
+        "full",
+        "a44dc035a60e95ddcc6bb0dfccd044ba796474f1a2efec62157e19eab2d6fb44",
+        "e9ac5d6d48d4442e80353dc86fadc07ee88d9455af8e1d1ebfe8fe588bb5c471",
+    ),
+    (
+        "avx2",
+        0,
+        "window",
+        "6bd99732bca85a19653c4642e8c4ac7eb16f845cb8b1e544aeaaa323abc03bac",
+        "3c3665de01bcf66f25b7c5e05194b632077612581799f5c4100df752d1d47d9a",
+    ),
+    (
+        "avx2",
+        0,
+        "h2o",
+        "c91df3599f11d9a72d1332a9d0fa24fb11dbf703ebca7566309e1f3b555ccd9d",
+        "41c840edf2559194ab86ec39759802c30b8e24f829419ba60a227d1bb36e51f3",
+    ),
+    (
+        "avx2",
+        0,
+        "snapkv",
+        "079f43a1935a155e95d4ae3cecc5455e37ae62bd985449a09d113ed5f646d5af",
+        "c899d9018237c51d427cde805f41d5d5537241df0a737b56ed8346a70d7bbd42",
+    ),
+    (
+        "avx2",
+        0,
+        "adakv",
+        "75cc8bc3e466cc86155c508d96b45387897ec9b9fd970bf168cf530a14607c2d",
+        "3fa6bf7fa0a9aee3aeceeb92f53ee5ec8373172361eac98a8df949e1e769efdf",
+    ),
+    (
+        "avx2",
+        0,
+        "epikv",
+        "580b1c07da313e1f191355e429a3fdb0957beca054f3f840e50b769dc42c6c3d",
+        "85228ea2012f5ba5f97175e69a383b4074f913bf9eef8d54fe89b213b9ae8960",
+    ),
+    (
+        "avx2",
+        0,
+        "epikv-lag",
+        "5851f19bcac18766ec3585f899449825847e9b7084ab1f02b8bf353d6f1124fd",
+        "b617ff2934ee86d8d274f9a1910eae476858a919a6ba2f0bd1e16cd7bcb8f326",
+    ),
+    (
+        "avx2",
+        1,
+        "full",
+        "e1390660113518a402e025b003804c5d94c8eda7ba909be1bcbb4ac5b25aae0c",
+        "1513ce41c2321ec03402a73359afff4194b3d60aa45a35666cf0fc42028295ed",
+    ),
+    (
+        "avx2",
+        1,
+        "window",
+        "df5a7e4be30d63352b633d33e1490c9c003bd84ac7d8367d81b4057d21c163bb",
+        "b99562bc829ec35db638024066390e0d131b9c83846040d11404159e4c85d60e",
+    ),
+    (
+        "avx2",
+        1,
+        "h2o",
+        "4521404ac4e4566224fe3367b528bf3781c1632f7533200872e95bf30e06adde",
+        "3917210e94f23ab6562291e02243fc22b3eeb675d5f0880e5e4f0fcf0a2a2be2",
+    ),
+    (
+        "avx2",
+        1,
+        "snapkv",
+        "eaab55581e1b0ebbfa46c8d51736ad18f76db43d4ac57715f5b86d6257ec616a",
+        "ec59d1d093f791c4fba4eade83dc6bc65e4500eb498bc03789f9795e9751040e",
+    ),
+    (
+        "avx2",
+        1,
+        "adakv",
+        "6d140f364e5f014501c7d347449cb5f2c84025fe88048db2fc6472e47cebf2d4",
+        "d2985f461d2ae4cf8a9bd2e21f9a20353b16665db9f70abe051b0fe45dbde99d",
+    ),
+    (
+        "avx2",
+        1,
+        "epikv",
+        "ef84cdc985263b78aee558a2e1887c97ad932a18ff1e2b15ac8f34f23ebcb359",
+        "7ed697dc7891edd892647d531ac26907b4487f0f4a7a7171e53cf98fde15371b",
+    ),
+    (
+        "avx2",
+        1,
+        "epikv-lag",
+        "01ddc294582b1ac3b6a4a87a54d3cea25b0aa2238849d740d1f15d463498d32f",
+        "ec75406962cf01ad056c2d589ecf9b3daf17fb440f291d86cfd31fd8120034b2",
+    ),
+    (
+        "avx2",
+        2,
+        "full",
+        "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f",
+        "3e3a1842b9a9dc5796995b706777ecef022f446de630ff110066de50064522d4",
+    ),
+    (
+        "avx2",
+        2,
+        "window",
+        "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f",
+        "9f0a0cfd6458808c6a42c02a6642e594b977a110e390689e1edd7337a1c42fbc",
+    ),
+    (
+        "avx2",
+        2,
+        "h2o",
+        "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f",
+        "059b89404f6e127b74843cc59ce2924ec68b5b12737f6a547c408e9ec29743cc",
+    ),
+    (
+        "avx2",
+        2,
+        "snapkv",
+        "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f",
+        "0a47f74be5ac9f30b8c1450ed82b1e923c9bf2c82011c37a6b347917d345b8da",
+    ),
+    (
+        "avx2",
+        2,
+        "adakv",
+        "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f",
+        "94e53d8fe24a26889062623a29be0ccd9f5f909f9485c7889002f3dd2ccb1236",
+    ),
+    (
+        "avx2",
+        2,
+        "epikv",
+        "2348d081d133c1cc3140d728e58e625be7f728dc2c9d7d648460b40d588b3c49",
+        "75ec2f9d5c81a113827a12637b32200d981f819e185af4912118c4ca50797c18",
+    ),
+    (
+        "avx2",
+        2,
+        "epikv-lag",
+        "e39cc1b2e9968b87942c3690e5137c838fc99276428cf69b02d93c33988bfd77",
+        "9e8a04f1663538b976eccd02bf39279074de09075a1d7a906be2abd6064ab647",
+    ),
+    (
+        "avx2",
+        3,
+        "full",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "59b9f9061f6eab0e73c2863b7349b3fd3bab3e2e6d48b35dbe460417ddea3144",
+    ),
+    (
+        "avx2",
+        3,
+        "window",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "dd16c2feca3f375b70d67cec26132cb6d570b5fff8561ba5deb09b784edbc7ff",
+    ),
+    (
+        "avx2",
+        3,
+        "h2o",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "41bde999a7a86cbf6863043333658ce8007736b5464afaa39ca20231bb86557a",
+    ),
+    (
+        "avx2",
+        3,
+        "snapkv",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "f6505d55fb88ebc89ef1e1dc6d5c2076af274ced6bfb563d0749e8ac613f3d5f",
+    ),
+    (
+        "avx2",
+        3,
+        "adakv",
+        "27c8c2406e6eff77c9f1b382ca444786806991fc36829402637681a9e9b66448",
+        "c0fe589c8d35e3860ebad150b7a34574a507f254f106e7366e0fb6f179cc4d10",
+    ),
+    (
+        "avx2",
+        3,
+        "epikv",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "e468a03f16141ea7015a6fc720f334df858161247e34a71ad32da26ebdc6b168",
+    ),
+    (
+        "avx2",
+        3,
+        "epikv-lag",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "56b9d6031c13078c4471ed51967b19d4a56ba61ad8094312aba4be22a4882c6b",
+    ),
+    (
+        "avx2",
+        4,
+        "full",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "65963c712155486643ef7f0187081040c3bb79ac062fa5f98a4e0e09abda2120",
+    ),
+    (
+        "avx2",
+        4,
+        "window",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "a5a11c2fd26c74105b50902f555fd7707f7051528e028764d16a35d7465ec4bf",
+    ),
+    (
+        "avx2",
+        4,
+        "h2o",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "0968403d44174c593a226a8e8eea5018db7c1aaf57768b01011b558dd4f2c068",
+    ),
+    (
+        "avx2",
+        4,
+        "snapkv",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "33bd5392eb2fefc2c55859dbae8c3f90d863a542ef6a793d96c442e82bf90b5d",
+    ),
+    (
+        "avx2",
+        4,
+        "adakv",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "8d93f315ef62cf7716137d10079adb03f676b4e9f1e21de2397a6265e05efdf5",
+    ),
+    (
+        "avx2",
+        4,
+        "epikv",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "de5ad0113454b5ab5fa84538418c53f582d46c1dcecfb89824c38b7f373ec8c7",
+    ),
+    (
+        "avx2",
+        4,
+        "epikv-lag",
+        "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
+        "6aa502b085fad0058e6682a911fdd0ed39c5903ab5030a4238afd67b91bcb84a",
+    ),
 ];
 
 /// Greedy run of `prompt` under `policy`: (token hash, logits hash).
-fn run_case(
-    w: &Weights<'_>,
+fn run_case<'w>(
+    w: &'w Weights<'w>,
     model: &std::path::Path,
     ids: &[u32],
     policy: &str,
@@ -121,10 +331,9 @@ fn run_case(
     }
     let f = Flags::parse_from(args);
     let n_ctx = ids.len() + N_GEN + 1;
-    let mut s = f
-        .kv
-        .session(w, 7, model, n_ctx, threads, 32, ids.len())
-        .unwrap_or_else(|e| panic!("{policy}: {e}"));
+    let mut s =
+        f.kv.session(w, 7, model, n_ctx, threads, 32, ids.len())
+            .unwrap_or_else(|e| panic!("{policy}: {e}"));
     let mut lh = Sha256::new();
     let mut toks: Vec<u32> = Vec::new();
     let logits = s.feed(ids, Logits::All).unwrap().to_vec();
@@ -169,7 +378,9 @@ fn greedy_tokens_and_logits_match_the_recorded_hashes() {
         let ids = tok.encode(p, true, false).unwrap();
         for pol in POLICIES {
             let (th, lh) = run_case(&w, &path, &ids, pol, 1);
-            lines.push(format!("    (\"{prof}\", {pi}, \"{pol}\", \"{th}\", \"{lh}\"),"));
+            lines.push(format!(
+                "    (\"{prof}\", {pi}, \"{pol}\", \"{th}\", \"{lh}\"),"
+            ));
             match recorded.iter().find(|r| r.1 == pi && r.2 == pol) {
                 Some(r) => {
                     if r.3 != th || r.4 != lh {

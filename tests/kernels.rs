@@ -4,10 +4,14 @@
 //! fresh random data each run (seed printed).
 
 use half::f16;
-use kvrun::backend::cpu::{attend_group, attend_group_probs, attend_head, attend_prefill_group};
-use kvrun::backend::cpu::{matmul_q, prefill_group_dyn, QMat};
+use kvrun::backend::cpu::decode_attn::attend_group_probs;
+use kvrun::backend::cpu::matmul::matmul_q;
+use kvrun::backend::cpu::prefill_attn_kernels::attend_prefill_group;
+use kvrun::backend::cpu::qgemm_x86::{q4_1_q8_1_tile, tile_q4_1_q8_1_scalar, TileScales, MR, NT};
+use kvrun::backend::cpu::reference::prefill_group_dyn;
+use kvrun::backend::cpu::reference::{attend_group, attend_head};
+use kvrun::backend::cpu::QMat;
 use kvrun::backend::pool::ThreadPool;
-use kvrun::backend::qgemm::{q4_1_q8_1_tile, tile_q4_1_q8_1_scalar, TileScales, MR, NT};
 use kvrun::sample::Rng;
 use kvrun::tensor::DType;
 
@@ -372,7 +376,7 @@ fn attend_ref(q: &[f32], k: &[f32], v: &[f32], hd: usize, scale: f32) -> (Vec<f6
 /// the plain kernel bit for bit.
 #[test]
 fn attention_parity_per_cache_type() {
-    use kvrun::backend::cpu::attend_group_probs_seg;
+    use kvrun::backend::cpu::decode_attn::attend_group_probs_seg;
     use kvrun::kv::{dequantize_q8_0, quantize_q8_0, BlockQ8_0, KvType, QK8_0};
     let mut r = Rng::new(0xcac4e);
     let mut worst = [0f64; 3];
@@ -514,7 +518,7 @@ fn q8_0_cache_blocks_are_ggml_blocks() {
 /// kernel uses (s − max ≤ 0), 0 below the underflow, NaN kept.
 #[test]
 fn exp16_matches_scalar_reference_and_f64() {
-    use kvrun::backend::decode512::{exp_ref, exp_slice};
+    use kvrun::backend::cpu::decode_avx512::{exp_ref, exp_slice};
     let mut xs: Vec<f32> = (0..=200_000)
         .map(|i| -87.0 * i as f32 / 200_000.0)
         .collect();
@@ -568,11 +572,12 @@ fn exp16_matches_scalar_reference_and_f64() {
 /// to float rounding.
 #[test]
 fn decode_kernel_matches_portable_reference() {
-    use kvrun::backend::cpu::{attend_group_probs_seg, attend_group_probs_seg_ref};
+    use kvrun::backend::cpu::decode_attn::attend_group_probs_seg;
+    use kvrun::backend::cpu::reference::attend_group_probs_seg_ref;
     use kvrun::kv::{quantize_q8_0, BlockQ8_0, QK8_0};
     eprintln!(
         "decode512 available: {}",
-        kvrun::backend::decode512::available()
+        kvrun::backend::cpu::decode_avx512::available()
     );
     let mut r = Rng::new(0xdec0de);
     let mut worst = (0f32, 0f32);
@@ -687,7 +692,8 @@ fn decode_kernel_matches_portable_reference() {
 #[test]
 #[ignore]
 fn decode_kernel_speed() {
-    use kvrun::backend::cpu::{attend_group_probs_seg, attend_group_probs_seg_ref};
+    use kvrun::backend::cpu::decode_attn::attend_group_probs_seg;
+    use kvrun::backend::cpu::reference::attend_group_probs_seg_ref;
     let (layers, kvh, g, hd, n) = (30usize, 3usize, 3usize, 64usize, 1024usize);
     let kv_dim = kvh * hd;
     let mut r = Rng::new(7);

@@ -322,19 +322,19 @@ fn write_and_read_rows_exactly() {
     for l in 0..2 {
         for s in 0..3 {
             let base = (l * 10 + s) as f32;
-            let k: Vec<f32> = kv.k_row(l, s).iter().map(|x| x.to_f32()).collect();
-            let v: Vec<f32> = kv.v_row(l, s).iter().map(|x| x.to_f32()).collect();
+            let k = row(&kv, true, l, s);
+            let v = row(&kv, false, l, s);
             assert_eq!(k, vec![base, base + 0.5, -base, 0.25], "k l{l} s{s}");
             assert_eq!(v, vec![-base, 1024.0, base * 2.0, -0.125], "v l{l} s{s}");
         }
     }
     // overwrite one row; neighbours are untouched
     kv.write(1, 1, &[7.0; 4], &[8.0; 4]);
-    assert!(kv.k_row(1, 1).iter().all(|x| x.to_f32() == 7.0));
-    assert!(kv.v_row(1, 1).iter().all(|x| x.to_f32() == 8.0));
-    assert_eq!(kv.k_row(1, 0)[0].to_f32(), 10.0);
-    assert_eq!(kv.k_row(1, 2)[0].to_f32(), 12.0);
-    assert_eq!(kv.k_row(0, 1)[0].to_f32(), 1.0);
+    assert!(row(&kv, true, 1, 1).iter().all(|&x| x == 7.0));
+    assert!(row(&kv, false, 1, 1).iter().all(|&x| x == 8.0));
+    assert_eq!(row(&kv, true, 1, 0)[0], 10.0);
+    assert_eq!(row(&kv, true, 1, 2)[0], 12.0);
+    assert_eq!(row(&kv, true, 0, 1)[0], 1.0);
 }
 
 /// Random apply sequences against a brute-force model of the ring map.
@@ -507,4 +507,15 @@ fn bytes_per_token_by_cache_type() {
             );
         }
     }
+}
+
+/// K (or V) row of (layer, slot) as stored, read back as f32.
+fn row(kv: &KvCache, key: bool, l: usize, s: usize) -> Vec<f32> {
+    let mut r = vec![0f32; kv.kv_dim];
+    if key {
+        kv.k_f32(l, s, &mut r);
+    } else {
+        kv.v_f32(l, s, &mut r);
+    }
+    r
 }

@@ -50,8 +50,8 @@ unsafe impl GlobalAlloc for Counting {
 static A: Counting = Counting;
 
 /// Largest allocation while feeding `n` tokens (chunks of 64) with `policy`.
-fn max_alloc_feeding(
-    w: &Weights<'_>,
+fn max_alloc_feeding<'w>(
+    w: &'w Weights<'w>,
     toks: &[u32],
     policy: Option<(&str, usize)>,
 ) -> (usize, usize) {

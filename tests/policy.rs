@@ -9,17 +9,17 @@
 mod util;
 
 use kvrun::error::Field;
+use kvrun::generate::StepObserver;
 use kvrun::generate::{KvPolicy, Session};
 use kvrun::load::gguf::Gguf;
 use kvrun::model::llama::Logits;
+use kvrun::model::Config;
 use kvrun::model::Weights;
 use kvrun::policy::table::{lookup, ScorerOptions};
 use kvrun::policy::wrap::{Rescorer, Wrapped};
 use kvrun::policy::{find, names, CacheShape, Evictor, Policy, ScoreCtx, POLICIES};
-use kvrun::sample::Rng;
-use kvrun::generate::StepObserver;
-use kvrun::model::Config;
 use kvrun::policy::{PolicyConfig, Step};
+use kvrun::sample::Rng;
 use kvrun::signals::{MassMode, ModelView, Needs, Signals};
 use kvrun::tokenizer::Tokenizer;
 use std::sync::{Arc, Mutex};
@@ -677,12 +677,10 @@ fn knorm_score(kv: &kvrun::kv::KvCache, slot: usize) -> f32 {
     let mut total = 0f64;
     let mut n = 0;
     for l in 0..kv.n_layers {
-        for k in kv.k_row(l, slot).chunks_exact(kv.head_dim) {
-            total += k
-                .iter()
-                .map(|x| (x.to_f32() as f64).powi(2))
-                .sum::<f64>()
-                .sqrt();
+        let mut row = vec![0f32; kv.kv_dim];
+        kv.k_f32(l, slot, &mut row);
+        for k in row.chunks_exact(kv.head_dim) {
+            total += k.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
             n += 1;
         }
     }
@@ -757,7 +755,7 @@ fn knorm_evicts_the_lowest_scored() {
 // ------------------------------------------------------------ 6. random is seeded
 
 /// Live positions after every feed.
-fn random_history(w: &Weights, toks: &[u32], seed: u64) -> Vec<Vec<i64>> {
+fn random_history<'w>(w: &'w Weights<'w>, toks: &[u32], seed: u64) -> Vec<Vec<i64>> {
     let mut s = Session::with_policy(
         w,
         toks.len(),
@@ -1013,9 +1011,15 @@ fn needs_union_and_settings_named_per_front_end() {
     };
     let u = a.union(&b);
     assert_eq!(u.tap_layers, vec![7, 10, 21]);
-    assert_eq!((u.query_window, u.mass, u.attn_inputs), (32, MassMode::LastRow, false));
+    assert_eq!(
+        (u.query_window, u.mass, u.attn_inputs),
+        (32, MassMode::LastRow, false)
+    );
     assert!(a.covered_by(&u) && b.covered_by(&u) && !u.covered_by(&a));
-    assert_eq!(u.union(&Needs::mass(MassMode::AllRows)).mass, MassMode::AllRows);
+    assert_eq!(
+        u.union(&Needs::mass(MassMode::AllRows)).mass,
+        MassMode::AllRows
+    );
     assert!(Needs::none().is_none() && !u.is_none());
     // nothing needed, nothing allocated
     let c = Config::from_gguf(&Gguf::open(&util::default_model()).unwrap()).unwrap();
@@ -1034,7 +1038,10 @@ fn needs_union_and_settings_named_per_front_end() {
     }
     .build(0, std::path::Path::new(""))
     .unwrap_err();
-    assert_eq!(e.to_string(), "--kv-budget: --policy h2o needs --kv-budget N");
+    assert_eq!(
+        e.to_string(),
+        "--kv-budget: --policy h2o needs --kv-budget N"
+    );
     let kvrun::Error::Config(c) = e else {
         panic!("not a settings error: {e}")
     };
@@ -1051,7 +1058,10 @@ fn needs_union_and_settings_named_per_front_end() {
     .build(0, std::path::Path::new(""))
     .unwrap_err()
     .to_string();
-    assert!(e.starts_with("--prompt-policy: unknown policy 'lru'"), "{e}");
+    assert!(
+        e.starts_with("--prompt-policy: unknown policy 'lru'"),
+        "{e}"
+    );
 }
 
 /// Records layer 0's attention inputs and counts steps.

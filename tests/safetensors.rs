@@ -11,7 +11,7 @@
 
 mod util;
 
-use kvrun::backend::cpu::RopeStyle;
+use kvrun::backend::RopeStyle;
 use kvrun::chat::{ChatTemplate, Message};
 use kvrun::generate::Session;
 use kvrun::load::gguf::{Gguf, Value};
@@ -276,7 +276,7 @@ fn prompt_tokens(g: &Gguf, n: usize) -> Vec<u32> {
     ids[..n].to_vec()
 }
 
-fn all_logits(w: &Weights<'_>, tokens: &[u32]) -> Vec<f32> {
+fn all_logits<'w>(w: &'w Weights<'w>, tokens: &[u32]) -> Vec<f32> {
     let mut s = Session::new(w, 64, N_THREADS, 32);
     s.feed(tokens, Logits::All).unwrap().to_vec()
 }

@@ -4,9 +4,11 @@
 //! token (freeing its slot) never moves or re-rotates data. Storage is laid
 //! out (n_layers, n_slots, kv_dim) for K and for V, in the cache type
 //! (`KvType`, `--cache-type`): f32, f16 (default) or q8_0 (ggml's block
-//! layout: 32 values per block, one f16 scale + 32 i8, 34 bytes). Attention
-//! kernels read a layer through `layer()`, which dispatches on the type once
-//! per layer; each row type implements `backend::cpu::KvRow`.
+//! layout: 32 values per block, one f16 scale + 32 i8, 34 bytes). The
+//! storage itself is a backend-owned `KvStore` (host memory on the CPU,
+//! device memory later): this module decides which store row each token's
+//! (layer, head) values go to, the backend converts and reads them, and
+//! scorers fetch rows through `read_heads` / `k_f32` / `v_f32`.
 //!
 //! Two layouts (`Layout`): token-uniform (one slot map shared by every layer
 //! and head: a slot holds one token's K/V rows of all layers) and per-(layer,
@@ -25,69 +27,11 @@ pub mod streams;
 
 use crate::error::{Error, Result};
 use cells::KvCells;
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use streams::{Region, StreamLists};
 
-/// Storage type of cached K and V (`--cache-type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum KvType {
-    F32,
-    #[default]
-    F16,
-    /// ggml q8_0: blocks of 32 values, f16 scale d, x = d * q (q in -127..=127).
-    Q8_0,
-}
-
-impl KvType {
-    /// Every type, in `--cache-type` order.
-    pub const ALL: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
-
-    /// Name as `--cache-type` spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvType::F32 => "f32",
-            KvType::F16 => "f16",
-            KvType::Q8_0 => "q8_0",
-        }
-    }
-
-    /// Parse a `--cache-type` value.
-    pub fn parse(s: &str) -> Result<KvType> {
-        KvType::ALL
-            .into_iter()
-            .find(|t| t.name() == s)
-            .ok_or_else(|| {
-                Error::arg(
-                    "--cache-type",
-                    format!("unknown cache type '{s}' (known: f32, f16, q8_0)"),
-                )
-            })
-    }
-
-    /// Values per storage unit (1, or 32 per q8_0 block).
-    pub fn block_len(self) -> usize {
-        match self {
-            KvType::Q8_0 => QK8_0,
-            _ => 1,
-        }
-    }
-
-    /// Bytes of one row of `n` values (`n` a multiple of `block_len`).
-    pub fn row_bytes(self, n: usize) -> usize {
-        match self {
-            KvType::F32 => 4 * n,
-            KvType::F16 => 2 * n,
-            KvType::Q8_0 => n / QK8_0 * std::mem::size_of::<BlockQ8_0>(),
-        }
-    }
-}
-
-impl std::fmt::Display for KvType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::backend::kvstore::{
+    dequantize_q8_0, quantize_q8_0, BlockQ8_0, HeadView, KvAccess, KvStore, KvType, QK8_0,
+};
 
 /// Which RoPE position a cached token's key meets the query at (`--pos-mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -133,74 +77,7 @@ pub enum Layout {
     Streams,
 }
 
-/// The keys one KV head of one layer attends over: live slots, their
-/// positions, and where head `g`'s row of slot `s` starts in `layer()`'s
-/// storage (`s * stride + off`, in storage units).
-#[derive(Clone, Copy, Debug)]
-pub struct HeadView<'a> {
-    pub slots: &'a [u32],
-    pub pos: &'a [i64],
-    pub stride: usize,
-    pub off: usize,
-}
-
-/// Values per q8_0 block.
-pub const QK8_0: usize = 32;
-
-/// One q8_0 block, ggml's `block_q8_0`: 34 bytes.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct BlockQ8_0 {
-    /// Scale: x = d * q.
-    pub d: f16,
-    /// Quantized values.
-    pub qs: [i8; QK8_0],
-}
-
-/// Quantize x (n) into n/32 blocks as ggml's `quantize_row_q8_0_ref` does:
-/// d = max|x| / 127, q = round(x / d).
-pub fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
-    for (b, xb) in out.iter_mut().zip(x.chunks_exact(QK8_0)) {
-        let amax = xb.iter().fold(0f32, |m, &v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        b.d = f16::from_f32(d);
-        for (q, &v) in b.qs.iter_mut().zip(xb) {
-            *q = (v * id).round() as i8;
-        }
-    }
-}
-
-/// Dequantize blocks into out (32 per block).
-#[inline]
-pub fn dequantize_q8_0(b: &[BlockQ8_0], out: &mut [f32]) {
-    for (blk, o) in b.iter().zip(out.chunks_exact_mut(QK8_0)) {
-        let d = blk.d.to_f32();
-        for (y, &q) in o.iter_mut().zip(&blk.qs) {
-            *y = q as f32 * d;
-        }
-    }
-}
-
-/// K and V storage of every layer, in the cache type.
-#[derive(Debug, Clone)]
-enum Store {
-    F32(Vec<f32>, Vec<f32>),
-    F16(Vec<f16>, Vec<f16>),
-    Q8(Vec<BlockQ8_0>, Vec<BlockQ8_0>),
-}
-
-/// One layer's K and V as stored, (n_slots, row units) each, where a row is
-/// kv_dim values (f32/f16) or kv_dim/32 blocks (q8_0). Kernels match on
-/// this once per layer and run a monomorphized loop per type.
-#[derive(Clone, Copy, Debug)]
-pub enum LayerKv<'a> {
-    F32(&'a [f32], &'a [f32]),
-    F16(&'a [f16], &'a [f16]),
-    Q8(&'a [BlockQ8_0], &'a [BlockQ8_0]),
-}
-
-/// K/V storage plus slot metadata.
+/// Slot metadata plus the backend-owned K/V store it addresses.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     pub cells: KvCells,
@@ -211,10 +88,12 @@ pub struct KvCache {
     pub head_dim: usize,
     /// Storage type.
     pub ty: KvType,
-    /// (n_layers, n_slots, kv_dim) keys after RoPE and values, in `ty`.
-    store: Store,
-    /// Storage units per row: kv_dim (f32, f16) or kv_dim/32 (q8_0).
-    row_len: usize,
+    /// Keys after RoPE and values: token-uniform, (n_layers · n_slots) rows
+    /// of kv_dim (row layer · n_slots + slot); streams, n_pool rows of
+    /// head_dim shared by every layer.
+    store: Box<dyn KvStore>,
+    /// Storage units per head row: head_dim, or head_dim / 32 (q8_0).
+    head_units: usize,
     /// (n_live,) slots of the live entries, ordered by position (rebuilt by `reserve`).
     live_slots: Vec<u32>,
     /// (n_live,) absolute positions matching `live_slots`.
@@ -237,9 +116,17 @@ pub struct KvCache {
     pub peak_entries: usize,
 }
 
+/// How a cache's store must be shaped: rows and values per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreShape {
+    pub ty: KvType,
+    pub n_rows: usize,
+    pub row_vals: usize,
+}
+
 impl KvCache {
-    /// An f16 cache of `n_slots` slots per layer, each holding `kv_dim` =
-    /// n_kv_heads * `head_dim` values of K and of V.
+    /// An f16 cache (CPU store) of `n_slots` slots per layer, each holding
+    /// `kv_dim` = n_kv_heads * `head_dim` values of K and of V.
     pub fn new(n_layers: usize, kv_dim: usize, head_dim: usize, n_slots: usize) -> KvCache {
         // f16 has no block constraint: this cannot fail
         match Self::with_type(n_layers, kv_dim, head_dim, n_slots, KvType::F16) {
@@ -248,8 +135,8 @@ impl KvCache {
         }
     }
 
-    /// A cache storing K and V as `ty`. q8_0 blocks must not straddle
-    /// heads: head_dim (hence kv_dim) must be a multiple of 32.
+    /// A token-uniform cache storing K and V as `ty` in host memory (the
+    /// CPU backend's store).
     pub fn with_type(
         n_layers: usize,
         kv_dim: usize,
@@ -257,25 +144,12 @@ impl KvCache {
         n_slots: usize,
         ty: KvType,
     ) -> Result<KvCache> {
-        let bl = ty.block_len();
-        if head_dim == 0 || !head_dim.is_multiple_of(bl) || !kv_dim.is_multiple_of(bl) {
-            return Err(Error::arg(
-                "--cache-type",
-                format!(
-                    "{ty} stores blocks of {bl} values, but this model's head_dim {head_dim} (kv_dim {kv_dim}) is not a multiple of {bl}: use f16 or f32"
-                ),
-            ));
-        }
-        let row_len = kv_dim / bl;
-        let n = n_layers * n_slots * row_len;
-        Ok(Self::alloc(
-            n_layers, kv_dim, head_dim, n_slots, ty, n, row_len, None,
-        ))
+        Self::uniform_on(&cpu_store, n_layers, kv_dim, head_dim, n_slots, ty)
     }
 
-    /// A per-(layer, KV head) stream cache over a pool of rows of
-    /// `head_dim` values (K and V) cut into `regions`, each serving a run of
-    /// streams (see `streams`).
+    /// A per-(layer, KV head) stream cache in host memory over a pool of
+    /// rows of `head_dim` values (K and V) cut into `regions`, each serving
+    /// a run of streams (see `streams`).
     pub fn with_streams(
         n_layers: usize,
         kv_dim: usize,
@@ -283,38 +157,77 @@ impl KvCache {
         regions: &[Region],
         ty: KvType,
     ) -> Result<KvCache> {
-        let c = Self::with_type(n_layers, kv_dim, head_dim, 0, ty)?;
-        let row_len = head_dim / ty.block_len();
-        let lists = StreamLists::new(n_layers, kv_dim / head_dim, regions);
-        let n_pool = lists.n_rows();
-        Ok(Self::alloc(
-            n_layers,
-            kv_dim,
-            head_dim,
-            n_pool,
-            c.ty,
-            n_pool * row_len,
-            row_len,
-            Some(lists),
-        ))
+        Self::streams_on(&cpu_store, n_layers, kv_dim, head_dim, regions, ty)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn alloc(
+    /// A token-uniform cache whose store `make` allocates (a backend's
+    /// `kv_store`). q8_0 blocks must not straddle heads: head_dim (hence
+    /// kv_dim) must be a multiple of 32.
+    pub fn uniform_on(
+        make: &dyn Fn(StoreShape) -> Result<Box<dyn KvStore>>,
         n_layers: usize,
         kv_dim: usize,
         head_dim: usize,
         n_slots: usize,
         ty: KvType,
-        n: usize,
-        row_len: usize,
+    ) -> Result<KvCache> {
+        check_type(ty, kv_dim, head_dim)?;
+        let store = make(StoreShape {
+            ty,
+            n_rows: n_layers * n_slots,
+            row_vals: kv_dim,
+        })?;
+        Ok(Self::assemble(
+            n_layers, kv_dim, head_dim, n_slots, ty, store, None,
+        ))
+    }
+
+    /// A stream cache whose store `make` allocates.
+    pub fn streams_on(
+        make: &dyn Fn(StoreShape) -> Result<Box<dyn KvStore>>,
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        regions: &[Region],
+        ty: KvType,
+    ) -> Result<KvCache> {
+        check_type(ty, kv_dim, head_dim)?;
+        let lists = StreamLists::new(n_layers, kv_dim / head_dim, regions);
+        let n_pool = lists.n_rows();
+        let store = make(StoreShape {
+            ty,
+            n_rows: n_pool,
+            row_vals: head_dim,
+        })?;
+        Ok(Self::assemble(
+            n_layers,
+            kv_dim,
+            head_dim,
+            n_pool,
+            ty,
+            store,
+            Some(lists),
+        ))
+    }
+
+    /// The shape of this cache's store, to reallocate it elsewhere.
+    pub fn store_shape(&self) -> StoreShape {
+        StoreShape {
+            ty: self.ty,
+            n_rows: self.store.n_rows(),
+            row_vals: self.store.row_vals(),
+        }
+    }
+
+    fn assemble(
+        n_layers: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        n_slots: usize,
+        ty: KvType,
+        store: Box<dyn KvStore>,
         streams: Option<StreamLists>,
     ) -> KvCache {
-        let store = match ty {
-            KvType::F32 => Store::F32(vec![0.0; n], vec![0.0; n]),
-            KvType::F16 => Store::F16(vec![f16::ZERO; n], vec![f16::ZERO; n]),
-            KvType::Q8_0 => Store::Q8(vec![BlockQ8_0::default(); n], vec![BlockQ8_0::default(); n]),
-        };
         KvCache {
             cells: KvCells::new(n_slots),
             n_layers,
@@ -322,7 +235,7 @@ impl KvCache {
             head_dim,
             ty,
             store,
-            row_len,
+            head_units: head_dim / ty.block_len(),
             live_slots: Vec::new(),
             live_pos: Vec::new(),
             slot_order: Vec::new(),
@@ -518,7 +431,7 @@ impl KvCache {
     /// list, stream caches the stream's own.
     #[inline]
     pub fn head(&self, layer: usize, g: usize, memory_order: bool) -> HeadView<'_> {
-        let hu = self.head_dim / self.ty.block_len();
+        let hu = self.head_units;
         match &self.streams {
             Some(st) => {
                 let id = st.id(layer, g);
@@ -543,7 +456,7 @@ impl KvCache {
                 HeadView {
                     slots,
                     pos,
-                    stride: self.row_len,
+                    stride: self.n_kv_heads * hu,
                     off: g * hu,
                 }
             }
@@ -574,27 +487,31 @@ impl KvCache {
             self.write(layer, step_slots[i] as usize, k, v);
             return;
         };
-        let (hd, hu) = (self.head_dim, self.row_len);
+        let hd = self.head_dim;
         for g in 0..self.n_kv_heads {
             let sl = step_slots[st.id(layer, g) * n + i] as usize;
             let r = g * hd..(g + 1) * hd;
-            Self::put(&mut self.store, sl * hu, hu, &k[r.clone()], &v[r]);
+            self.store.write(sl, 0, &k[r.clone()], &v[r]);
         }
     }
 
     /// Key (or value) row of KV head `g` of (layer, slot) as f32 into `out`
     /// (head_dim), for either layout.
     pub fn head_f32(&self, key: bool, layer: usize, g: usize, slot: usize, out: &mut [f32]) {
-        let hu = self.head_dim / self.ty.block_len();
-        let o = match &self.streams {
-            Some(_) => slot * hu,
-            None => self.off(layer, slot) + g * hu,
-        };
-        let out = &mut out[..self.head_dim];
-        match &self.store {
-            Store::F32(k, v) => out.copy_from_slice(&(if key { k } else { v })[o..o + hu]),
-            Store::F16(k, v) => (if key { k } else { v })[o..o + hu].convert_to_f32_slice(out),
-            Store::Q8(k, v) => dequantize_q8_0(&(if key { k } else { v })[o..o + hu], out),
+        self.read_heads(key, layer, g, &[slot as u32], out)
+    }
+
+    /// Key (or value) rows of KV head `g` of `layer` for every slot of
+    /// `slots` as f32 into `out` ((slots.len(), head_dim)): one batched
+    /// read of the store, whatever device holds it.
+    pub fn read_heads(&self, key: bool, layer: usize, g: usize, slots: &[u32], out: &mut [f32]) {
+        let hd = self.head_dim;
+        let out = &mut out[..slots.len() * hd];
+        match &self.streams {
+            Some(_) => self.store.read(key, 0, slots, 0, hd, out),
+            None => self
+                .store
+                .read(key, self.layer_base(layer), slots, g * hd, hd, out),
         }
     }
 
@@ -608,67 +525,29 @@ impl KvCache {
         (&self.live_slots, &self.live_pos)
     }
 
-    /// Storage units from the start of the store to (layer, slot)
-    /// (stream layout: to pool row `slot`; the pool serves every layer).
+    /// First store row of `layer` (token-uniform: layer · n_slots; the
+    /// stream pool serves every layer from row 0).
     #[inline]
-    fn off(&self, layer: usize, slot: usize) -> usize {
+    pub fn layer_base(&self, layer: usize) -> usize {
         if self.streams.is_some() {
-            return slot * self.row_len;
-        }
-        (layer * self.cells.n_slots() + slot) * self.row_len
-    }
-
-    /// Storage units per row: kv_dim (f32, f16) or kv_dim/32 blocks (q8_0).
-    #[inline]
-    pub fn row_len(&self) -> usize {
-        self.row_len
-    }
-
-    /// Layer `layer`'s K and V, (n_slots, row_len) each, in the stored type
-    /// (stream layout: the whole pool, (n_pool, head units)).
-    #[inline]
-    pub fn layer(&self, layer: usize) -> LayerKv<'_> {
-        let (a, b) = if self.streams.is_some() {
-            (0, self.cells.n_slots() * self.row_len)
+            0
         } else {
-            (self.off(layer, 0), self.off(layer + 1, 0))
-        };
-        match &self.store {
-            Store::F32(k, v) => LayerKv::F32(&k[a..b], &v[a..b]),
-            Store::F16(k, v) => LayerKv::F16(&k[a..b], &v[a..b]),
-            Store::Q8(k, v) => LayerKv::Q8(&k[a..b], &v[a..b]),
+            layer * self.cells.n_slots()
         }
+    }
+
+    /// The K/V store.
+    pub fn store(&self) -> &dyn KvStore {
+        &*self.store
     }
 
     /// Store one token's K and V rows (kv_dim each) for `layer`
     /// (token-uniform layout; streams write through `write_token`).
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         debug_assert!(self.streams.is_none());
-        let o = self.off(layer, slot);
-        let (d, r) = (self.kv_dim, self.row_len);
-        Self::put(&mut self.store, o, r, &k[..d], &v[..d]);
-    }
-
-    /// Convert and store `k`, `v` as `r` storage units at offset `o`.
-    fn put(store: &mut Store, o: usize, r: usize, k: &[f32], v: &[f32]) {
-        match store {
-            Store::F32(ks, vs) => {
-                ks[o..o + r].copy_from_slice(k);
-                vs[o..o + r].copy_from_slice(v);
-            }
-            Store::F16(ks, vs) => {
-                for (dst, &x) in ks[o..o + r].iter_mut().zip(k) {
-                    *dst = f16::from_f32(x);
-                }
-                for (dst, &x) in vs[o..o + r].iter_mut().zip(v) {
-                    *dst = f16::from_f32(x);
-                }
-            }
-            Store::Q8(ks, vs) => {
-                quantize_q8_0(k, &mut ks[o..o + r]);
-                quantize_q8_0(v, &mut vs[o..o + r]);
-            }
-        }
+        let d = self.kv_dim;
+        let row = self.layer_base(layer) + slot;
+        self.store.write(row, 0, &k[..d], &v[..d]);
     }
 
     /// Key row of (layer, slot) as f32 into `out` (kv_dim), whatever the type.
@@ -682,35 +561,59 @@ impl KvCache {
     }
 
     fn row_f32(&self, key: bool, layer: usize, slot: usize, out: &mut [f32]) {
-        let o = self.off(layer, slot);
-        let (d, r) = (self.kv_dim, self.row_len);
-        let out = &mut out[..d];
-        match &self.store {
-            Store::F32(k, v) => out.copy_from_slice(&(if key { k } else { v })[o..o + r]),
-            Store::F16(k, v) => (if key { k } else { v })[o..o + r].convert_to_f32_slice(out),
-            Store::Q8(k, v) => dequantize_q8_0(&(if key { k } else { v })[o..o + r], out),
-        }
+        let d = self.kv_dim;
+        let row = [slot as u32];
+        self.store
+            .read(key, self.layer_base(layer), &row, 0, d, &mut out[..d]);
     }
+}
 
-    /// Key row of (layer, slot), kv_dim long, of an f16 cache (the default).
-    /// Panics on other types: use `k_f32` or `layer` there.
-    #[inline]
-    pub fn k_row(&self, layer: usize, slot: usize) -> &[f16] {
-        let o = self.off(layer, slot);
-        match &self.store {
-            Store::F16(k, _) => &k[o..o + self.kv_dim],
-            _ => panic!("k_row on a {} cache (use k_f32)", self.ty),
-        }
+/// The q8_0 block constraint: blocks must not straddle heads.
+fn check_type(ty: KvType, kv_dim: usize, head_dim: usize) -> Result<()> {
+    let bl = ty.block_len();
+    if head_dim == 0 || !head_dim.is_multiple_of(bl) || !kv_dim.is_multiple_of(bl) {
+        return Err(Error::arg(
+            "--cache-type",
+            format!(
+                "{ty} stores blocks of {bl} values, but this model's head_dim {head_dim} (kv_dim {kv_dim}) is not a multiple of {bl}: use f16 or f32"
+            ),
+        ));
     }
+    Ok(())
+}
 
-    /// Value row of (layer, slot), kv_dim long, of an f16 cache (the default).
-    /// Panics on other types: use `v_f32` or `layer` there.
-    #[inline]
-    pub fn v_row(&self, layer: usize, slot: usize) -> &[f16] {
-        let o = self.off(layer, slot);
-        match &self.store {
-            Store::F16(_, v) => &v[o..o + self.kv_dim],
-            _ => panic!("v_row on a {} cache (use v_f32)", self.ty),
-        }
+/// A host-memory store (the CPU backend's).
+fn cpu_store(s: StoreShape) -> Result<Box<dyn KvStore>> {
+    Ok(Box::new(crate::backend::cpu::kv_store::CpuKv::new(
+        s.ty, s.n_rows, s.row_vals,
+    )))
+}
+
+impl KvAccess for KvCache {
+    fn head(&self, layer: usize, g: usize, memory_order: bool) -> HeadView<'_> {
+        KvCache::head(self, layer, g, memory_order)
+    }
+    fn live_positions(&self) -> &[i64] {
+        &self.live_pos
+    }
+    fn n_slots(&self) -> usize {
+        self.cells.n_slots()
+    }
+    fn layer_base(&self, layer: usize) -> usize {
+        KvCache::layer_base(self, layer)
+    }
+    fn store(&self) -> &dyn KvStore {
+        &*self.store
+    }
+    fn write_token(
+        &mut self,
+        layer: usize,
+        i: usize,
+        n: usize,
+        slots: &[u32],
+        k: &[f32],
+        v: &[f32],
+    ) {
+        KvCache::write_token(self, layer, i, n, slots, k, v)
     }
 }

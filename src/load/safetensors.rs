@@ -19,7 +19,7 @@
 //! is the NeoX style. So HF llama (and qwen2, NeoX in both) load with
 //! [`RopeStyle::Neox`].
 
-use crate::backend::cpu::RopeStyle;
+use crate::backend::RopeStyle;
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::load::mmap::Mapped;

@@ -8,7 +8,7 @@
 
 pub mod llama;
 
-use crate::backend::cpu::{QMat, Rope, RopeStyle};
+use crate::backend::{Backend, Host, Rope, RopeStyle, WeightSink, HOST_LOADER, MAX_GROUP};
 use crate::error::{Error, Result};
 use crate::load::gguf::Gguf;
 use crate::tensor::{DType, TensorView};
@@ -106,13 +106,13 @@ impl Config {
             Some(_) => g.get_usize(&k("attention.key_length"))?,
             None => dim / n_heads,
         };
-        if n_heads / n_kv_heads > crate::backend::cpu::MAX_GROUP {
+        if n_heads / n_kv_heads > MAX_GROUP {
             return Err(bad(
                 k("attention.head_count_kv"),
                 format!(
                     "{} query heads per KV head (at most {})",
                     n_heads / n_kv_heads,
-                    crate::backend::cpu::MAX_GROUP
+                    MAX_GROUP
                 ),
             ));
         }
@@ -182,63 +182,80 @@ impl Config {
     }
 }
 
-/// Weights of one decoder layer.
+/// Weights of one decoder layer, as backend `B` holds them.
 #[derive(Debug)]
-pub struct LayerWeights<'a> {
+pub struct LayerWeights<'a, B: Backend = Host> {
     /// (dim,)
-    pub attn_norm: Vec<f32>,
+    pub attn_norm: B::Vector,
     /// (q_dim, dim)
-    pub wq: QMat<'a>,
+    pub wq: B::Mat<'a>,
     /// (kv_dim, dim)
-    pub wk: QMat<'a>,
+    pub wk: B::Mat<'a>,
     /// (kv_dim, dim)
-    pub wv: QMat<'a>,
+    pub wv: B::Mat<'a>,
     /// Optional biases (qwen2): (q_dim,), (kv_dim,), (kv_dim,)
-    pub bq: Option<Vec<f32>>,
-    pub bk: Option<Vec<f32>>,
-    pub bv: Option<Vec<f32>>,
+    pub bq: Option<B::Vector>,
+    pub bk: Option<B::Vector>,
+    pub bv: Option<B::Vector>,
     /// (dim, q_dim)
-    pub wo: QMat<'a>,
+    pub wo: B::Mat<'a>,
     /// (dim,)
-    pub ffn_norm: Vec<f32>,
+    pub ffn_norm: B::Vector,
     /// (ffn_dim, dim)
-    pub w_gate: QMat<'a>,
+    pub w_gate: B::Mat<'a>,
     /// (ffn_dim, dim)
-    pub w_up: QMat<'a>,
+    pub w_up: B::Mat<'a>,
     /// (dim, ffn_dim)
-    pub w_down: QMat<'a>,
+    pub w_down: B::Mat<'a>,
 }
 
-/// All weights of a model, immutable after loading.
+/// All weights of a model on backend `B` (the CPU by default: matrices
+/// borrow the memory map), immutable after loading.
 #[derive(Debug)]
-pub struct Weights<'a> {
+pub struct Weights<'a, B: Backend = Host> {
     pub config: Config,
     /// (vocab, dim)
-    pub token_embd: QMat<'a>,
-    pub layers: Vec<LayerWeights<'a>>,
+    pub token_embd: B::Mat<'a>,
+    pub layers: Vec<LayerWeights<'a, B>>,
     /// (dim,)
-    pub output_norm: Vec<f32>,
+    pub output_norm: B::Vector,
     /// (vocab, dim); None when tied to `token_embd`.
-    pub output: Option<QMat<'a>>,
+    pub output: Option<B::Mat<'a>>,
     pub rope: Rope,
 }
 
-impl<'a> Weights<'a> {
+impl<'a> Weights<'a, Host> {
+    /// Load from a GGUF file for the host backend (checks every shape against the config).
+    pub fn from_gguf(g: &'a Gguf) -> Result<Weights<'a, Host>> {
+        Self::from_gguf_on(&HOST_LOADER, g)
+    }
+
+    /// Load through any tensor source, for the host backend.
+    pub fn load(cfg: Config, src: &dyn TensorSource<'a>) -> Result<Weights<'a, Host>> {
+        Self::load_on(&HOST_LOADER, cfg, src)
+    }
+}
+
+impl<'a, B: Backend + 'a> Weights<'a, B> {
     /// The output projection (the embedding matrix when tied).
-    pub fn output(&self) -> &QMat<'a> {
+    pub fn output(&self) -> &B::Mat<'a> {
         self.output.as_ref().unwrap_or(&self.token_embd)
     }
 
-    /// Load from a GGUF file (checks every shape against the config).
-    pub fn from_gguf(g: &'a Gguf) -> Result<Weights<'a>> {
+    /// Load from a GGUF file onto a backend.
+    pub fn from_gguf_on(sink: &dyn WeightSink<B>, g: &'a Gguf) -> Result<Weights<'a, B>> {
         let cfg = Config::from_gguf(g)?;
         g.check_data()?;
         let src = GgufSource(g);
-        Weights::load(cfg, &src)
+        Weights::load_on(sink, cfg, &src)
     }
 
-    /// Load through any tensor source.
-    pub fn load(cfg: Config, src: &dyn TensorSource<'a>) -> Result<Weights<'a>> {
+    /// Load through any tensor source onto a backend.
+    pub fn load_on(
+        sink: &dyn WeightSink<B>,
+        cfg: Config,
+        src: &dyn TensorSource<'a>,
+    ) -> Result<Weights<'a, B>> {
         let (d, q, kv, f, v) = (
             cfg.dim as u64,
             cfg.q_dim() as u64,
@@ -246,17 +263,18 @@ impl<'a> Weights<'a> {
             cfg.ffn_dim as u64,
             cfg.vocab as u64,
         );
-        let mat = |name: &str, shape: [u64; 2]| -> Result<QMat<'a>> {
+        let mat = |name: &str, shape: [u64; 2]| -> Result<B::Mat<'a>> {
             let t = src.tensor(name, &shape)?;
-            QMat::new(t.0, shape[0] as usize, shape[1] as usize, t.1)
+            sink.matrix(t.0, shape[0] as usize, shape[1] as usize, t.1)
         };
-        let vecf = |name: &str, n: u64| -> Result<Vec<f32>> {
+        let host = |name: &str, n: u64| -> Result<Vec<f32>> {
             let (dt, bytes) = src.tensor(name, &[n])?;
             let mut out = vec![0f32; n as usize];
             crate::quant::dequantize_row(dt, &bytes, &mut out);
             Ok(out)
         };
-        let optf = |name: &str, n: u64| -> Result<Option<Vec<f32>>> {
+        let vecf = |name: &str, n: u64| -> Result<B::Vector> { sink.vector(host(name, n)?) };
+        let optf = |name: &str, n: u64| -> Result<Option<B::Vector>> {
             if src.has(name) {
                 vecf(name, n).map(Some)
             } else {
@@ -281,7 +299,11 @@ impl<'a> Weights<'a> {
                 w_down: mat(&p("ffn_down.weight"), [f, d])?,
             });
         }
-        let freq_factors = optf("rope_freqs.weight", (cfg.n_rot / 2) as u64)?;
+        let freq_factors = if src.has("rope_freqs.weight") {
+            Some(host("rope_freqs.weight", (cfg.n_rot / 2) as u64)?)
+        } else {
+            None
+        };
         let rope = Rope::new(
             cfg.rope_style,
             cfg.n_rot,

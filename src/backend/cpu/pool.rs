@@ -7,9 +7,16 @@
 //! condvar, so an idle server does not burn a core.
 //!
 //! `run(f)` calls `f(i)` once on every thread `i in 0..n_threads` (the caller
-//! is thread 0) and returns when all calls have returned.
+//! is thread 0) and returns when all calls have returned. A panic in any
+//! call is caught where it happens; `run` still waits for every thread to
+//! finish with `f` (which lives on the caller's stack) and then re-raises the
+//! first panic on the calling thread, so neither a use-after-free nor a
+//! caller spinning forever on a dead worker can happen.
 
+use std::any::Any;
 use std::cell::UnsafeCell;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -27,6 +34,8 @@ struct Shared {
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
+    /// The first panic a worker caught during the current job.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 // SAFETY: `job` is written only by the owning thread while no worker reads it
@@ -62,6 +71,7 @@ impl ThreadPool {
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
+            panic: Mutex::new(None),
         });
         let workers = (1..n_threads)
             .map(|i| {
@@ -84,7 +94,8 @@ impl ThreadPool {
         self.n_threads
     }
 
-    /// Run `f(i)` on every thread `i` and wait for all of them.
+    /// Run `f(i)` on every thread `i` and wait for all of them. If any call
+    /// panics, the panic is re-raised here once every thread is done with `f`.
     pub fn run<F: Fn(usize) + Sync>(&self, f: F) {
         if self.n_threads == 1 {
             f(0);
@@ -105,7 +116,9 @@ impl ThreadPool {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        f(0);
+        // our own share: a panic here must not unwind past the wait below
+        // while workers still call `f`
+        let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
         let n_workers = self.n_threads - 1;
         let mut spins = 0u32;
         while s.done.load(Ordering::Acquire) < n_workers {
@@ -120,6 +133,13 @@ impl ThreadPool {
         }
         // SAFETY: all workers are done with this epoch's job.
         unsafe { *s.job.get() = None };
+        let theirs = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Err(p) = mine {
+            resume_unwind(p);
+        }
+        if let Some(p) = theirs {
+            resume_unwind(p);
+        }
     }
 }
 
@@ -162,7 +182,14 @@ fn worker(s: Arc<Shared>, index: usize) {
         if let Some(job) = job {
             // SAFETY: the pointee outlives this call (see `run`).
             let f = unsafe { &*job };
-            f(index);
+            // a panic is handed to the caller (`run` re-raises it); the
+            // worker reports done either way and stays alive
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(index))) {
+                let mut slot = s.panic.lock().unwrap_or_else(|e| e.into_inner());
+                if slot.is_none() {
+                    *slot = Some(p);
+                }
+            }
         }
         s.done.fetch_add(1, Ordering::Release);
     }
@@ -189,32 +216,42 @@ pub fn split(n: usize, i: usize, n_threads: usize) -> (usize, usize) {
     (start, (start + per).min(n))
 }
 
-/// A raw pointer to an output buffer that threads write disjoint parts of.
-#[derive(Clone, Copy, Debug)]
-pub struct SharedMut<T> {
+/// A raw pointer to an output buffer that threads write disjoint parts of,
+/// valid for the lifetime `'a` of the borrow it was made from.
+#[derive(Debug)]
+pub struct SharedMut<'a, T> {
     ptr: *mut T,
     len: usize,
+    _borrow: PhantomData<&'a mut [T]>,
 }
+
+impl<T> Clone for SharedMut<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<'_, T> {}
 
 // SAFETY: SharedMut is only a carrier; every write goes through `write`/`slice`
 // whose callers guarantee disjoint indices across threads.
-unsafe impl<T: Send> Sync for SharedMut<T> {}
+unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
 // SAFETY: as above.
-unsafe impl<T: Send> Send for SharedMut<T> {}
+unsafe impl<T: Send> Send for SharedMut<'_, T> {}
 
-impl<T> SharedMut<T> {
-    /// Wrap a mutable slice for the duration of one parallel op.
-    pub fn new(s: &mut [T]) -> Self {
+impl<'a, T> SharedMut<'a, T> {
+    /// Wrap a mutable slice for the duration of one parallel op (the
+    /// slice stays mutably borrowed as long as the wrapper lives).
+    pub fn new(s: &'a mut [T]) -> Self {
         SharedMut {
             ptr: s.as_mut_ptr(),
             len: s.len(),
+            _borrow: PhantomData,
         }
     }
     /// Write element `i`.
     ///
     /// # Safety
-    /// No other thread may access index `i` during the op, and the wrapped
-    /// slice must outlive the op.
+    /// No other thread may access index `i` during the op.
     #[inline]
     pub unsafe fn write(&self, i: usize, v: T) {
         assert!(
@@ -228,13 +265,67 @@ impl<T> SharedMut<T> {
     /// A mutable sub-slice `[start, start+n)`.
     ///
     /// # Safety
-    /// The range must not be accessed by any other thread during the op, and
-    /// the wrapped slice must outlive the op.
+    /// The range must not be accessed by any other thread during the op.
     #[inline]
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice(&self, start: usize, n: usize) -> &mut [T] {
+    pub unsafe fn slice(&self, start: usize, n: usize) -> &'a mut [T] {
         assert!(start + n <= self.len, "SharedMut range out of bounds");
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A panic in the caller's share is re-raised only after the workers
+    /// finished with the job (they still see valid data), and the pool
+    /// keeps working.
+    #[test]
+    fn panic_on_the_calling_thread_waits_for_workers_then_propagates() {
+        let pool = ThreadPool::new(2);
+        let done = AtomicUsize::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(|i| {
+                if i == 0 {
+                    panic!("thread 0 fails");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                done.fetch_add(1, Ordering::SeqCst);
+            })
+        }));
+        assert!(r.is_err(), "the panic reaches the caller");
+        assert_eq!(done.load(Ordering::SeqCst), 1, "the worker finished first");
+        let sum = AtomicUsize::new(0);
+        pool.run(|i| {
+            sum.fetch_add(i + 1, Ordering::SeqCst);
+        });
+        assert_eq!(sum.load(Ordering::SeqCst), 3, "the pool still runs jobs");
+    }
+
+    /// A panic on a worker does not leave the caller spinning: it is
+    /// re-raised on the caller, and the worker stays alive for later jobs.
+    #[test]
+    fn panic_on_a_worker_is_raised_on_the_caller() {
+        let pool = ThreadPool::new(2);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(|i| {
+                if i == 1 {
+                    panic!("thread 1 fails");
+                }
+            })
+        }));
+        let msg = r
+            .err()
+            .and_then(|p| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        assert_eq!(msg, "thread 1 fails");
+        let sum = AtomicUsize::new(0);
+        pool.run(|i| {
+            sum.fetch_add(i + 1, Ordering::SeqCst);
+        });
+        assert_eq!(sum.load(Ordering::SeqCst), 3, "the worker survived");
     }
 }

@@ -17,7 +17,7 @@
 //! choice between the two is made per CPU, never per call site, so every
 //! run on one machine uses one kernel.
 
-use super::cpu::KvRow;
+use super::kv_store::KvRow;
 
 /// Whether this CPU runs the fast path.
 pub fn available() -> bool {

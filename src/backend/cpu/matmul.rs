@@ -1,0 +1,242 @@
+//! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
+//! GGUF storage type, usually borrowed from the memory map) and the
+//! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
+//! `ggml-sys`, with cache blocking for batched prefill and the Q4_1 tile
+//! kernel of `qgemm_x86` where the CPU has it.
+
+use super::pool::{split, SharedMut, ThreadPool};
+use super::qgemm_x86::{self, MR, NT};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, TensorView};
+use ggml_sys::CpuTraits;
+use std::borrow::Cow;
+
+/// A weight matrix (n_out rows of n_in weights) in its storage type.
+pub struct QMat<'a> {
+    pub dtype: DType,
+    /// Row length (input features).
+    pub n_in: usize,
+    /// Number of rows (output features).
+    pub n_out: usize,
+    /// (n_out, row_bytes(n_in)) raw blocks, usually borrowed from the mmap.
+    pub bytes: Cow<'a, [u8]>,
+    traits: CpuTraits,
+}
+
+impl std::fmt::Debug for QMat<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QMat({}, {}x{})", self.dtype, self.n_out, self.n_in)
+    }
+}
+
+impl<'a> QMat<'a> {
+    /// Wrap raw row-major blocks.
+    pub fn new(dtype: DType, n_in: usize, n_out: usize, bytes: Cow<'a, [u8]>) -> Result<QMat<'a>> {
+        let traits = CpuTraits::of(dtype.ggml_id())
+            .ok_or_else(|| Error::Other(format!("no CPU dot product for {dtype}")))?;
+        if !n_in.is_multiple_of(dtype.block_len()) || bytes.len() != dtype.row_bytes(n_in) * n_out {
+            return Err(Error::Other(format!(
+                "matrix {n_out}x{n_in} of {dtype} does not match its {} bytes",
+                bytes.len()
+            )));
+        }
+        // The activation partner's block must divide the row too.
+        let (pbl, _) = ggml_sys::block_geometry(traits.vec_dot_type);
+        if !n_in.is_multiple_of(pbl) {
+            return Err(Error::Other(format!(
+                "row length {n_in} not a multiple of {pbl}"
+            )));
+        }
+        Ok(QMat {
+            dtype,
+            n_in,
+            n_out,
+            bytes,
+            traits,
+        })
+    }
+
+    /// From a 2-D tensor view (ggml order: dims[0] = n_in).
+    pub fn from_view(v: TensorView<'a>) -> Result<QMat<'a>> {
+        QMat::new(v.dtype, v.n_cols(), v.n_rows(), Cow::Borrowed(v.bytes))
+    }
+
+    /// Bytes of one row.
+    #[inline]
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.dtype.row_bytes(self.n_in);
+        &self.bytes[r * rb..(r + 1) * rb]
+    }
+
+    /// Bytes one activation row takes in the dot partner format.
+    pub fn act_bytes(&self) -> usize {
+        self.traits.act_bytes(self.n_in)
+    }
+
+    /// Dequantize row `r` into `out` (n_in floats).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        crate::quant::dequantize_row(self.dtype, self.row(r), out);
+    }
+}
+
+/// Rows of weights processed per tile in batched matmul: the tile's bytes
+/// stay in L1/L2 while every token's activation streams past it.
+const ROW_TILE: usize = 16;
+
+/// out (n_tok, n_out) = x (n_tok, n_in) @ W^T, W = `w` (n_out, n_in).
+///
+/// `act` is scratch for the quantized activations, grown as needed.
+pub fn matmul(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+    act: &mut Vec<u8>,
+) {
+    quantize_acts(pool, w, x, n_tok, act);
+    matmul_q(pool, w, act, n_tok, out);
+}
+
+/// Whether matrices take their activations in the same format (so one
+/// `quantize_acts` can feed all of them, e.g. Q, K and V).
+pub fn same_act_format(a: &QMat<'_>, b: &QMat<'_>) -> bool {
+    a.traits.vec_dot_type == b.traits.vec_dot_type && a.n_in == b.n_in
+}
+
+/// Convert x (n_tok, n_in) to `w`'s dot-partner format into `act`, split by token.
+pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, act: &mut Vec<u8>) {
+    let n_in = w.n_in;
+    assert_eq!(
+        x.len(),
+        n_tok * n_in,
+        "matmul: x has {} floats, want {n_tok}x{n_in}",
+        x.len()
+    );
+    let ab = w.act_bytes();
+    if act.len() < n_tok * ab {
+        act.resize(n_tok * ab, 0);
+    }
+    let nt = pool.n_threads();
+    let acts = SharedMut::new(&mut act[..n_tok * ab]);
+    let quant = |i: usize| {
+        let (t0, t1) = split(n_tok, i, nt);
+        for t in t0..t1 {
+            // SAFETY: token rows are disjoint between threads.
+            let dst = unsafe { acts.slice(t * ab, ab) };
+            w.traits.quantize_act(&x[t * n_in..(t + 1) * n_in], dst);
+        }
+    };
+    if n_tok > 1 {
+        pool.run(quant);
+    } else {
+        quant(0);
+    }
+}
+
+/// out (n_tok, n_out) = act @ W^T with activations already converted by
+/// `quantize_acts` for a matrix of the same format; split by output rows
+/// (tiles of ROW_TILE rows, each tile swept over every token).
+pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+    if n_tok >= NT && w.dtype == DType::Q4_1 {
+        if let Some(tile) = qgemm_x86::q4_1_q8_1_tile() {
+            return matmul_q_tiled(pool, w, act, n_tok, out, tile);
+        }
+    }
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|i| {
+        let n_tiles = n_out.div_ceil(ROW_TILE);
+        let (tile0, tile1) = split(n_tiles, i, nt);
+        for tile in tile0..tile1 {
+            let r0 = tile * ROW_TILE;
+            let r1 = (r0 + ROW_TILE).min(n_out);
+            for t in 0..n_tok {
+                let a = &act[t * ab..(t + 1) * ab];
+                for r in r0..r1 {
+                    let s = w.traits.dot(n_in, w.row(r), a);
+                    // SAFETY: row r belongs to this thread's tiles only.
+                    unsafe { o.write(t * n_out + r, s) };
+                }
+            }
+        }
+    });
+}
+
+/// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
+/// thread takes ROW_TILE-row blocks; per block, token tiles stream past its
+/// MR-row micro tiles (block weights and one token tile stay in L1).
+/// Ragged edges repeat the last row / token and drop the extra results.
+fn matmul_q_tiled(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    tile: qgemm_x86::TileFn,
+) {
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nb = n_in / w.dtype.block_len();
+    let n_tt = n_tok.div_ceil(NT);
+    // token rows of tile tt (the last one padded with its last token)
+    let toks = |tt: usize| -> [&[u8]; NT] {
+        std::array::from_fn(|k| {
+            let t = (tt * NT + k).min(n_tok - 1);
+            &act[t * ab..(t + 1) * ab]
+        })
+    };
+    // activation scales of every token tile, gathered once              (n_tt,)
+    let mut a_sc = vec![qgemm_x86::TileScales::default(); n_tt];
+    {
+        let nt = pool.n_threads();
+        let sc = SharedMut::new(&mut a_sc[..]);
+        pool.run(|i| {
+            let (t0, t1) = split(n_tt, i, nt);
+            // SAFETY: token tiles t0..t1 belong to this thread.
+            let mine = unsafe { sc.slice(t0, t1 - t0) };
+            for (tt, s) in (t0..t1).zip(mine) {
+                s.q8_1(&toks(tt), nb);
+            }
+        });
+    }
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|i| {
+        let n_blocks = n_out.div_ceil(ROW_TILE);
+        let (blk0, blk1) = split(n_blocks, i, nt);
+        let mut w_sc = vec![qgemm_x86::TileScales::default(); ROW_TILE / MR];
+        for blk in blk0..blk1 {
+            let r0 = blk * ROW_TILE;
+            let r1 = (r0 + ROW_TILE).min(n_out);
+            let n_micro = (r1 - r0).div_ceil(MR);
+            let mut rows = [[&[] as &[u8]; MR]; ROW_TILE / MR];
+            for m in 0..n_micro {
+                rows[m] = std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)));
+                w_sc[m].q4_1(&rows[m], nb);
+            }
+            for tt in 0..n_tt {
+                let a = toks(tt);
+                let n_t = NT.min(n_tok - tt * NT);
+                for m in 0..n_micro {
+                    let res = tile(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]);
+                    let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
+                    for j in 0..n_t {
+                        let t = tt * NT + j;
+                        // SAFETY: rows r0..r1 belong to this thread only.
+                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
+                        for (k, d) in dst.iter_mut().enumerate() {
+                            *d = res[k][j];
+                        }
+                    }
+                }
+            }
+        }
+    });
+}

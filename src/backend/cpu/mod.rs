@@ -1,0 +1,326 @@
+//! The CPU backend: host buffers, a persistent thread pool, ggml's
+//! quantized dot products plus our own tiled kernels.
+//!
+//! Files by job:
+//! - `pool`: the spinning thread pool every parallel op runs on;
+//! - `matmul`: `QMat` and the row-parallel quantized matrix products;
+//! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
+//! - `elementwise`: RMSNorm, SwiGLU, residual adds;
+//! - `attention`: one layer's attention step (prefill and decode paths,
+//!   in-cache positions, the probability export);
+//! - `prefill_attn_kernels` (+ `prefill_avx512` tiles) and `decode_attn`
+//!   (+ `decode_avx512`): the per-KV-head kernels;
+//! - `kv_store`: K/V rows in host memory;
+//! - `reference`: the scalar reference kernels the parity tests use.
+//!
+//! Every op gives the same result for any thread count: work is split by
+//! rows whose arithmetic does not depend on the split.
+
+pub mod attention;
+pub mod decode_attn;
+pub mod decode_avx512;
+pub mod elementwise;
+pub mod kv_store;
+pub mod matmul;
+pub mod pool;
+pub mod prefill_attn_kernels;
+pub mod prefill_avx512;
+pub mod qgemm_x86;
+pub mod reference;
+
+pub use matmul::QMat;
+
+use crate::backend::{AttnStep, Backend, KvAccess, KvStore, KvType, Rope};
+use crate::error::Result;
+use crate::tensor::DType;
+use elementwise::{add, rmsnorm, swiglu};
+use matmul::{matmul_q, quantize_acts, same_act_format};
+use pool::{split, SharedMut, ThreadPool};
+use std::borrow::Cow;
+
+/// The CPU backend: `n_threads` threads (the caller included).
+#[derive(Debug)]
+pub struct Cpu {
+    pub pool: ThreadPool,
+}
+
+impl Cpu {
+    /// A backend running on `n_threads` threads.
+    pub fn new(n_threads: usize) -> Cpu {
+        Cpu {
+            pool: ThreadPool::new(n_threads),
+        }
+    }
+}
+
+/// Takes weights for the CPU without a running backend: matrices keep the
+/// mapped bytes as they are.
+#[derive(Debug, Clone, Copy)]
+pub struct Loader;
+
+impl crate::backend::WeightSink<Cpu> for Loader {
+    fn matrix<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<QMat<'w>> {
+        QMat::new(dtype, n_in, n_out, bytes)
+    }
+    fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(v)
+    }
+}
+
+/// Matmul and attention scratch of one sequence.
+#[derive(Debug, Default)]
+pub struct CpuScratch {
+    /// activations in the weights' dot-partner format
+    act: Vec<u8>,
+    /// attention scratch
+    attn: attention::AttnScratch,
+}
+
+/// Run `f(t0, t1)` over the token rows `0..n` split across the pool's
+/// threads (inline when there is one row, as in decoding: no sync cost).
+fn par_rows(pool: &ThreadPool, n: usize, f: impl Fn(usize, usize) + Sync) {
+    if n < 2 {
+        f(0, n);
+        return;
+    }
+    let nt = pool.n_threads();
+    pool.run(|i| {
+        let (t0, t1) = split(n, i, nt);
+        if t0 < t1 {
+            f(t0, t1);
+        }
+    });
+}
+
+impl Backend for Cpu {
+    type Mat<'w> = QMat<'w>;
+    type Vector = Vec<f32>;
+    type Act = Vec<f32>;
+    type Scratch = CpuScratch;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    fn host_pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
+    fn matrix<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<QMat<'w>> {
+        QMat::new(dtype, n_in, n_out, bytes)
+    }
+
+    fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(v)
+    }
+
+    fn act(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn scratch(&self) -> CpuScratch {
+        CpuScratch::default()
+    }
+
+    fn kv_store(&self, ty: KvType, n_rows: usize, row_vals: usize) -> Result<Box<dyn KvStore>> {
+        Ok(Box::new(kv_store::CpuKv::new(ty, n_rows, row_vals)))
+    }
+
+    fn read(&self, a: &Vec<f32>, r: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        out.extend_from_slice(&a[r]);
+    }
+
+    fn host<'a>(&self, a: &'a Vec<f32>, r: std::ops::Range<usize>) -> Cow<'a, [f32]> {
+        Cow::Borrowed(&a[r])
+    }
+
+    fn mat_row(&self, m: &QMat<'_>, r: usize, out: &mut [f32]) {
+        m.dequantize_row(r, out);
+    }
+
+    fn mat_shape(&self, m: &QMat<'_>) -> (usize, usize) {
+        (m.n_out, m.n_in)
+    }
+
+    fn embed(&self, table: &QMat<'_>, tokens: &[u32], x: &mut Vec<f32>) {
+        let dim = table.n_in;
+        for (i, &t) in tokens.iter().enumerate() {
+            table.dequantize_row(t as usize, &mut x[i * dim..(i + 1) * dim]);
+        }
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        first: usize,
+        w: &Vec<f32>,
+        eps: f32,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let dim = w.len();
+        let x = &x[first * dim..(first + n) * dim];
+        let xb = SharedMut::new(&mut out[..n * dim]);
+        par_rows(&self.pool, n, |t0, t1| {
+            // SAFETY: token rows t0..t1 belong to this thread.
+            let o = unsafe { xb.slice(t0 * dim, (t1 - t0) * dim) };
+            rmsnorm(o, &x[t0 * dim..t1 * dim], w, eps);
+        });
+    }
+
+    fn matmul(
+        &self,
+        sc: &mut CpuScratch,
+        ws: &[&QMat<'_>],
+        x: &Vec<f32>,
+        n: usize,
+        outs: &mut [&mut Vec<f32>],
+    ) {
+        let pool = &self.pool;
+        let x = &x[..n * ws[0].n_in];
+        if ws.iter().all(|w| same_act_format(ws[0], w)) {
+            // one activation conversion feeds all of them
+            quantize_acts(pool, ws[0], x, n, &mut sc.act);
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                matmul_q(pool, w, &sc.act, n, o);
+            }
+        } else {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                quantize_acts(pool, w, x, n, &mut sc.act);
+                matmul_q(pool, w, &sc.act, n, o);
+            }
+        }
+    }
+
+    fn matmul_host(
+        &self,
+        sc: &mut CpuScratch,
+        w: &QMat<'_>,
+        x: &Vec<f32>,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let pool = &self.pool;
+        quantize_acts(pool, w, &x[..n * w.n_in], n, &mut sc.act);
+        matmul_q(pool, w, &sc.act, n, out);
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, b: &Vec<f32>, n: usize) {
+        let d = b.len();
+        for row in x[..n * d].chunks_exact_mut(d) {
+            add(row, b);
+        }
+    }
+
+    fn copy(&self, dst: &mut Vec<f32>, src: &Vec<f32>, len: usize) {
+        dst.clear();
+        dst.extend_from_slice(&src[..len]);
+    }
+
+    fn rope(&self, rope: &Rope, q: &mut Vec<f32>, k: &mut Vec<f32>, st: &AttnStep) {
+        let (n, hd) = (st.n, st.head_dim);
+        let (q_dim, kv_dim) = (st.n_heads * hd, st.n_kv_heads * hd);
+        let qs = SharedMut::new(&mut q[..n * q_dim]);
+        let ks = SharedMut::new(&mut k[..n * kv_dim]);
+        par_rows(&self.pool, n, |t0, t1| {
+            for i in t0..t1 {
+                let pos = st.pos0 + i;
+                // SAFETY: token rows t0..t1 belong to this thread.
+                let (q, k) = unsafe { (qs.slice(i * q_dim, q_dim), ks.slice(i * kv_dim, kv_dim)) };
+                rope.apply(q, st.n_heads, hd, pos);
+                rope.apply(k, st.n_kv_heads, hd, pos);
+            }
+        });
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut dyn KvAccess,
+        layer: usize,
+        slots: &[u32],
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        n: usize,
+        kv_dim: usize,
+    ) {
+        for i in 0..n {
+            let r = i * kv_dim..(i + 1) * kv_dim;
+            kv.write_token(layer, i, n, slots, &k[r.clone()], &v[r]);
+        }
+    }
+
+    fn begin_attention(&self, sc: &mut CpuScratch, kv: &dyn KvAccess, st: &AttnStep) {
+        attention::begin(&self.pool, &mut sc.attn, kv, st)
+    }
+
+    fn attention(
+        &self,
+        sc: &mut CpuScratch,
+        kv: &dyn KvAccess,
+        st: &AttnStep,
+        layer: usize,
+        rope: &Rope,
+        q: &Vec<f32>,
+        q_raw: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        attention::layer(&self.pool, &mut sc.attn, kv, st, layer, rope, q, q_raw, out)
+    }
+
+    fn end_attention(&self, sc: &mut CpuScratch, n_slots: usize, mass: &mut [f32]) {
+        attention::end(&self.pool, &mut sc.attn, n_slots, mass)
+    }
+
+    fn add_rmsnorm(&self, x: &mut Vec<f32>, b: &mut Vec<f32>, w: &Vec<f32>, eps: f32, n: usize) {
+        let dim = w.len();
+        let xs = SharedMut::new(&mut x[..n * dim]);
+        let xb = SharedMut::new(&mut b[..n * dim]);
+        par_rows(&self.pool, n, |t0, t1| {
+            // SAFETY: token rows t0..t1 belong to this thread.
+            let (x, b) = unsafe {
+                (
+                    xs.slice(t0 * dim, (t1 - t0) * dim),
+                    xb.slice(t0 * dim, (t1 - t0) * dim),
+                )
+            };
+            add(x, b);
+            rmsnorm(b, x, w, eps);
+        });
+    }
+
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, n: usize, width: usize) {
+        let hb = SharedMut::new(&mut gate[..n * width]);
+        let hb2 = &up[..n * width];
+        par_rows(&self.pool, n, |t0, t1| {
+            // SAFETY: token rows t0..t1 belong to this thread.
+            let g = unsafe { hb.slice(t0 * width, (t1 - t0) * width) };
+            swiglu(g, &hb2[t0 * width..t1 * width]);
+        });
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize, width: usize) {
+        let xs = SharedMut::new(&mut x[..n * width]);
+        let y = &y[..n * width];
+        par_rows(&self.pool, n, |t0, t1| {
+            // SAFETY: token rows t0..t1 belong to this thread.
+            let x = unsafe { xs.slice(t0 * width, (t1 - t0) * width) };
+            add(x, &y[t0 * width..t1 * width]);
+        });
+    }
+}
