@@ -10,10 +10,10 @@ use crate::model::llama::{forward, Logits, RunState, StepIo};
 use crate::model::Weights;
 use crate::policy::evict::EvictScratch;
 use crate::policy::streams::stream_offsets;
-pub use crate::policy::{KvPolicy, PromptPhase};
 use crate::policy::{CacheShape, Entries, Evictor, PolicyConfig, ScoreCtx, Step};
+pub use crate::policy::{KvPolicy, PromptPhase};
 use crate::sample::Sampler;
-use crate::signals::{MassMode, ModelView, Needs, QueryWindow, Signals};
+use crate::signals::{BackendWeights, MassMode, ModelView, Needs, QueryWindow, Signals};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
@@ -100,6 +100,47 @@ impl<'w> Session<'w, Cpu> {
     ) -> Result<Session<'w>> {
         Self::with_policy_on(Cpu::new(n_threads), w, n_ctx, n_batch, policy)
     }
+
+    /// A CPU session for one generation from an `n_prompt`-token prompt
+    /// under `cfg`: the policy built for `model`, a clear error when a kept
+    /// prompt cannot fit next to the recent window, the prompt marked,
+    /// cache type and position mode applied.
+    pub fn for_config(
+        w: &'w Weights<'w>,
+        cfg: &PolicyConfig,
+        seed: u64,
+        model: &std::path::Path,
+        n_ctx: usize,
+        n_threads: usize,
+        n_batch: usize,
+        n_prompt: usize,
+    ) -> Result<Session<'w>> {
+        let mut s = match cfg.build(seed, model)? {
+            None => Session::new(w, n_ctx, n_threads, n_batch),
+            Some(p) => {
+                let e = &p.evictor;
+                if e.keep_prompt_until > 0
+                    && p.prompt.is_none()
+                    && n_prompt + e.n_recent >= e.budget
+                {
+                    return Err(Error::config(
+                        Field::Budget,
+                        Msg::default()
+                            .t(format!(
+                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
+                                e.budget, e.n_recent
+                            ))
+                            .f(Field::PromptPolicy),
+                    ));
+                }
+                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
+                s.protect_prompt(n_prompt);
+                s
+            }
+        };
+        s.configure(cfg)?;
+        Ok(s)
+    }
 }
 
 impl<'w, B: Backend> Session<'w, B> {
@@ -141,7 +182,8 @@ impl<'w, B: Backend> Session<'w, B> {
         let budget = e.budget;
         let mut policy = policy;
         let c = &w.config;
-        let model = ModelView::new(w);
+        let weights = BackendWeights::new(&backend, w);
+        let model = ModelView::new(c, &weights);
         // per-(layer, KV-head) rules: a pool of head rows sized by the plan
         let plan = policy.rule.plan(c, budget)?;
         if let Some(plan) = &plan {
@@ -215,47 +257,6 @@ impl<'w, B: Backend> Session<'w, B> {
         s.signals = Signals::for_needs(&needs, c, s.kv.cells.n_slots(), s.state.n_batch);
         s.mass_main = mass_main;
         s.mass_prompt = mass_prompt;
-        Ok(s)
-    }
-
-    /// A session for one generation from an `n_prompt`-token prompt under
-    /// `cfg`: the policy built for `model`, a clear error when a kept
-    /// prompt cannot fit next to the recent window, the prompt marked,
-    /// cache type and position mode applied.
-    pub fn for_config(
-        w: &'w Weights<'w>,
-        cfg: &PolicyConfig,
-        seed: u64,
-        model: &std::path::Path,
-        n_ctx: usize,
-        n_threads: usize,
-        n_batch: usize,
-        n_prompt: usize,
-    ) -> Result<Session<'w>> {
-        let mut s = match cfg.build(seed, model)? {
-            None => Session::new(w, n_ctx, n_threads, n_batch),
-            Some(p) => {
-                let e = &p.evictor;
-                if e.keep_prompt_until > 0
-                    && p.prompt.is_none()
-                    && n_prompt + e.n_recent >= e.budget
-                {
-                    return Err(Error::config(
-                        Field::Budget,
-                        Msg::default()
-                            .t(format!(
-                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
-                                e.budget, e.n_recent
-                            ))
-                            .f(Field::PromptPolicy),
-                    ));
-                }
-                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
-                s.protect_prompt(n_prompt);
-                s
-            }
-        };
-        s.configure(cfg)?;
         Ok(s)
     }
 
@@ -477,14 +478,13 @@ impl<'w, B: Backend> Session<'w, B> {
         obs: &mut dyn StepObserver,
     ) -> Result<&[f32]> {
         let needs = obs.needs();
-        if mass_for(needs.mass, self.mass_main).is_none()
-            || mass_for(needs.mass, self.mass_prompt).is_none()
-        {
-            return Err(Error::Other(format!(
-                "an observer asking for {:?} attention mass cannot share a step with a policy observing {:?}",
-                needs.mass,
-                self.mass_main.max(self.mass_prompt)
-            )));
+        for policy_mass in [self.mass_main, self.mass_prompt] {
+            if mass_for(needs.mass, policy_mass).is_none() {
+                return Err(Error::Other(format!(
+                    "an observer asking for {:?} attention mass cannot share a step with a policy observing {policy_mass:?}",
+                    needs.mass
+                )));
+            }
         }
         let c = &self.w.config;
         self.signals

@@ -21,9 +21,13 @@
 //! - [`ModelView`]: read access to the weights a scorer may need once, at
 //!   `prepare` (the output projection W_O, for value-norm scoring).
 
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Config, Weights};
 
+/// Which attention probabilities a forward step exports (the attention
+/// kernels' mode; the buffer is the same for both kinds, the mode is chosen
+/// per step by the scorer that ranks in that step).
 pub use crate::backend::MassMode;
 
 /// What a scorer reads besides the cache itself. Declared once (after
@@ -423,44 +427,67 @@ pub struct StepSignals<'a> {
     pub attn_inputs: Option<&'a mut AttnInputs>,
 }
 
-/// Read access to the model for scorers, at `prepare`: the configuration
-/// and weights a score needs once (on a device backend, a read-back).
-#[derive(Debug, Clone, Copy)]
-pub struct ModelView<'a> {
-    config: &'a Config,
-    weights: Option<&'a dyn WoRows>,
+/// Weights a scorer may read at `prepare`, read back to the host from
+/// wherever the backend keeps them.
+pub trait WeightSource {
+    /// Layer `l`'s output projection W_O into `out`, (dim, q_dim) row-major.
+    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()>;
 }
 
-/// Host read-back of the output projection rows of loaded weights, on
-/// whatever backend holds them.
-pub trait WoRows: Sync {
-    /// Row `r` of layer `l`'s W_O (q_dim floats) into `out`.
-    fn wo_row(&self, l: usize, r: usize, out: &mut [f32]) -> Result<()>;
+/// The weights of backend `B`, read through it.
+#[derive(Debug)]
+pub struct BackendWeights<'s, 'w, B: Backend> {
+    backend: &'s B,
+    weights: &'s Weights<'w, B>,
 }
 
-impl<B: crate::backend::Backend> WoRows for Weights<'_, B> {
-    fn wo_row(&self, l: usize, r: usize, out: &mut [f32]) -> Result<()> {
+impl<'s, 'w, B: Backend> BackendWeights<'s, 'w, B> {
+    /// `w` as `backend` holds them.
+    pub fn new(backend: &'s B, weights: &'s Weights<'w, B>) -> Self {
+        BackendWeights { backend, weights }
+    }
+}
+
+impl<B: Backend> WeightSource for BackendWeights<'_, '_, B> {
+    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
         let lw = self
+            .weights
             .layers
             .get(l)
             .ok_or_else(|| Error::Other(format!("layer {l} out of range")))?;
-        B::mat_row(&lw.wo, r, out);
+        let (rows, cols) = self.backend.mat_shape(&lw.wo);
+        out.clear();
+        out.resize(rows * cols, 0.0);
+        for (i, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            self.backend.mat_row(&lw.wo, i, row);
+        }
         Ok(())
     }
 }
 
-impl std::fmt::Debug for dyn WoRows + '_ {
+/// Read access to the model for scorers, at `prepare`: the configuration
+/// and the weights a score needs once (on a device backend, a read-back).
+#[derive(Clone, Copy)]
+pub struct ModelView<'a> {
+    config: &'a Config,
+    weights: Option<&'a dyn WeightSource>,
+}
+
+impl std::fmt::Debug for ModelView<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WoRows")
+        f.debug_struct("ModelView")
+            .field("config", self.config)
+            .field("weights", &self.weights.is_some())
+            .finish()
     }
 }
 
 impl<'a> ModelView<'a> {
-    /// The view of loaded weights.
-    pub fn new<B: crate::backend::Backend>(w: &'a Weights<'a, B>) -> ModelView<'a> {
+    /// The model `config` whose weights `weights` reads.
+    pub fn new(config: &'a Config, weights: &'a dyn WeightSource) -> ModelView<'a> {
         ModelView {
-            config: &w.config,
-            weights: Some(w),
+            config,
+            weights: Some(weights),
         }
     }
 
@@ -482,15 +509,8 @@ impl<'a> ModelView<'a> {
     /// q_dim) row-major: row i holds the weights of output channel i, so
     /// head h's block is columns h·head_dim..(h+1)·head_dim.
     pub fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
-        let w = self
-            .weights
-            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?;
-        let (dim, q_dim) = (self.config.dim, self.config.q_dim());
-        out.clear();
-        out.resize(dim * q_dim, 0.0);
-        for (i, row) in out.chunks_exact_mut(q_dim).enumerate() {
-            w.wo_row(l, i, row)?;
-        }
-        Ok(())
+        self.weights
+            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?
+            .wo_f32(l, out)
     }
 }

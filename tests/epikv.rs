@@ -5,12 +5,12 @@
 
 mod util;
 
+use kvrun::backend::pool::ThreadPool;
 use kvrun::cmd::args::KvArgs;
 use kvrun::cmd::calibrate::{propose, spearman};
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
 use kvrun::kv::KvCache;
-use kvrun::backend::pool::ThreadPool;
 use kvrun::model::llama::Logits;
 use kvrun::model::{Config, Weights};
 use kvrun::policy::epikv::{
@@ -18,8 +18,8 @@ use kvrun::policy::epikv::{
     Rolling, Variant, Z_EPS,
 };
 use kvrun::policy::{CacheShape, Entries, Evictor, ScoreCtx, Scorer, Step};
-use kvrun::signals::{ModelView, Needs, Signals};
 use kvrun::sample::Rng;
+use kvrun::signals::{ModelView, Needs, Signals};
 use kvrun::tokenizer::Tokenizer;
 use std::process::Command;
 
@@ -195,7 +195,14 @@ fn tap_signals(layers: &[usize], c: &Config) -> Signals {
 }
 
 /// `e` observes a step that wrote `slots` at `positions`.
-fn observe(e: &mut Epikv, kv: &KvCache, sig: &Signals, slots: &[u32], positions: &[i64], prompt_end: i64) {
+fn observe(
+    e: &mut Epikv,
+    kv: &KvCache,
+    sig: &Signals,
+    slots: &[u32],
+    positions: &[i64],
+    prompt_end: i64,
+) {
     e.observe(&Step {
         kv,
         slots,
@@ -423,7 +430,14 @@ fn lag_score_matches_a_direct_computation_incrementally() {
         "epikv-lag reads no hidden states"
     );
     let none = Signals::default();
-    observe(&mut e, &kv, &none, &slots, &(0..450).collect::<Vec<i64>>(), 0);
+    observe(
+        &mut e,
+        &kv,
+        &none,
+        &slots,
+        &(0..450).collect::<Vec<i64>>(),
+        0,
+    );
     let check = |e: &mut Epikv, kv: &KvCache| {
         let out = score_live(e, kv, &none, n_slots, 8, 0);
         let want = lag_direct(kv);
@@ -952,10 +966,7 @@ fn prompt_phase_scorer_gets_its_own_signals() {
     // ranking by position
     let mut a = kv_args("window", 128);
     a.prompt_policy = Some("snapkv".into());
-    let e = a
-        .build(0, &util::default_model())
-        .unwrap_err()
-        .to_string();
+    let e = a.build(0, &util::default_model()).unwrap_err().to_string();
     assert!(
         e.contains("--prompt-policy") && e.contains("token-uniform") && !e.contains('\n'),
         "{e}"

@@ -3,20 +3,26 @@
 //! budget: resident tokens never exceed the budget at any step (prefill
 //! included), protected tokens survive, evicted tokens are the lowest-scored,
 //! seeded scorers are deterministic, attention-mass exports are normalized,
-//! and a budget that is never reached changes no logit bit.
+//! a budget that is never reached changes no logit bit, and a wrapper
+//! around a scorer drives the engine.
 
 mod util;
 
-use kvrun::format::gguf::Gguf;
-use kvrun::generate::{KvPolicy, Session};
 use kvrun::error::Field;
+use kvrun::format::gguf::Gguf;
+use kvrun::generate::StepObserver;
+use kvrun::generate::{KvPolicy, Session};
 use kvrun::model::llama::Logits;
+use kvrun::model::Config;
 use kvrun::model::Weights;
 use kvrun::policy::table::{lookup, ScorerOptions};
-use kvrun::policy::{find, names, Evictor, POLICIES};
-use kvrun::signals::MassMode;
+use kvrun::policy::wrap::{Rescorer, Wrapped};
+use kvrun::policy::{find, names, CacheShape, Evictor, Policy, ScoreCtx, POLICIES};
+use kvrun::policy::{PolicyConfig, Step};
 use kvrun::sample::Rng;
+use kvrun::signals::{MassMode, ModelView, Needs, Signals};
 use kvrun::tokenizer::Tokenizer;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// One thread per session: the test harness runs two tests at once on a
@@ -884,4 +890,242 @@ fn h2o_accumulated_mass_is_conserved() {
         assert!(sc1.iter().all(|&x| x >= 0.0));
     }
     assert!(s.n_evicted > 0);
+}
+
+// ------------------------------------------------------------ 8. wrappers
+
+/// A test-only wrapper: negates the inner scores, remembering the budgets
+/// it was told and the W_O row it read at prepare.
+#[derive(Debug)]
+struct Negate {
+    budgets: Arc<Mutex<Vec<usize>>>,
+    wo_row: Arc<Mutex<Vec<f32>>>,
+}
+
+impl Rescorer for Negate {
+    fn prepare(&mut self, m: &ModelView<'_>, cache: CacheShape) -> kvrun::Result<()> {
+        let mut wo = Vec::new();
+        m.wo_f32(3, &mut wo)?;
+        let c = m.config();
+        assert_eq!(wo.len(), c.dim * c.q_dim());
+        assert_eq!(cache.budget, 128);
+        // row 5: output channel 5's weights over the concatenated heads
+        *self.wo_row.lock().unwrap() = wo[5 * c.q_dim()..6 * c.q_dim()].to_vec();
+        Ok(())
+    }
+    fn rescore(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        self.budgets.lock().unwrap().push(ctx.group_budget(0));
+        for x in out.iter_mut() {
+            *x = -*x;
+        }
+    }
+}
+
+/// A wrapper around any token scorer drives the real engine: knorm's
+/// scores negated evict the highest-knorm token every step (ties: older
+/// first), the wrapper sees the budget, and W_O reads back as the weights.
+#[test]
+fn a_wrapper_rescores_through_the_engine() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let toks = wiki_tokens(&g, 260);
+    let (budget, sink, recent) = (128, 4, 16);
+    let budgets = Arc::new(Mutex::new(Vec::new()));
+    let wo_row = Arc::new(Mutex::new(Vec::new()));
+    let inner = find("knorm")
+        .unwrap()
+        .build(&ScorerOptions::default())
+        .unwrap()
+        .unwrap();
+    let wrapped = Wrapped::new(
+        inner.scorer,
+        Negate {
+            budgets: budgets.clone(),
+            wo_row: wo_row.clone(),
+        },
+    );
+    let p = Policy::new("neg-knorm", inner.caps, Box::new(wrapped), inner.rule).unwrap();
+    let mut s = Session::with_policy(
+        &w,
+        260,
+        THREADS,
+        512,
+        KvPolicy::new(p, evictor(budget, sink, recent, 1)),
+    )
+    .unwrap();
+    let mut direct = vec![0f32; w.config.q_dim()];
+    w.layers[3].wo.dequantize_row(5, &mut direct);
+    assert_eq!(*wo_row.lock().unwrap(), direct);
+    s.feed(&toks[..200], Logits::Last).unwrap();
+    let mut scores = Vec::new();
+    for (i, &t) in toks.iter().enumerate().skip(200) {
+        let (slots, pos) = {
+            let (a, b) = s.kv.live();
+            (a.to_vec(), b.to_vec())
+        };
+        // what the evictor sees: the negated knorm score
+        s.live_scores(&mut scores).unwrap();
+        for (j, &sl) in slots.iter().enumerate() {
+            let want = -knorm_score(&s.kv, sl as usize);
+            assert!(
+                (scores[j] - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "wrapped score {} vs negated knorm {want}",
+                scores[j]
+            );
+            assert!(scores[j] > 0.0);
+        }
+        s.feed(&[t], Logits::Last).unwrap();
+        let after = s.kv.live().1;
+        let v: Vec<usize> = (0..pos.len())
+            .filter(|&j| after.binary_search(&pos[j]).is_err())
+            .collect();
+        assert_eq!(v.len(), 1, "token {i}");
+        let v = v[0];
+        let newest = i as i64;
+        let protected = |p: i64| (p as usize) < sink || newest - p < recent as i64;
+        assert!(!protected(pos[v]), "protected position {} evicted", pos[v]);
+        // the highest-knorm unprotected token went (ties: older first)
+        for j in (0..pos.len()).filter(|&j| j != v && !protected(pos[j])) {
+            assert!(
+                scores[v] < scores[j] || (scores[v] == scores[j] && pos[v] < pos[j]),
+                "token {i}: evicted pos {} but kept pos {}",
+                pos[v],
+                pos[j]
+            );
+        }
+    }
+    let b = budgets.lock().unwrap();
+    assert!(b.len() >= 60 && b.iter().all(|&x| x == budget), "{b:?}");
+}
+
+// ------------------------------------------------------------ 9. signals as data
+
+#[test]
+fn needs_union_and_settings_named_per_front_end() {
+    let a = Needs::taps(vec![21, 10, 10]);
+    assert_eq!(a.tap_layers, vec![10, 21]);
+    let b = Needs {
+        query_window: 32,
+        mass: MassMode::LastRow,
+        ..Needs::taps(vec![10, 7])
+    };
+    let u = a.union(&b);
+    assert_eq!(u.tap_layers, vec![7, 10, 21]);
+    assert_eq!(
+        (u.query_window, u.mass, u.attn_inputs),
+        (32, MassMode::LastRow, false)
+    );
+    assert!(a.covered_by(&u) && b.covered_by(&u) && !u.covered_by(&a));
+    assert_eq!(
+        u.union(&Needs::mass(MassMode::AllRows)).mass,
+        MassMode::AllRows
+    );
+    assert!(Needs::none().is_none() && !u.is_none());
+    // nothing needed, nothing allocated
+    let c = Config::from_gguf(&Gguf::open(&util::default_model()).unwrap()).unwrap();
+    let s = Signals::for_needs(&Needs::none(), &c, 64, 8);
+    assert!(s.taps.is_none() && s.queries.is_none() && s.mass.is_none() && s.attn_inputs.is_none());
+    let s = Signals::for_needs(&u, &c, 64, 8);
+    assert_eq!(s.taps.as_ref().unwrap().layers, vec![7, 10, 21]);
+    assert_eq!(s.queries.as_ref().unwrap().w, 32);
+    assert_eq!(s.mass.as_ref().unwrap().len(), 64);
+    assert!(s.attn_inputs.is_none());
+
+    // an error names the settings the way each front end spells them
+    let e = PolicyConfig {
+        policy: "h2o".into(),
+        ..Default::default()
+    }
+    .build(0, std::path::Path::new(""))
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--kv-budget: --policy h2o needs --kv-budget N"
+    );
+    let kvrun::Error::Config(c) = e else {
+        panic!("not a settings error: {e}")
+    };
+    assert_eq!(
+        c.render(|f| f.json().unwrap_or(f.flag())),
+        "kv_budget: policy h2o needs kv_budget N"
+    );
+    let e = PolicyConfig {
+        policy: "window".into(),
+        budget: Some(64),
+        prompt_policy: Some("lru".into()),
+        ..Default::default()
+    }
+    .build(0, std::path::Path::new(""))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("--prompt-policy: unknown policy 'lru'"),
+        "{e}"
+    );
+}
+
+/// Records layer 0's attention inputs and counts steps.
+#[derive(Debug, Default)]
+struct InputsSeen {
+    layer0: Vec<f32>,
+    steps: usize,
+}
+
+impl StepObserver for InputsSeen {
+    fn needs(&self) -> Needs {
+        Needs {
+            attn_inputs: true,
+            ..Needs::none()
+        }
+    }
+    fn on_step(&mut self, step: &Step<'_>) {
+        let a = step.signals.attn_inputs.as_ref().unwrap();
+        assert_eq!(a.n_tokens(), step.positions.len());
+        self.layer0.extend_from_slice(a.layer(0));
+        self.steps += 1;
+    }
+}
+
+/// The attention block's inputs are recorded only when asked: layer 0's
+/// is RMSNorm(token embedding) · attn_norm, and asking for them exports no
+/// attention probabilities and changes no logit.
+#[test]
+fn attention_inputs_are_recorded_when_asked() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let toks = wiki_tokens(&g, 40);
+    let c = &w.config;
+    let mut plain = Session::new(&w, 64, THREADS, 16);
+    let want: Vec<u32> = plain
+        .feed(&toks, Logits::All)
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    let mut s = Session::new(&w, 64, THREADS, 16);
+    let mut seen = InputsSeen::default();
+    let got: Vec<u32> = s
+        .feed_observed(&toks, Logits::All, &mut seen)
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    assert!(got == want, "recording attention inputs changed the logits");
+    assert_eq!(s.state.prob_exports, 0);
+    assert_eq!(seen.steps, 3, "40 tokens in chunks of 16");
+    assert_eq!(seen.layer0.len(), 40 * c.dim);
+    let mut e = vec![0f32; c.dim];
+    for (i, &t) in toks.iter().enumerate() {
+        w.token_embd.dequantize_row(t as usize, &mut e);
+        let ss = e.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / c.dim as f64;
+        let scale = 1.0 / (ss + c.norm_eps as f64).sqrt();
+        for d in 0..c.dim {
+            let want = e[d] as f64 * scale * w.layers[0].attn_norm[d] as f64;
+            let got = seen.layer0[i * c.dim + d] as f64;
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "token {i} dim {d}: {got} vs {want}"
+            );
+        }
+    }
 }

@@ -2,7 +2,8 @@
 //! vectors, the stream evictor against a brute-force reference, SnapKV's
 //! window scores against a direct computation on the real model, the stream
 //! attention path against the token-uniform one, and real per-head
-//! variable-length storage for adakv/pyramidkv.
+//! variable-length storage for adakv/pyramidkv, the global budget rule and
+//! a wrapper rescoring stream scores.
 
 mod util;
 
@@ -15,11 +16,17 @@ use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::policy::budget::layer_budgets;
 use kvrun::policy::snapkv::window_scores;
+use kvrun::policy::snapkv::{SnapKv, SnapOptions};
 use kvrun::policy::streams::{stream_offsets, Group, StreamPlan};
 use kvrun::policy::table::ScorerOptions;
-use kvrun::policy::{find, Evictor};
+use kvrun::policy::wrap::{Rescorer, Wrapped};
+use kvrun::policy::{
+    find, BudgetRule, CacheShape, Caps, Entries, Evictor, Policy, ScoreCtx, Scorer,
+};
 use kvrun::sample::Rng;
+use kvrun::signals::ModelView;
 use kvrun::tokenizer::Tokenizer;
+use std::sync::{Arc, Mutex};
 
 const THREADS: usize = 1;
 
@@ -741,4 +748,157 @@ fn regions_keep_each_stream_in_its_rows() {
     // decoding walks memory order, prefill position order
     assert_eq!(kv.head(0, 0, true).slots, &[0, 1, 2]);
     assert_eq!(kv.head(0, 0, false).slots, &[0, 2, 1]);
+}
+
+// ------------------------------------------------------------ 5. budget rules and wrappers
+
+/// SnapKV's scorer under the global rule (one budget group over every
+/// stream of every layer; no shipped policy uses it yet): the pool holds
+/// exactly L·H·B rows, the group total never exceeds it, and streams end
+/// up with very different lengths.
+#[test]
+fn global_rule_shares_one_budget_across_every_stream() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let n = 1200;
+    let toks = wiki_tokens(&g, n);
+    let scorer = SnapKv {
+        opts: SnapOptions::default(),
+    };
+    let caps = Caps {
+        streams: true,
+        ..Caps::default()
+    };
+    let p = Policy::new(
+        "snapkv-global",
+        caps,
+        Box::new(scorer),
+        BudgetRule::Global { safeguard: 0.1 },
+    )
+    .unwrap();
+    let mut s =
+        Session::with_policy(&w, n, THREADS, 512, KvPolicy::new(p, evictor(64, 4, 32, 8))).unwrap();
+    let plan = s.policy.as_ref().unwrap().plan.clone().unwrap();
+    assert_eq!(plan.groups.len(), 1);
+    assert_eq!(plan.groups[0].len, 90);
+    assert_eq!(plan.groups[0].safeguard, 6);
+    assert_eq!(plan.pool(), 90 * 64);
+    assert_eq!(s.kv.cells.n_slots(), 90 * 64);
+    s.feed(&toks[..200], Logits::Last).unwrap();
+    check_streams(&s, "global");
+    let pattern = [1usize, 1, 16, 3, 1, 7, 1];
+    let (mut i, mut k) = (200, 0);
+    while i < n {
+        let m = pattern[k % pattern.len()].min(n - i);
+        s.feed(&toks[i..i + m], Logits::Last).unwrap();
+        i += m;
+        k += 1;
+        check_streams(&s, "global");
+    }
+    assert!(s.n_evicted > 0);
+    let st = s.kv.streams().unwrap();
+    let lens: Vec<usize> = (0..st.n_streams()).map(|x| st.len(x)).collect();
+    assert!(lens.iter().sum::<usize>() <= 90 * 64);
+    let (lo, hi) = (*lens.iter().min().unwrap(), *lens.iter().max().unwrap());
+    assert!(
+        hi > 64 && (6..64).contains(&lo),
+        "one global budget: lengths should spread around 64 ({lo}..{hi})"
+    );
+    // a rule the scorer cannot rank under is refused
+    let tokens = Policy::new(
+        "snapkv-tokens",
+        Caps::default(),
+        Box::new(SnapKv {
+            opts: SnapOptions::default(),
+        }),
+        BudgetRule::Tokens,
+    );
+    assert!(tokens.is_err());
+}
+
+/// What the test wrapper saw.
+#[derive(Debug, Default)]
+struct Seen {
+    calls: usize,
+    /// Group budgets of the wanted streams, at every scoring.
+    budgets: Vec<usize>,
+    /// (length of the dequantized W_O of layer 0, dim · q_dim).
+    wo: Option<(usize, usize)>,
+}
+
+/// A test-only wrapper: negates the inner scores of the wanted streams.
+#[derive(Debug)]
+struct Negate(Arc<Mutex<Seen>>);
+
+impl Rescorer for Negate {
+    fn prepare(&mut self, m: &ModelView<'_>, _cache: CacheShape) -> kvrun::Result<()> {
+        let mut wo = Vec::new();
+        m.wo_f32(0, &mut wo)?;
+        let c = m.config();
+        self.0.lock().unwrap().wo = Some((wo.len(), c.dim * c.q_dim()));
+        Ok(())
+    }
+    fn rescore(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
+        let mut seen = self.0.lock().unwrap();
+        seen.calls += 1;
+        if let Entries::Streams { want, off, .. } = ctx.entries {
+            for s in (0..want.len()).filter(|&s| want[s]) {
+                seen.budgets.push(ctx.group_budget(s));
+                for x in &mut out[off[s]..off[s + 1]] {
+                    *x = -*x;
+                }
+            }
+        }
+    }
+}
+
+/// A wrapper around the observation-window scorer under Ada-KV's rule
+/// runs through the real engine: it reads W_O at prepare, sees the group
+/// budget (a layer's heads share 3 × 64) and the inner scores, and its
+/// rescoring decides what is kept.
+#[test]
+fn a_wrapper_rescores_stream_scores_with_the_group_budget() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let n = 500;
+    let toks = wiki_tokens(&g, n);
+    let run = |wrap: Option<Arc<Mutex<Seen>>>| {
+        let inner: Box<dyn Scorer> = Box::new(SnapKv {
+            opts: SnapOptions::default(),
+        });
+        let scorer: Box<dyn Scorer> = match &wrap {
+            Some(seen) => Box::new(Wrapped::new(inner, Negate(seen.clone()))),
+            None => inner,
+        };
+        let def = find("adakv").unwrap();
+        let p = Policy::new(
+            "adakv",
+            def.caps,
+            scorer,
+            BudgetRule::PerLayer { safeguard: 0.2 },
+        )
+        .unwrap();
+        let mut s =
+            Session::with_policy(&w, n, THREADS, 512, KvPolicy::new(p, evictor(64, 4, 32, 8)))
+                .unwrap();
+        s.feed(&toks[..100], Logits::Last).unwrap();
+        for &t in &toks[100..] {
+            s.feed(&[t], Logits::Last).unwrap();
+            check_streams(&s, "wrapped adakv");
+        }
+        lists(&s.kv)
+    };
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let plain = run(None);
+    let negated = run(Some(seen.clone()));
+    let seen = seen.lock().unwrap();
+    assert!(seen.calls > 10, "{} rescorings", seen.calls);
+    assert!(
+        seen.budgets.iter().all(|&b| b == 3 * 64),
+        "{:?}",
+        &seen.budgets[..9]
+    );
+    let (got, want) = seen.wo.unwrap();
+    assert_eq!(got, want);
+    assert_ne!(plain, negated, "the wrapper's scores decided nothing");
 }

@@ -75,10 +75,10 @@ impl Backend for Cuda {
     fn host<'a>(&self, a: &'a DeviceBuf, _: std::ops::Range<usize>) -> Cow<'a, [f32]> {
         match a.never {}
     }
-    fn mat_row(m: &DeviceBuf, _: usize, _: &mut [f32]) {
+    fn mat_row(&self, m: &DeviceBuf, _: usize, _: &mut [f32]) {
         match m.never {}
     }
-    fn mat_shape(m: &DeviceBuf) -> (usize, usize) {
+    fn mat_shape(&self, m: &DeviceBuf) -> (usize, usize) {
         match m.never {}
     }
     fn embed(&self, t: &DeviceBuf, _: &[u32], _: &mut DeviceBuf) {

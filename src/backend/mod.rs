@@ -165,9 +165,9 @@ pub trait Backend: std::fmt::Debug + Send + Sync + Sized + 'static {
     /// host memory, else read back.
     fn host<'a>(&self, a: &'a Self::Act, r: std::ops::Range<usize>) -> Cow<'a, [f32]>;
     /// Row `r` of a matrix as f32 on the host (n_in floats).
-    fn mat_row(m: &Self::Mat<'_>, r: usize, out: &mut [f32]);
+    fn mat_row(&self, m: &Self::Mat<'_>, r: usize, out: &mut [f32]);
     /// Shape (n_out, n_in) of a matrix.
-    fn mat_shape(m: &Self::Mat<'_>) -> (usize, usize);
+    fn mat_shape(&self, m: &Self::Mat<'_>) -> (usize, usize);
 
     // ---- the forward pass
     /// x[i] = table[tokens[i]]                                  (n, dim)

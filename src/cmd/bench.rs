@@ -220,11 +220,12 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         for (pi, p) in policies.iter().enumerate() {
             let (m, sd) = mean_sd(&ours[i][pi]);
             let ratio = theirs[i].as_ref().map(|r| m / mean_sd(r).0);
-            let engine = if policies.len() == 1 && crate::policy::find(p).is_some_and(|d| !d.budgeted()) {
-                "kvrun".to_owned()
-            } else {
-                format!("kvrun {p}")
-            };
+            let engine =
+                if policies.len() == 1 && crate::policy::find(p).is_some_and(|d| !d.budgeted()) {
+                    "kvrun".to_owned()
+                } else {
+                    format!("kvrun {p}")
+                };
             println!(
                 "| {name} | {size_mib:.2} MiB | {n_threads} | {engine} | {t} | {m:.2} ± {sd:.2} | {} | {:.1}% |",
                 ratio

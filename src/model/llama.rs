@@ -11,9 +11,7 @@ use crate::backend::{AttnStep, Backend, Host};
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, PosMode};
 use crate::model::{LayerWeights, Weights};
-use crate::signals::{QueryWindow, StepSignals};
-
-pub use crate::backend::MassMode;
+use crate::signals::{MassMode, QueryWindow, StepSignals};
 
 /// Which rows of logits the caller wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

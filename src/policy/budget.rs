@@ -65,7 +65,9 @@ impl BudgetRule {
             BudgetRule::Pyramid { window, beta } => {
                 StreamPlan::per_stream(nl, nh, &layer_budgets(nl, budget, window, beta)?)
             }
-            BudgetRule::Global { safeguard } => StreamPlan::global(nl, nh, budget, guard(safeguard)),
+            BudgetRule::Global { safeguard } => {
+                StreamPlan::global(nl, nh, budget, guard(safeguard))
+            }
         }))
     }
 }
@@ -85,7 +87,7 @@ pub fn layer_budgets(n_layers: usize, budget: usize, w: usize, beta: f32) -> Res
             format!("pyramidkv needs a budget above the observation window ({w}), got {budget}"),
         ));
     }
-    if !(beta >= 1.0) {
+    if beta.is_nan() || beta < 1.0 {
         return Err(Error::config(
             Field::PyramidBeta,
             Msg::from(format!("must be at least 1, got {beta}")),

@@ -111,7 +111,7 @@ impl PolicyConfig {
                 format!("must be in 0..1, got {}", o.safeguard),
             ));
         }
-        if !(o.beta >= 1.0) {
+        if o.beta.is_nan() || o.beta < 1.0 {
             return Err(Error::config(
                 Field::PyramidBeta,
                 format!("must be at least 1, got {}", o.beta),
@@ -165,7 +165,10 @@ impl PolicyConfig {
             if self.prompt_policy.is_some() {
                 return Err(Error::config(
                     Field::PromptPolicy,
-                    Msg::default().t("needs a budgeted ").f(Field::Policy).t(" (not full)"),
+                    Msg::default()
+                        .t("needs a budgeted ")
+                        .f(Field::Policy)
+                        .t(" (not full)"),
                 ));
             }
             return Ok(None);
@@ -243,7 +246,9 @@ impl PolicyConfig {
         } else if self.prompt_budget.is_some() {
             return Err(Error::config(
                 Field::PromptBudget,
-                Msg::default().t("only applies with ").f(Field::PromptPolicy),
+                Msg::default()
+                    .t("only applies with ")
+                    .f(Field::PromptPolicy),
             ));
         }
         Ok(Some(kp))

@@ -70,7 +70,8 @@ impl Evictor {
         let need = (need + (self.evict_every.max(1) - 1) * len).min(cand.len());
         // a total order: partition out the `need` lowest in O(n) instead
         // of sorting every candidate each step
-        let order = |a: &Cand, b: &Cand| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+        let order =
+            |a: &Cand, b: &Cand| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
         if need < cand.len() {
             cand.select_nth_unstable_by(need, order);
         }

@@ -150,11 +150,11 @@ impl Backend for Cpu {
         Cow::Borrowed(&a[r])
     }
 
-    fn mat_row(m: &QMat<'_>, r: usize, out: &mut [f32]) {
+    fn mat_row(&self, m: &QMat<'_>, r: usize, out: &mut [f32]) {
         m.dequantize_row(r, out);
     }
 
-    fn mat_shape(m: &QMat<'_>) -> (usize, usize) {
+    fn mat_shape(&self, m: &QMat<'_>) -> (usize, usize) {
         (m.n_out, m.n_in)
     }
 

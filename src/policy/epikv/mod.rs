@@ -288,7 +288,12 @@ pub fn parse_layers(s: &str) -> Result<(usize, usize)> {
 
 /// Parse `a0-a1,b0-b1`.
 pub fn parse_bands(s: &str) -> Result<(Band, Band)> {
-    let bad = || Error::config(Field::EpikvBands, format!("expected a0-a1,b0-b1, got '{s}'"));
+    let bad = || {
+        Error::config(
+            Field::EpikvBands,
+            format!("expected a0-a1,b0-b1, got '{s}'"),
+        )
+    };
     let band = |t: &str| -> Result<Band> {
         let (x, y) = t.split_once('-').ok_or_else(bad)?;
         Ok((
@@ -442,10 +447,7 @@ impl Scorer for Epikv {
                 let s = band::BandZ::new(pick(l.band_a), pick(l.band_b), l.window);
                 (Signal::Band(s), taps)
             }
-            Variant::Lag => (
-                Signal::Lag(lag::Lag::new(n_slots, c.kv_dim())),
-                Vec::new(),
-            ),
+            Variant::Lag => (Signal::Lag(lag::Lag::new(n_slots, c.kv_dim())), Vec::new()),
             Variant::Seg => {
                 let taps = sorted(vec![l.layer_a, l.layer_b]);
                 let f = flat::Flat::new(
