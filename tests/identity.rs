@@ -49,23 +49,8 @@ const POLICIES: [&str; 7] = [
 const BUDGET: usize = 80;
 const N_GEN: usize = 80;
 
-/// Which kernels this CPU runs (the float summation orders that differ).
 fn profile() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f = std::arch::is_x86_feature_detected!("avx512f");
-        let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("avx512vl");
-        match (f, vnni) {
-            (true, true) => "avx512-vnni",
-            (true, false) => "avx512",
-            _ => "avx2",
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        "other"
-    }
+    util::kernel_profile()
 }
 
 /// (profile, prompt index, policy, sha256(tokens), sha256(logits)).

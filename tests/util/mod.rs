@@ -36,3 +36,24 @@ pub fn wikitext(n_chars: usize) -> String {
 pub fn kvrun_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_kvrun"))
 }
+
+/// Which kernels this CPU runs: the float summation orders that differ
+/// (the AVX-512 attention and VNNI GEMM paths sum in another order than the
+/// AVX2/scalar ones), so exact golden outputs are recorded per profile.
+pub fn kernel_profile() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = std::arch::is_x86_feature_detected!("avx512f");
+        let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("avx512vl");
+        match (f, vnni) {
+            (true, true) => "avx512-vnni",
+            (true, false) => "avx512",
+            _ => "avx2",
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        "other"
+    }
+}
