@@ -13,7 +13,8 @@ use crate::policy::streams::stream_offsets;
 use crate::policy::{CacheShape, Entries, Evictor, PolicyConfig, ScoreCtx, Step};
 pub use crate::policy::{KvPolicy, PromptPhase};
 use crate::sample::Sampler;
-use crate::signals::{BackendWeights, MassMode, ModelView, Needs, QueryWindow, Signals};
+use crate::model::{BackendWeights, ModelView};
+use crate::signals::{MassMode, Needs, QueryWindow, Signals};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
@@ -254,7 +255,7 @@ impl<'w, B: Backend> Session<'w, B> {
             let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
             s.kv = KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
         }
-        s.signals = Signals::for_needs(&needs, c, s.kv.cells.n_slots(), s.state.n_batch);
+        s.signals = Signals::for_needs(&needs, c.into(), s.kv.cells.n_slots(), s.state.n_batch);
         s.mass_main = mass_main;
         s.mass_prompt = mass_prompt;
         Ok(s)
@@ -488,7 +489,7 @@ impl<'w, B: Backend> Session<'w, B> {
         }
         let c = &self.w.config;
         self.signals
-            .grow(&needs, c, self.kv.cells.n_slots(), self.state.n_batch);
+            .grow(&needs, c.into(), self.kv.cells.n_slots(), self.state.n_batch);
         self.feed_inner(tokens, want, Some(obs))
     }
 

@@ -19,7 +19,7 @@
 //! - [`cmd`]: the command line and one module per command (`run`,
 //!   `inspect`, `bench`, `chat`, `eval`, `batch`, `calibrate`, `serve`).
 //!
-//! `tests/layers.rs` checks this layering from the source.
+//! `tests/engine/layers.rs` checks this layering from the source.
 
 #![warn(missing_debug_implementations, rust_2018_idioms, unreachable_pub)]
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -18,12 +18,12 @@
 //!   over heads and layers (H2O, TOVA).
 //! - [`AttnInputs`]: the attention block's input per layer (after the
 //!   attention RMSNorm) for the step's tokens (learned retention gates).
-//! - [`ModelView`]: read access to the weights a scorer may need once, at
-//!   `prepare` (the output projection W_O, for value-norm scoring).
+//!
+//! Read access to the weights a scorer may need once, at `prepare` (the
+//! output projection W_O, for value-norm scoring), is the model layer's
+//! `ModelView` (src/model/view.rs): signals sit below the model, which fills
+//! them, and know its sizes only as [`Dims`].
 
-use crate::backend::Backend;
-use crate::error::{Error, Result};
-use crate::model::{Config, Weights};
 
 /// Which attention probabilities a forward step exports (the attention
 /// kernels' mode; the buffer is the same for both kinds, the mode is chosen
@@ -344,10 +344,22 @@ pub struct Signals {
     pub mass: Option<Vec<f32>>,
 }
 
+/// The model sizes the signal buffers depend on (from the model's
+/// `Config`: `Dims::from(&config)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// Residual-stream width.
+    pub dim: usize,
+    /// Query width (query heads × head size).
+    pub q_dim: usize,
+}
+
 impl Signals {
     /// Buffers for `needs` on a model `c`, a cache of `n_slots` slots and
     /// steps of at most `n_batch` tokens.
-    pub fn for_needs(needs: &Needs, c: &Config, n_slots: usize, n_batch: usize) -> Signals {
+    pub fn for_needs(needs: &Needs, c: Dims, n_slots: usize, n_batch: usize) -> Signals {
         let mut s = Signals::default();
         s.grow(needs, c, n_slots, n_batch);
         s
@@ -355,7 +367,7 @@ impl Signals {
 
     /// Allocate what `needs` asks for and is not there yet (existing
     /// signals keep their state).
-    pub fn grow(&mut self, needs: &Needs, c: &Config, n_slots: usize, n_batch: usize) {
+    pub fn grow(&mut self, needs: &Needs, c: Dims, n_slots: usize, n_batch: usize) {
         if needs.covered_by(&self.needs) {
             return;
         }
@@ -364,7 +376,7 @@ impl Signals {
             self.taps = Some(HiddenTaps::new(all.tap_layers.clone(), c.dim));
         }
         if all.query_window != self.needs.query_window {
-            self.queries = Some(QueryWindow::new(all.query_window, c.n_layers, c.q_dim()));
+            self.queries = Some(QueryWindow::new(all.query_window, c.n_layers, c.q_dim));
         }
         if all.attn_inputs && self.attn_inputs.is_none() {
             self.attn_inputs = Some(AttnInputs::new(c.n_layers, n_batch, c.dim));
@@ -425,92 +437,4 @@ pub struct StepSignals<'a> {
     pub queries: Option<&'a mut QueryWindow>,
     /// Attention-block inputs to keep.
     pub attn_inputs: Option<&'a mut AttnInputs>,
-}
-
-/// Weights a scorer may read at `prepare`, read back to the host from
-/// wherever the backend keeps them.
-pub trait WeightSource {
-    /// Layer `l`'s output projection W_O into `out`, (dim, q_dim) row-major.
-    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()>;
-}
-
-/// The weights of backend `B`, read through it.
-#[derive(Debug)]
-pub struct BackendWeights<'s, 'w, B: Backend> {
-    backend: &'s B,
-    weights: &'s Weights<'w, B>,
-}
-
-impl<'s, 'w, B: Backend> BackendWeights<'s, 'w, B> {
-    /// `w` as `backend` holds them.
-    pub fn new(backend: &'s B, weights: &'s Weights<'w, B>) -> Self {
-        BackendWeights { backend, weights }
-    }
-}
-
-impl<B: Backend> WeightSource for BackendWeights<'_, '_, B> {
-    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
-        let lw = self
-            .weights
-            .layers
-            .get(l)
-            .ok_or_else(|| Error::Other(format!("layer {l} out of range")))?;
-        let (rows, cols) = self.backend.mat_shape(&lw.wo);
-        out.clear();
-        out.resize(rows * cols, 0.0);
-        for (i, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
-            self.backend.mat_row(&lw.wo, i, row);
-        }
-        Ok(())
-    }
-}
-
-/// Read access to the model for scorers, at `prepare`: the configuration
-/// and the weights a score needs once (on a device backend, a read-back).
-#[derive(Clone, Copy)]
-pub struct ModelView<'a> {
-    config: &'a Config,
-    weights: Option<&'a dyn WeightSource>,
-}
-
-impl std::fmt::Debug for ModelView<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelView")
-            .field("config", self.config)
-            .field("weights", &self.weights.is_some())
-            .finish()
-    }
-}
-
-impl<'a> ModelView<'a> {
-    /// The model `config` whose weights `weights` reads.
-    pub fn new(config: &'a Config, weights: &'a dyn WeightSource) -> ModelView<'a> {
-        ModelView {
-            config,
-            weights: Some(weights),
-        }
-    }
-
-    /// A configuration without weights (scorers that only need shapes;
-    /// tests on hand-built configurations).
-    pub fn config_only(c: &'a Config) -> ModelView<'a> {
-        ModelView {
-            config: c,
-            weights: None,
-        }
-    }
-
-    /// The model's hyperparameters.
-    pub fn config(&self) -> &'a Config {
-        self.config
-    }
-
-    /// Layer `l`'s output projection W_O dequantized into `out`, (dim,
-    /// q_dim) row-major: row i holds the weights of output channel i, so
-    /// head h's block is columns h·head_dim..(h+1)·head_dim.
-    pub fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
-        self.weights
-            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?
-            .wo_f32(l, out)
-    }
 }

@@ -23,6 +23,10 @@ pub struct ModelArgs {
     /// Threads (default: all cores).
     #[arg(short = 't', long = "threads")]
     pub threads: Option<i64>,
+    /// Compute device: cpu, cuda or cuda:N (CUDA needs a build with the
+    /// `cuda` feature and an NVIDIA driver).
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: String,
 }
 
 /// KV-cache budget and eviction flags, shared by every command that decodes.

@@ -75,6 +75,8 @@ pub enum Cmd {
 /// tokenizer, with the tokenizer checked against the embedding. Every
 /// command loads through here.
 pub fn load_model(m: &ModelArgs) -> Result<Loaded> {
+    // a device this build or machine cannot use fails before any loading
+    crate::backend::Device::parse(&m.device)?.check()?;
     Loaded::open(&resolve_model(&m.model)?)
 }
 

@@ -7,6 +7,9 @@
 //! in `crate::kv::KvCache`.
 
 pub mod llama;
+pub mod view;
+
+pub use view::{BackendWeights, ModelView, WeightSource};
 
 use crate::backend::{Backend, Host, Rope, RopeStyle, WeightSink, HOST_LOADER, MAX_GROUP};
 use crate::error::{Error, Result};

@@ -57,7 +57,7 @@ impl LayerKv<'_> {
     /// Values per storage unit.
     fn block_len(&self) -> usize {
         match self {
-            LayerKv::Q8(..) => crate::kv::QK8_0,
+            LayerKv::Q8(..) => crate::backend::kvstore::QK8_0,
             _ => 1,
         }
     }

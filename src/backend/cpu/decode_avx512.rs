@@ -13,7 +13,7 @@
 //!   registers.
 //!
 //! Summation order differs from the portable loops (fma, 16 lanes), so the
-//! results agree to float rounding, not bit for bit (tests/kernels.rs). The
+//! results agree to float rounding, not bit for bit (tests/engine/kernels.rs). The
 //! choice between the two is made per CPU, never per call site, so every
 //! run on one machine uses one kernel.
 

@@ -13,7 +13,7 @@ use half::f16;
 /// transposed (`kt`: (head_dim, stride), key j's dimension d at
 /// `kt[d * stride + j]`), so the score loop vectorizes across keys with no
 /// horizontal sums; then max, exp and the value sum. Same outputs as
-/// `attend_group` (up to float summation order; tested in tests/kernels.rs).
+/// `attend_group` (up to float summation order; tested in tests/engine/kernels.rs).
 ///
 /// q: (g, head_dim); v(j): value row j (head_dim); `sc`: (g, n) scratch that
 /// holds the normalized attention probabilities on return; out: (g,

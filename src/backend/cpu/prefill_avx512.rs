@@ -3,7 +3,7 @@
 //! 64 dimensions of the value sum, all accumulators in registers. Each
 //! element is summed in the same order and with the same roundings (a
 //! multiply, then an add; no fma) as the portable loops in `cpu.rs`, so the
-//! results agree bit for bit (tests/kernels.rs).
+//! results agree bit for bit (tests/engine/kernels.rs).
 
 /// Keys per score tile and dimensions per value tile.
 pub const TILE: usize = 64;

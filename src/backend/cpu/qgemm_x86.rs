@@ -8,7 +8,7 @@
 //! for lane: per block, 8 i32 lanes of 4 adjacent u8·i8 products, converted
 //! to f32 and accumulated as `acc = fma(dw·da, xy, acc)`; the offsets as a
 //! sequential f32 `summs = fma(m, s, summs)`; result `hsum(acc) + summs`.
-//! So the tile reproduces `vec_dot` bit for bit (tests/kernels.rs).
+//! So the tile reproduces `vec_dot` bit for bit (tests/engine/kernels.rs).
 //! [`tile_q4_1_q8_1_scalar`] is the scalar model of that arithmetic.
 
 use half::f16;

@@ -1,6 +1,6 @@
 //! Golden and CLI behaviour tests on the default model, through the binary.
 
-mod util;
+use crate::util;
 
 use std::process::{Command, Stdio};
 

@@ -6,7 +6,7 @@
 //! a budget that is never reached changes no logit bit, and a wrapper
 //! around a scorer drives the engine.
 
-mod util;
+use crate::util;
 
 use kvrun::error::Field;
 use kvrun::format::gguf::Gguf;
@@ -20,7 +20,8 @@ use kvrun::policy::wrap::{Rescorer, Wrapped};
 use kvrun::policy::{find, names, CacheShape, Evictor, Policy, ScoreCtx, POLICIES};
 use kvrun::policy::{PolicyConfig, Step};
 use kvrun::sample::Rng;
-use kvrun::signals::{MassMode, ModelView, Needs, Signals};
+use kvrun::model::ModelView;
+use kvrun::signals::{MassMode, Needs, Signals};
 use kvrun::tokenizer::Tokenizer;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -1023,9 +1024,9 @@ fn needs_union_and_settings_named_per_front_end() {
     assert!(Needs::none().is_none() && !u.is_none());
     // nothing needed, nothing allocated
     let c = Config::from_gguf(&Gguf::open(&util::default_model()).unwrap()).unwrap();
-    let s = Signals::for_needs(&Needs::none(), &c, 64, 8);
+    let s = Signals::for_needs(&Needs::none(), (&c).into(), 64, 8);
     assert!(s.taps.is_none() && s.queries.is_none() && s.mass.is_none() && s.attn_inputs.is_none());
-    let s = Signals::for_needs(&u, &c, 64, 8);
+    let s = Signals::for_needs(&u, (&c).into(), 64, 8);
     assert_eq!(s.taps.as_ref().unwrap().layers, vec![7, 10, 21]);
     assert_eq!(s.queries.as_ref().unwrap().w, 32);
     assert_eq!(s.mass.as_ref().unwrap().len(), 64);

@@ -4,7 +4,7 @@
 //! backtrace. Small GGUF files for the model-structure cases are written by a
 //! tiny GGUF v3 writer below (tiny F32 llama weights, a handful of tokens).
 
-mod util;
+use crate::util;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -669,4 +669,34 @@ fn c42_pos_mode_cache_without_window() {
     let mut a = gen_args(&m);
     a.extend(["--pos-mode", "relative"]);
     expect_error(&a, &["--pos-mode", "relative", "absolute, cache"]);
+}
+
+// ---------------------------------------------------------------- device
+
+/// `--device cuda` on a build without the `cuda` feature is one line naming
+/// the flag and the missing feature, for every command that loads a model;
+/// unknown devices name the choices; `--device cpu` runs.
+#[test]
+fn c50_device_flag_reaches_the_backend_check() {
+    let m = model();
+    for dev in ["cuda", "cuda:1"] {
+        let mut a = gen_args(&m);
+        a.extend(["--device", dev]);
+        expect_error(&a, &["--device", "`cuda` feature"]);
+    }
+    expect_error(
+        &["bench", "-m", &m, "--device", "cuda", "-p", "8", "-n", "2"],
+        &["--device", "`cuda` feature"],
+    );
+    let mut a = gen_args(&m);
+    a.extend(["--device", "tpu"]);
+    expect_error(&a, &["--device", "tpu", "cpu, cuda, cuda:N"]);
+    let mut a = gen_args(&m);
+    a.extend(["--device", "cpu"]);
+    let out = run(&a);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

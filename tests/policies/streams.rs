@@ -5,7 +5,7 @@
 //! variable-length storage for adakv/pyramidkv, the global budget rule and
 //! a wrapper rescoring stream scores.
 
-mod util;
+use crate::util;
 
 use kvrun::backend::pool::ThreadPool;
 use kvrun::format::gguf::Gguf;
@@ -24,7 +24,7 @@ use kvrun::policy::{
     find, BudgetRule, CacheShape, Caps, Entries, Evictor, Policy, ScoreCtx, Scorer,
 };
 use kvrun::sample::Rng;
-use kvrun::signals::ModelView;
+use kvrun::model::ModelView;
 use kvrun::tokenizer::Tokenizer;
 use std::sync::{Arc, Mutex};
 

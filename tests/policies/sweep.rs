@@ -2,7 +2,7 @@
 //! with SmolLM2-135M), checking the CSV / JSON / SVG it writes; plus the
 //! pure helpers (merging records, the plot) and argument errors.
 
-mod util;
+use crate::util;
 
 use kvrun::cmd::eval::fidelity::{Fidelity, PplReport};
 use kvrun::cmd::eval::sweep::{merge_reports, to_csv, to_svg, Metric, CSV_HEADER};

@@ -1,7 +1,7 @@
 //! `kvrun chat`: driven through a pipe (scripting) and through a real
 //! terminal (tmux), on the default model.
 
-mod util;
+use crate::util;
 
 use std::io::Write;
 use std::process::{Command, Stdio};

@@ -9,7 +9,7 @@
 //! with kvrun on the GGUF (same weights up to Q4_1/Q8_0 activation
 //! quantization), and loading with the wrong RoPE style must be clearly worse.
 
-mod util;
+use crate::util;
 
 use kvrun::backend::RopeStyle;
 use kvrun::chat::{ChatTemplate, Message};

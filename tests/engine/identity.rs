@@ -11,7 +11,7 @@
 //! still checks what it can on its own: two runs of every case are identical,
 //! and the run is identical with 1 and 2 threads.
 
-mod util;
+use crate::util;
 
 use clap::Parser;
 use kvrun::cmd::args::KvArgs;

@@ -1,7 +1,7 @@
 //! `kvrun serve`: the real binary on 127.0.0.1 (a free port chosen by the
 //! OS), driven over HTTP with `ureq` and raw TCP for the malformed cases.
 
-mod util;
+use crate::util;
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};

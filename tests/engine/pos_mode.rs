@@ -6,7 +6,7 @@
 //! rotated to their cache index by hand), queried by the next token at
 //! position n.
 
-mod util;
+use crate::util;
 
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};

@@ -3,7 +3,7 @@
 //! guarantee on the real engine, prompt protection and prompt phases,
 //! per-model configs and `kvrun calibrate epikv`.
 
-mod util;
+use crate::util;
 
 use kvrun::backend::pool::ThreadPool;
 use kvrun::cmd::args::KvArgs;
@@ -19,7 +19,8 @@ use kvrun::policy::epikv::{
 };
 use kvrun::policy::{CacheShape, Entries, Evictor, ScoreCtx, Scorer, Step};
 use kvrun::sample::Rng;
-use kvrun::signals::{ModelView, Needs, Signals};
+use kvrun::model::ModelView;
+use kvrun::signals::{Needs, Signals};
 use kvrun::tokenizer::Tokenizer;
 use std::process::Command;
 
@@ -189,7 +190,7 @@ fn prepared(variant: Variant, c: &Config, n_slots: usize) -> Epikv {
 
 /// Signals holding taps at `layers`.
 fn tap_signals(layers: &[usize], c: &Config) -> Signals {
-    let s = Signals::for_needs(&Needs::taps(layers.to_vec()), c, 1, 1);
+    let s = Signals::for_needs(&Needs::taps(layers.to_vec()), c.into(), 1, 1);
     assert_eq!(s.taps.as_ref().unwrap().layers, layers);
     s
 }

@@ -1,7 +1,7 @@
 //! `kvrun batch` end to end with the real default model (8 tokens per record):
 //! malformed lines, resume, shards + merge, stdin input.
 
-mod util;
+use crate::util;
 
 use serde_json::Value;
 use std::io::Write;

@@ -2,7 +2,7 @@
 //! token follows the type, an f32 cache gives the f16 cache's logits up to
 //! f16 rounding, and a q8_0 cache mostly keeps the greedy continuation.
 
-mod util;
+use crate::util;
 
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;

@@ -1,0 +1,15 @@
+//! The kvrun binary end to end: golden text, bad input, batch runs and grading, chat (template and REPL), and the OpenAI-compatible server.
+//!
+//! One test binary per group: each binary links llama.cpp, so fewer binaries
+//! build and link faster.
+
+#[path = "../util/mod.rs"]
+mod util;
+
+mod golden;
+mod bad_input;
+mod batch;
+mod grade;
+mod chat;
+mod chat_repl;
+mod server;
