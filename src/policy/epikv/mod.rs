@@ -163,7 +163,8 @@ pub struct EpikvLayers {
 impl EpikvLayers {
     /// Defaults scaled by relative depth from the 32-layer reference:
     /// bands [0.22, 0.41]·L and [0.56, 0.78]·L, representatives
-    /// round(10/32·L) and round(0.656·L) (POLICIES.md §1.4's table).
+    /// round(10/32·L) and round(0.656·L) (the 32-layer settings of the EPIKV
+    /// paper, arXiv 2606.26472).
     pub fn for_depth(n_layers: usize) -> EpikvLayers {
         let l = n_layers as f64;
         let at = |f: f64| ((f * l).round() as usize).min(n_layers.saturating_sub(1));
