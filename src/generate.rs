@@ -8,12 +8,12 @@ use crate::error::{Error, Field, Msg, Result};
 use crate::kv::{KvCache, KvType, Layout, PosMode, StoreShape};
 use crate::model::llama::{forward, Logits, RunState, StepIo};
 use crate::model::Weights;
+use crate::model::{BackendWeights, ModelView};
 use crate::policy::evict::EvictScratch;
 use crate::policy::streams::stream_offsets;
 use crate::policy::{CacheShape, Entries, Evictor, PolicyConfig, ScoreCtx, Step};
 pub use crate::policy::{KvPolicy, PromptPhase};
 use crate::sample::Sampler;
-use crate::model::{BackendWeights, ModelView};
 use crate::signals::{MassMode, Needs, QueryWindow, Signals};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
@@ -488,8 +488,12 @@ impl<'w, B: Backend> Session<'w, B> {
             }
         }
         let c = &self.w.config;
-        self.signals
-            .grow(&needs, c.into(), self.kv.cells.n_slots(), self.state.n_batch);
+        self.signals.grow(
+            &needs,
+            c.into(),
+            self.kv.cells.n_slots(),
+            self.state.n_batch,
+        );
         self.feed_inner(tokens, want, Some(obs))
     }
 

@@ -24,7 +24,6 @@
 //! `ModelView` (src/model/view.rs): signals sit below the model, which fills
 //! them, and know its sizes only as [`Dims`].
 
-
 /// Which attention probabilities a forward step exports (the attention
 /// kernels' mode; the buffer is the same for both kinds, the mode is chosen
 /// per step by the scorer that ranks in that step).

@@ -6,10 +6,10 @@
 #[path = "../util/mod.rs"]
 mod util;
 
-mod golden;
 mod bad_input;
 mod batch;
-mod grade;
 mod chat;
 mod chat_repl;
+mod golden;
+mod grade;
 mod server;

@@ -6,13 +6,13 @@
 #[path = "../util/mod.rs"]
 mod util;
 
+mod cache_type;
+mod identity;
 mod kernels;
-mod quant;
 mod kv_cells;
 mod layers;
-mod tokenizer;
 mod parity;
-mod cache_type;
 mod pos_mode;
+mod quant;
 mod safetensors;
-mod identity;
+mod tokenizer;

@@ -12,6 +12,7 @@ use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
 use kvrun::kv::KvCache;
 use kvrun::model::llama::Logits;
+use kvrun::model::ModelView;
 use kvrun::model::{Config, Weights};
 use kvrun::policy::epikv::{
     band, config_path_for, lag, parse_bands, parse_layers, seg, Epikv, EpikvLayers, EpikvOptions,
@@ -19,7 +20,6 @@ use kvrun::policy::epikv::{
 };
 use kvrun::policy::{CacheShape, Entries, Evictor, ScoreCtx, Scorer, Step};
 use kvrun::sample::Rng;
-use kvrun::model::ModelView;
 use kvrun::signals::{Needs, Signals};
 use kvrun::tokenizer::Tokenizer;
 use std::process::Command;

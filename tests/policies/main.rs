@@ -6,7 +6,7 @@
 #[path = "../util/mod.rs"]
 mod util;
 
+mod epikv;
 mod policy;
 mod streams;
-mod epikv;
 mod sweep;

@@ -13,6 +13,7 @@ use kvrun::generate::{KvPolicy, Session};
 use kvrun::kv::streams::Region;
 use kvrun::kv::{KvCache, KvType, Layout};
 use kvrun::model::llama::Logits;
+use kvrun::model::ModelView;
 use kvrun::model::Weights;
 use kvrun::policy::budget::layer_budgets;
 use kvrun::policy::snapkv::window_scores;
@@ -24,7 +25,6 @@ use kvrun::policy::{
     find, BudgetRule, CacheShape, Caps, Entries, Evictor, Policy, ScoreCtx, Scorer,
 };
 use kvrun::sample::Rng;
-use kvrun::model::ModelView;
 use kvrun::tokenizer::Tokenizer;
 use std::sync::{Arc, Mutex};
 

@@ -6,8 +6,8 @@
 
 use super::App;
 use crate::chat::Message;
-use crate::policy::PolicyConfig;
 use crate::error::Error;
+use crate::policy::PolicyConfig;
 use crate::sample::SamplerConfig;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;

@@ -7,11 +7,11 @@
 use super::api::{ApiError, Done, Ev, Input, Job};
 use super::{App, ReasoningFormat};
 use crate::chat::{ChatTemplate, StopMatch, ThinkEvent, ThinkSplit};
-use crate::policy::PolicyConfig;
 use crate::cmd::prompt::encode_rendered;
 use crate::error::Error;
 use crate::generate::{generate, GenOptions, Session, StopReason};
 use crate::load::Loaded;
+use crate::policy::PolicyConfig;
 use crate::sample::Sampler;
 use axum::http::StatusCode;
 use std::sync::atomic::Ordering;
