@@ -49,10 +49,6 @@ const POLICIES: [&str; 7] = [
 const BUDGET: usize = 80;
 const N_GEN: usize = 80;
 
-fn profile() -> &'static str {
-    util::kernel_profile()
-}
-
 /// (profile, prompt index, policy, sha256(tokens), sha256(logits)).
 const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
     (
@@ -355,7 +351,7 @@ fn greedy_tokens_and_logits_match_the_recorded_hashes() {
     let g = Gguf::open(&path).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
     let tok = Tokenizer::from_gguf(&g).unwrap();
-    let prof = profile();
+    let prof = util::kernel_profile();
     let recorded: Vec<_> = RECORDED.iter().filter(|r| r.0 == prof).collect();
     let mut lines = Vec::new();
     let mut mismatches = Vec::new();
