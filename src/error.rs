@@ -138,6 +138,9 @@ pub enum Field {
     PoolKernel,
     AdakvSafeguard,
     PyramidBeta,
+    CriticalAlpha,
+    CriticalEps,
+    PromptCompress,
     CacheType,
     PosMode,
 }
@@ -163,6 +166,9 @@ impl Field {
             Field::PoolKernel => "--pool-kernel",
             Field::AdakvSafeguard => "--adakv-safeguard",
             Field::PyramidBeta => "--pyramid-beta",
+            Field::CriticalAlpha => "--critical-alpha",
+            Field::CriticalEps => "--critical-eps",
+            Field::PromptCompress => "--prompt-compress",
             Field::CacheType => "--cache-type",
             Field::PosMode => "--pos-mode",
         }

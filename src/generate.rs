@@ -81,6 +81,11 @@ pub struct Session<'w, B: Backend = Host> {
     victims: Vec<u32>,
     scratch: EvictScratch,
     logits: Vec<f32>,
+    /// Most tokens per forward step under the budget (prefill chunks of
+    /// budget/8; `state.n_batch` may be larger for a prompt prefilled whole).
+    chunk: usize,
+    /// (old slot, new slot) of the last cache re-layout.
+    moved: Vec<(u32, u32)>,
 }
 
 impl<'w> Session<'w, Cpu> {
@@ -179,6 +184,7 @@ impl<'w, B: Backend> Session<'w, B> {
         // the cache is trimmed to budget - chunk before each chunk, a small
         // chunk (1/8 of the budget) keeps the cache nearly full throughout.
         let room = e.budget - e.n_sink - e.n_recent;
+        let user_batch = n_batch.max(1);
         let mut n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
         let budget = e.budget;
         let mut policy = policy;
@@ -210,6 +216,15 @@ impl<'w, B: Backend> Session<'w, B> {
                 ));
             }
             n_batch = n_batch.min(mb - e_protected(&policy.evictor)).max(1);
+        }
+        if policy.compress_once && policy.prompt.is_some() {
+            return Err(Error::config(
+                Field::PromptCompress,
+                Msg::default()
+                    .t("once compresses the prompt with the policy itself; leave ")
+                    .f(Field::PromptPolicy)
+                    .t(" out"),
+            ));
         }
         let n_slots = plan.as_ref().map_or(budget, |p| p.pool());
         policy
@@ -249,13 +264,22 @@ impl<'w, B: Backend> Session<'w, B> {
         }
         policy.plan = plan;
         let regions = policy.plan.as_ref().map(|p| p.regions());
-        let mut s = Self::build(backend, w, n_ctx, budget, n_batch, Some(policy));
+        // a prompt prefilled whole runs in the caller's chunks; every other
+        // multi-token feed stays in budget-sized chunks
+        let chunk = n_batch;
+        let alloc_batch = if policy.compress_once {
+            user_batch.max(chunk)
+        } else {
+            chunk
+        };
+        let mut s = Self::build(backend, w, n_ctx, budget, alloc_batch, Some(policy));
         if let Some(r) = regions {
             let b = &s.backend;
             let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
             s.kv = KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
         }
         s.signals = Signals::for_needs(&needs, c.into(), s.kv.cells.n_slots(), s.state.n_batch);
+        s.chunk = chunk;
         s.mass_main = mass_main;
         s.mass_prompt = mass_prompt;
         Ok(s)
@@ -310,6 +334,8 @@ impl<'w, B: Backend> Session<'w, B> {
             victims: Vec::new(),
             scratch: EvictScratch::default(),
             logits: Vec::new(),
+            chunk: n_batch,
+            moved: Vec::new(),
         }
     }
 
@@ -456,6 +482,7 @@ impl<'w, B: Backend> Session<'w, B> {
             pool: self.backend.host_pool(),
             rules: &p.evictor,
             newest: self.n_past as i64,
+            n_new: 0,
             prompt_end: self.prompt_end as i64,
             entries: Entries::Tokens { slots, pos },
         };
@@ -511,9 +538,20 @@ impl<'w, B: Backend> Session<'w, B> {
         }
         let obs_mass = obs.as_ref().map_or(MassMode::None, |o| o.needs().mass);
         self.logits.clear();
-        let nb = self.state.n_batch;
+        let once = self.policy.as_ref().is_some_and(|p| p.compress_once);
         let mut done = 0;
         while done < tokens.len() {
+            let pos0 = self.n_past;
+            let prompt_chunk = pos0 < self.prompt_end;
+            // a prompt compressed once is prefilled whole, in the caller's
+            // chunks (never past its end); everything else in chunks that
+            // fit the budget
+            let whole = once && prompt_chunk;
+            let nb = if whole {
+                self.state.n_batch.min(self.prompt_end - pos0)
+            } else {
+                self.chunk
+            };
             let n = (tokens.len() - done).min(nb);
             let chunk = &tokens[done..done + n];
             let last = done + n == tokens.len();
@@ -522,76 +560,18 @@ impl<'w, B: Backend> Session<'w, B> {
                 Logits::Last if last => 1,
                 Logits::Last => 0,
             };
-            let pos0 = self.n_past;
-            // choose victims so that resident + n stays within the budget;
-            // prompt chunks go to the prompt-phase policy when there is one
-            let prompt_chunk = pos0 < self.prompt_end;
             self.victims.clear();
             let mut in_prompt_phase = false;
-            if let Some(p) = &mut self.policy {
-                let (scorer, evictor, prompt_end) = match (&mut p.prompt, prompt_chunk) {
-                    (Some(pp), true) => {
-                        in_prompt_phase = true;
-                        (&mut pp.scorer, &pp.evictor, 0)
-                    }
-                    _ => (&mut p.scorer, &p.evictor, self.prompt_end as i64),
-                };
-                let newest = (pos0 + n - 1) as i64;
-                if let Some(plan) = &p.plan {
-                    // per-(layer, KV-head) streams: score every entry of
-                    // the groups over budget, evict per group
-                    if plan.over(&self.kv, n, &mut self.want) {
-                        stream_offsets(&self.kv, &mut self.offsets);
-                        let total = self.offsets.last().copied().unwrap_or(0);
-                        self.scores.resize(total, 0.0);
-                        let ctx = ScoreCtx {
-                            kv: &self.kv,
-                            signals: &self.signals,
-                            pool: self.backend.host_pool(),
-                            rules: evictor,
-                            newest,
-                            prompt_end,
-                            entries: Entries::Streams {
-                                plan,
-                                want: &self.want,
-                                off: &self.offsets,
-                            },
-                        };
-                        scorer.score(&ctx, &mut self.scores);
-                        evictor.select_streams_with(
-                            &mut self.scratch,
-                            plan,
-                            &self.kv,
-                            &self.scores,
-                            &self.offsets,
-                            n,
-                            newest,
-                            &mut self.victims,
-                        )?;
-                    }
-                } else if self.kv.live().0.len() + n > evictor.budget {
-                    let (slots, pos) = self.kv.live();
-                    self.scores.resize(slots.len(), 0.0);
-                    let ctx = ScoreCtx {
-                        kv: &self.kv,
-                        signals: &self.signals,
-                        pool: self.backend.host_pool(),
-                        rules: evictor,
-                        newest,
-                        prompt_end,
-                        entries: Entries::Tokens { slots, pos },
-                    };
-                    scorer.score(&ctx, &mut self.scores);
-                    evictor.select_with(
-                        &mut self.scratch,
-                        slots,
-                        pos,
-                        &self.scores,
-                        n,
-                        newest,
-                        &mut self.victims,
-                    )?;
-                }
+            if whole {
+                // room for the rest of the prompt, nothing evicted
+                self.grow_for(self.prompt_end - pos0)?;
+            } else if self.policy.is_some() {
+                // choose victims so that resident + n stays within the
+                // budget; prompt chunks go to the prompt-phase policy when
+                // there is one
+                in_prompt_phase =
+                    prompt_chunk && self.policy.as_ref().is_some_and(|p| p.prompt.is_some());
+                self.pick_victims(n, (pos0 + n - 1) as i64, in_prompt_phase, false)?;
             }
             // the attention mass of this step: the ranking phase's scorer's
             // (and the observer's; they agree, see `feed_observed`)
@@ -662,8 +642,190 @@ impl<'w, B: Backend> Session<'w, B> {
                 o.on_step(&step(omass, self.prompt_end as i64));
             }
             done += n;
+            if whole && self.n_past == self.prompt_end {
+                self.compress_prompt()?;
+            }
         }
         Ok(&self.logits)
+    }
+
+    /// Victims (into `self.victims`) so that writing `n_new` tokens whose
+    /// last position is `newest` keeps every budget group within budget:
+    /// the lowest-scored unprotected entries of each group over it, ranked
+    /// by the prompt phase's scorer (`prompt_phase`) or the main one.
+    /// `exact`: compressing a prompt once (no batched extra evictions).
+    fn pick_victims(
+        &mut self,
+        n_new: usize,
+        newest: i64,
+        prompt_phase: bool,
+        exact: bool,
+    ) -> Result<()> {
+        self.victims.clear();
+        let Some(p) = &mut self.policy else {
+            return Ok(());
+        };
+        let (scorer, evictor, prompt_end) = match (&mut p.prompt, prompt_phase) {
+            (Some(pp), true) => (&mut pp.scorer, &pp.evictor, 0),
+            _ => (&mut p.scorer, &p.evictor, self.prompt_end as i64),
+        };
+        let exact_rules;
+        let evictor = if exact {
+            exact_rules = Evictor {
+                evict_every: 1,
+                ..evictor.clone()
+            };
+            &exact_rules
+        } else {
+            evictor
+        };
+        let pool = self.backend.host_pool();
+        if let Some(plan) = &p.plan {
+            // per-(layer, KV-head) streams: score every entry of the groups
+            // over budget, evict per group
+            if plan.over(&self.kv, n_new, &mut self.want) {
+                stream_offsets(&self.kv, &mut self.offsets);
+                let total = self.offsets.last().copied().unwrap_or(0);
+                self.scores.resize(total, 0.0);
+                let ctx = ScoreCtx {
+                    kv: &self.kv,
+                    signals: &self.signals,
+                    pool,
+                    rules: evictor,
+                    newest,
+                    n_new,
+                    prompt_end,
+                    entries: Entries::Streams {
+                        plan,
+                        want: &self.want,
+                        off: &self.offsets,
+                    },
+                };
+                scorer.score(&ctx, &mut self.scores);
+                evictor.select_streams_with(
+                    &mut self.scratch,
+                    plan,
+                    &self.kv,
+                    &self.scores,
+                    &self.offsets,
+                    n_new,
+                    newest,
+                    &mut self.victims,
+                )?;
+            }
+        } else if self.kv.live().0.len() + n_new > evictor.budget {
+            let (slots, pos) = self.kv.live();
+            self.scores.resize(slots.len(), 0.0);
+            let ctx = ScoreCtx {
+                kv: &self.kv,
+                signals: &self.signals,
+                pool,
+                rules: evictor,
+                newest,
+                n_new,
+                prompt_end,
+                entries: Entries::Tokens { slots, pos },
+            };
+            scorer.score(&ctx, &mut self.scores);
+            evictor.select_with(
+                &mut self.scratch,
+                slots,
+                pos,
+                &self.scores,
+                n_new,
+                newest,
+                &mut self.victims,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Grow the cache (`--prompt-compress once`) so that `n_more` more
+    /// tokens fit next to what is resident, without evicting: every stream
+    /// region (or the slot map) gets room for them. Per-slot state follows.
+    fn grow_for(&mut self, n_more: usize) -> Result<()> {
+        let need = |live: usize, len: usize| live + len * n_more;
+        match self.kv.streams() {
+            None => {
+                let want = need(self.kv.cells.n_live(), 1);
+                if want > self.kv.cells.n_slots() {
+                    self.kv.resize_slots(want, &mut self.moved)?;
+                    self.relocated();
+                }
+            }
+            Some(st) => {
+                let mut grow = false;
+                let regions: Vec<_> = st
+                    .regions()
+                    .iter()
+                    .map(|r| {
+                        let live: usize = (r.first_stream..r.first_stream + r.n_streams)
+                            .map(|s| st.len(s))
+                            .sum();
+                        let rows = need(live, r.n_streams);
+                        grow |= rows > r.rows;
+                        crate::kv::streams::Region {
+                            rows: rows.max(r.rows),
+                            ..*r
+                        }
+                    })
+                    .collect();
+                if grow {
+                    self.kv.resize_regions(&regions, &mut self.moved)?;
+                    self.relocated();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The prompt (prefilled whole) is complete: evict down to the budget
+    /// once, ranked with the prompt's last queries, then give the memory
+    /// back (the cache shrinks to its budgeted size).
+    fn compress_prompt(&mut self) -> Result<()> {
+        let newest = self.n_past as i64 - 1;
+        self.pick_victims(0, newest, false, true)?;
+        if !self.victims.is_empty() {
+            let victims = std::mem::take(&mut self.victims);
+            self.kv.apply(&victims, &[], &mut Vec::new())?;
+            self.evicted_entries += victims.len();
+            self.n_evicted = self.evicted_entries / self.kv.n_streams();
+            self.victims = victims;
+            self.victims.clear();
+        }
+        let Some(p) = &self.policy else {
+            return Ok(());
+        };
+        match &p.plan {
+            Some(plan) => {
+                let regions = plan.regions();
+                if self.kv.streams().is_some_and(|st| st.regions() != regions) {
+                    self.kv.resize_regions(&regions, &mut self.moved)?;
+                    self.relocated();
+                }
+            }
+            None => {
+                let b = p.evictor.budget;
+                if self.kv.cells.n_slots() != b {
+                    self.kv.resize_slots(b, &mut self.moved)?;
+                    self.relocated();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a cache re-layout: scorers' per-slot state and the attention
+    /// mass buffer follow the new slots.
+    fn relocated(&mut self) {
+        let n = self.kv.cells.n_slots();
+        if let Some(p) = &mut self.policy {
+            p.scorer.relocate(&self.moved, n);
+            if let Some(pp) = &mut p.prompt {
+                pp.scorer.relocate(&self.moved, n);
+            }
+        }
+        self.signals.resize_slots(n);
     }
 }
 

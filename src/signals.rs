@@ -386,6 +386,15 @@ impl Signals {
         self.needs = all;
     }
 
+    /// The cache now has `n_slots` slots (re-laid out): the per-slot mass
+    /// buffer follows (its contents are per step).
+    pub fn resize_slots(&mut self, n_slots: usize) {
+        if let Some(m) = &mut self.mass {
+            m.clear();
+            m.resize(n_slots, 0.0);
+        }
+    }
+
     /// What is allocated.
     pub fn needs(&self) -> &Needs {
         &self.needs

@@ -139,6 +139,11 @@ pub trait KvStore: std::fmt::Debug + Send + Sync {
     fn read(&self, key: bool, base: usize, rows: &[u32], off: usize, len: usize, out: &mut [f32]);
     /// A copy of the store (same type and contents).
     fn clone_box(&self) -> Box<dyn KvStore>;
+    /// A store of the same type with `n_rows` rows (zeroed) holding, for
+    /// each `(from, to)` of `moves`, this store's row `from` at row `to`,
+    /// copied as stored (no re-quantization). Growing for a transient
+    /// prompt, shrinking back to a budget after compressing it.
+    fn resized(&self, n_rows: usize, moves: &[(u32, u32)]) -> Box<dyn KvStore>;
     /// For the backend that made it: its concrete type.
     fn as_any(&self) -> &dyn std::any::Any;
 }

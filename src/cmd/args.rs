@@ -86,6 +86,23 @@ pub struct KvArgs {
     /// pyramidkv: ratio between the largest and smallest layer budgets' terms (default 20).
     #[arg(long = "pyramid-beta", value_name = "B")]
     pub pyramid_beta: Option<f32>,
+    /// critical-*: fraction of each head's kept entries chosen by attention alone (stage 1; default 0.5).
+    #[arg(long = "critical-alpha", value_name = "A")]
+    pub critical_alpha: Option<f32>,
+    /// critical-*: epsilon added to attention before weighting by the projected value norm (default 1e-4).
+    #[arg(long = "critical-eps", value_name = "E")]
+    pub critical_eps: Option<f32>,
+    /// How a budgeted policy meets a prompt longer than its budget: stream
+    /// (prefill in chunks, evicting between them; memory stays within the
+    /// budget) or once (prefill the whole prompt, then compress it to the
+    /// budget once with the policy's scores, as SnapKV/AdaKV/kvpress do;
+    /// transient KV memory = the prompt).
+    #[arg(
+        long = "prompt-compress",
+        value_name = "MODE",
+        default_value = "stream"
+    )]
+    pub prompt_compress: String,
     /// KV cache storage type: f32, f16 or q8_0 (32-value blocks, 8.5 bits per value).
     #[arg(long = "cache-type", value_name = "TYPE", default_value = "f16")]
     pub cache_type: String,
@@ -141,6 +158,9 @@ impl KvArgs {
             pool_kernel: self.pool_kernel,
             adakv_safeguard: self.adakv_safeguard,
             pyramid_beta: self.pyramid_beta,
+            critical_alpha: self.critical_alpha,
+            critical_eps: self.critical_eps,
+            prompt_compress: crate::policy::PromptCompress::parse(&self.prompt_compress)?,
             cache_type: self.kv_type()?,
             pos_mode: self.pos_mode()?,
         })

@@ -83,8 +83,13 @@ pub fn load_model(m: &ModelArgs) -> Result<Loaded> {
 /// The policy table shown in `--help`, from the registry.
 pub fn policies_help() -> String {
     let mut s = String::from("KV-cache policies (--policy):\n");
+    let w = crate::policy::POLICIES
+        .iter()
+        .map(|p| p.name.len())
+        .max()
+        .unwrap_or(0);
     for p in crate::policy::POLICIES {
-        s.push_str(&format!("  {:10} {}\n", p.name, p.about));
+        s.push_str(&format!("  {:w$} {}\n", p.name, p.about));
     }
     s
 }

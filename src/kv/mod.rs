@@ -426,6 +426,112 @@ impl KvCache {
         Ok(())
     }
 
+    /// Re-lay a token-uniform cache into `n_slots` slots, keeping every
+    /// live token (packed to the front, in slot order, copied as stored).
+    /// `map` receives (old slot, new slot) of every live token so per-slot
+    /// state elsewhere (scorers, attention mass) can follow. Grows the cache
+    /// for a prompt prefilled whole (`--prompt-compress once`) and shrinks
+    /// it back to the budget once that prompt is compressed. Fails, leaving
+    /// the cache untouched, when the live tokens do not fit.
+    pub fn resize_slots(&mut self, n_slots: usize, map: &mut Vec<(u32, u32)>) -> Result<()> {
+        if self.streams.is_some() {
+            return Err(Error::Other("resize_slots on a stream cache".into()));
+        }
+        let n_live = self.cells.n_live();
+        if n_live > n_slots {
+            return Err(Error::Other(format!(
+                "KV cache resize: {n_live} live tokens do not fit in {n_slots} slots"
+            )));
+        }
+        let old_n = self.cells.n_slots();
+        map.clear();
+        map.extend(
+            self.cells
+                .live()
+                .enumerate()
+                .map(|(r, (s, _))| (s as u32, r as u32)),
+        );
+        let rows: Vec<(u32, u32)> = (0..self.n_layers)
+            .flat_map(|l| {
+                map.iter()
+                    .map(move |&(f, t)| ((l * old_n) as u32 + f, (l * n_slots) as u32 + t))
+            })
+            .collect();
+        let mut cells = KvCells::new(n_slots);
+        for &(f, t) in map.iter() {
+            let p = self.cells.pos(f as usize).unwrap_or(0);
+            cells.set(t as usize, p);
+        }
+        self.store = self.store.resized(self.n_layers * n_slots, &rows);
+        self.cells = cells;
+        // refresh the live lists (no victims, no new tokens)
+        self.apply(&[], &[], &mut Vec::new())
+    }
+
+    /// Re-lay a stream cache into `regions` (the same streams, other row
+    /// counts), keeping every live entry packed to the front of its region
+    /// in slot order, copied as stored. `map` receives (old pool slot, new
+    /// pool slot) of every live entry. Fails, leaving the cache untouched,
+    /// when a region cannot hold its streams' live entries.
+    pub fn resize_regions(&mut self, regions: &[Region], map: &mut Vec<(u32, u32)>) -> Result<()> {
+        let Some(st) = &self.streams else {
+            return Err(Error::Other(
+                "resize_regions on a token-uniform cache".into(),
+            ));
+        };
+        let old = st.regions();
+        if old.len() != regions.len()
+            || old
+                .iter()
+                .zip(regions)
+                .any(|(a, b)| (a.first_stream, a.n_streams) != (b.first_stream, b.n_streams))
+        {
+            return Err(Error::Other(
+                "KV cache resize: regions must serve the same streams".into(),
+            ));
+        }
+        // new slot of every old pool row (u32::MAX: free)
+        let mut new_of = vec![u32::MAX; st.n_rows()];
+        map.clear();
+        let mut base = 0usize;
+        let mut ents: Vec<u32> = Vec::new();
+        for (ri, r) in regions.iter().enumerate() {
+            ents.clear();
+            for s in r.first_stream..r.first_stream + r.n_streams {
+                ents.extend_from_slice(st.stream(s).0);
+            }
+            ents.sort_unstable();
+            if ents.len() > r.rows {
+                return Err(Error::Other(format!(
+                    "KV cache resize: region {ri} holds {} entries, more than {} rows",
+                    ents.len(),
+                    r.rows
+                )));
+            }
+            for (k, &sl) in ents.iter().enumerate() {
+                let t = (base + k) as u32;
+                new_of[sl as usize] = t;
+                map.push((sl, t));
+            }
+            base += r.rows;
+        }
+        map.sort_unstable();
+        let mut lists = StreamLists::new(self.n_layers, self.n_kv_heads, regions);
+        let mut cells = KvCells::new(lists.n_rows());
+        for s in 0..st.n_streams() {
+            let (sl, ps) = st.stream(s);
+            for (&o, &p) in sl.iter().zip(ps) {
+                let t = new_of[o as usize];
+                cells.set(t as usize, p);
+                lists.push(s, t, p);
+            }
+        }
+        self.store = self.store.resized(lists.n_rows(), map);
+        self.cells = cells;
+        self.streams = Some(lists);
+        Ok(())
+    }
+
     /// The keys KV head `g` of `layer` attends over, by position or
     /// (`memory_order`) by slot: token-uniform caches give the shared live
     /// list, stream caches the stream's own.

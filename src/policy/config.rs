@@ -4,11 +4,12 @@
 //! makes the policy. Errors name the setting by `Field`, which each front
 //! end spells its own way (`--kv-budget` / `kv_budget`).
 
+use super::critical::CriticalOptions;
 use super::epikv::{self, Band, EpikvLayers, EpikvOptions};
 use super::evict::Evictor;
 use super::snapkv::SnapOptions;
 use super::table::{lookup, PolicyDef, ScorerOptions};
-use super::{KvPolicy, PromptPhase};
+use super::{KvPolicy, PromptCompress, PromptPhase};
 use crate::error::{Error, Field, Msg, Result};
 use crate::kv::{KvType, PosMode};
 use std::path::{Path, PathBuf};
@@ -49,6 +50,12 @@ pub struct PolicyConfig {
     pub adakv_safeguard: Option<f32>,
     /// pyramidkv: ratio of the largest to the smallest layer term.
     pub pyramid_beta: Option<f32>,
+    /// critical-*: stage-1 fraction α.
+    pub critical_alpha: Option<f32>,
+    /// critical-*: ε added to attention before weighting by the value norm.
+    pub critical_eps: Option<f32>,
+    /// Streaming prefill under the budget, or the whole prompt then one compression.
+    pub prompt_compress: PromptCompress,
     /// KV storage type.
     pub cache_type: KvType,
     /// RoPE positions.
@@ -75,6 +82,9 @@ impl Default for PolicyConfig {
             pool_kernel: None,
             adakv_safeguard: None,
             pyramid_beta: None,
+            critical_alpha: None,
+            critical_eps: None,
+            prompt_compress: PromptCompress::Stream,
             cache_type: KvType::default(),
             pos_mode: PosMode::default(),
         }
@@ -117,6 +127,17 @@ impl PolicyConfig {
                 format!("must be at least 1, got {}", o.beta),
             ));
         }
+        Ok(o)
+    }
+
+    /// The CriticalKV options, checked.
+    pub fn critical_options(&self) -> Result<CriticalOptions> {
+        let d = CriticalOptions::default();
+        let o = CriticalOptions {
+            alpha: self.critical_alpha.unwrap_or(d.alpha),
+            eps: self.critical_eps.unwrap_or(d.eps),
+        };
+        o.check()?;
         Ok(o)
     }
 
@@ -179,6 +200,26 @@ impl PolicyConfig {
             None => def.default_evict_every(budget),
         };
         let snap = self.snap_options()?;
+        let critical = self.critical_options()?;
+        let once = self.prompt_compress == PromptCompress::Once;
+        if once && self.prompt_policy.is_some() {
+            return Err(Error::config(
+                Field::PromptCompress,
+                Msg::default()
+                    .t("once compresses the prompt with the policy itself; leave ")
+                    .f(Field::PromptPolicy)
+                    .t(" out"),
+            ));
+        }
+        if once && self.keep_prompt {
+            return Err(Error::config(
+                Field::PromptCompress,
+                Msg::default()
+                    .t("once compresses the prompt, which ")
+                    .f(Field::KeepPrompt)
+                    .t(" forbids"),
+            ));
+        }
         // an explicit config always; the one next to the model when a
         // policy of this session reads it
         let reads_config = def.caps.epikv_config || pdef.is_some_and(|p| p.caps.epikv_config);
@@ -203,9 +244,11 @@ impl PolicyConfig {
                 bands: self.epikv_bands,
                 window: self.epikv_window,
                 config,
-                score_prompt: self.epikv_score_prompt,
+                // a prompt compressed once is ranked like everything else
+                score_prompt: self.epikv_score_prompt || once,
             },
             snap,
+            critical,
         };
         let policy = def
             .build(&opts)?
@@ -213,7 +256,7 @@ impl PolicyConfig {
         // EPIKV as published keeps the whole prompt (decode budget = budget -
         // prompt), unless prompt tokens are scored or go to a prompt policy
         let keep_prompt = self.keep_prompt
-            || (def.defaults.keep_prompt && !self.epikv_score_prompt)
+            || (def.defaults.keep_prompt && !self.epikv_score_prompt && !once)
             || self.prompt_policy.is_some();
         let evictor = Evictor {
             budget,
@@ -223,6 +266,7 @@ impl PolicyConfig {
             evict_every,
         };
         let mut kp = KvPolicy::new(policy, evictor.clone());
+        kp.compress_once = once;
         if let Some(pdef) = pdef {
             let pb = self.prompt_budget.unwrap_or(budget / 2);
             let pp = pdef.build(&opts)?.ok_or_else(|| {

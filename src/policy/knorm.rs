@@ -41,6 +41,9 @@ impl Scorer for KNorm {
             self.score[s as usize] = -total / n as f32;
         }
     }
+    fn relocate(&mut self, map: &[(u32, u32)], n_slots: usize) {
+        super::relocate_slots(&mut self.score, 1, map, n_slots);
+    }
     fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]) {
         if let Entries::Tokens { slots, .. } = ctx.entries {
             for (o, &s) in out.iter_mut().zip(slots) {

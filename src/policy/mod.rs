@@ -32,6 +32,7 @@
 
 pub mod budget;
 pub mod config;
+pub mod critical;
 pub mod epikv;
 pub mod evict;
 pub mod h2o;
@@ -54,6 +55,44 @@ pub use config::PolicyConfig;
 pub use evict::Evictor;
 use streams::StreamPlan;
 pub use table::{find, names, Caps, PolicyDef, POLICIES};
+
+/// How a budgeted policy meets a prompt longer than its budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PromptCompress {
+    /// Prefill in chunks of budget/8, evicting between chunks: memory
+    /// never exceeds the budget (prompts of any length).
+    #[default]
+    Stream,
+    /// Prefill the whole prompt with the fused attention (the cache grows
+    /// to hold it: transient memory = the prompt), then compress it to the
+    /// budget once with the policy's scores, the observation window being
+    /// the prompt's last queries (the question): the setting SnapKV,
+    /// AdaKV, PyramidKV, CriticalKV and kvpress were published in.
+    /// Decoding then keeps the budget with the policy's decode-time rule.
+    Once,
+}
+
+impl PromptCompress {
+    /// `stream` or `once`.
+    pub fn parse(s: &str) -> Result<PromptCompress> {
+        match s {
+            "stream" | "" => Ok(PromptCompress::Stream),
+            "once" => Ok(PromptCompress::Once),
+            _ => Err(Error::config(
+                Field::PromptCompress,
+                format!("unknown mode '{s}' (known: stream, once)"),
+            )),
+        }
+    }
+
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptCompress::Stream => "stream",
+            PromptCompress::Once => "once",
+        }
+    }
+}
 
 /// The cache a scorer's per-slot state indexes, given at `prepare`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +151,10 @@ pub struct ScoreCtx<'a> {
     pub rules: &'a Evictor,
     /// Position of the newest token once the step is written.
     pub newest: i64,
+    /// Tokens the step about to be written adds (per stream; 0 when
+    /// compressing a prompt): the evictor keeps budget − n_new − (evict_every
+    /// − 1) entries per stream of a group.
+    pub n_new: usize,
     /// First position after the prompt (0 in a prompt phase).
     pub prompt_end: i64,
     pub entries: Entries<'a>,
@@ -154,6 +197,33 @@ pub trait Scorer: std::fmt::Debug + Send {
     fn score(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]);
     /// Forget per-sequence state.
     fn reset(&mut self) {}
+    /// The cache was re-laid out (`KvCache::resize_slots` /
+    /// `resize_regions`: grown for a prompt prefilled whole, shrunk back
+    /// to the budget after compressing it): it now has `n_slots` slots and
+    /// the entry of slot `from` lives in slot `to`, for every `(from, to)`
+    /// of `map` (every live entry). A scorer with per-slot state must move
+    /// it ([`relocate_slots`]); the default, for scorers without any, does
+    /// nothing.
+    fn relocate(&mut self, _map: &[(u32, u32)], _n_slots: usize) {}
+}
+
+/// Move per-slot state after a cache re-layout: `v` holds `width` values
+/// per slot; afterwards it holds `n_slots` slots, slot `to` carrying what
+/// slot `from` held for every `(from, to)` of `map`, the others zeroed.
+pub fn relocate_slots<T: Copy + Default>(
+    v: &mut Vec<T>,
+    width: usize,
+    map: &[(u32, u32)],
+    n_slots: usize,
+) {
+    let mut out = vec![T::default(); n_slots * width];
+    for &(f, t) in map {
+        let (f, t) = (f as usize * width, t as usize * width);
+        if f + width <= v.len() && t + width <= out.len() {
+            out[t..t + width].copy_from_slice(&v[f..f + width]);
+        }
+    }
+    *v = out;
 }
 
 /// A scorer and the budget rule it ranks under, with the registry row's
@@ -211,6 +281,9 @@ pub struct KvPolicy {
     pub prompt: Option<PromptPhase>,
     /// Per-(layer, KV-head) budgets of a stream rule (set by the session).
     pub plan: Option<StreamPlan>,
+    /// `--prompt-compress once`: the prompt is prefilled whole (the cache
+    /// grows to hold it) and compressed to the budget once at its end.
+    pub compress_once: bool,
 }
 
 impl KvPolicy {
@@ -224,6 +297,7 @@ impl KvPolicy {
             evictor,
             prompt: None,
             plan: None,
+            compress_once: false,
         }
     }
 }

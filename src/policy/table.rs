@@ -5,8 +5,10 @@
 //! compares policy names.
 
 use super::budget::BudgetRule;
+use super::critical::{Critical, CriticalOptions};
 use super::epikv::{Epikv, EpikvOptions, Variant};
 use super::snapkv::{SnapKv, SnapOptions};
+use super::wrap::Wrapped;
 use super::{h2o, knorm, random, tova, window, Policy, Scorer};
 use crate::error::{Error, Field, Msg, Result};
 
@@ -63,6 +65,8 @@ pub struct ScorerOptions {
     pub epikv: EpikvOptions,
     /// Observation-window options (snapkv, adakv, pyramidkv).
     pub snap: SnapOptions,
+    /// CriticalKV's α and ε (critical-*).
+    pub critical: CriticalOptions,
 }
 
 /// Builds a policy's scorer and budget rule.
@@ -148,6 +152,37 @@ fn obs(o: &ScorerOptions, rule: BudgetRule) -> Result<(Box<dyn Scorer>, BudgetRu
     Ok((Box::new(SnapKv { opts: o.snap }), rule))
 }
 
+/// `base`'s scorer rescored by CriticalKV, under `base`'s budget rule.
+fn critical(
+    o: &ScorerOptions,
+    base: (Box<dyn Scorer>, BudgetRule),
+) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    let (inner, rule) = base;
+    Ok((
+        Box::new(Wrapped::new(inner, Critical::new(o.critical))),
+        rule,
+    ))
+}
+
+fn adakv(o: &ScorerOptions) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    obs(
+        o,
+        BudgetRule::PerLayer {
+            safeguard: o.snap.safeguard,
+        },
+    )
+}
+
+fn pyramid(o: &ScorerOptions) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    obs(
+        o,
+        BudgetRule::Pyramid {
+            window: o.snap.window,
+            beta: o.snap.beta,
+        },
+    )
+}
+
 fn epikv(o: &ScorerOptions, v: Variant) -> Result<(Box<dyn Scorer>, BudgetRule)> {
     tokens(Epikv::new(v, o.epikv.clone()))
 }
@@ -195,31 +230,51 @@ pub const POLICIES: &[PolicyDef] = &[
     PolicyDef {
         name: "adakv",
         about: "Ada-KV: SnapKV scores, a layer's heads share its budget adaptively (20% safeguard per head)",
-        make: Some(|o| {
-            obs(
-                o,
-                BudgetRule::PerLayer {
-                    safeguard: o.snap.safeguard,
-                },
-            )
-        }),
+        make: Some(adakv),
         defaults: STREAM,
         caps: STREAMS,
     },
     PolicyDef {
         name: "pyramidkv",
         about: "PyramidKV: SnapKV scores, per-layer budgets shrinking with depth (beta 20)",
-        make: Some(|o| {
-            obs(
-                o,
-                BudgetRule::Pyramid {
-                    window: o.snap.window,
-                    beta: o.snap.beta,
-                },
-            )
-        }),
+        make: Some(pyramid),
         defaults: STREAM,
         caps: STREAMS,
+    },
+    PolicyDef {
+        name: "critical-snapkv",
+        about: "CriticalKV over SnapKV: half of each head's budget by attention, the rest by attention × ‖V·W_O‖₁",
+        make: Some(|o| critical(o, obs(o, BudgetRule::PerStream)?)),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "critical-adakv",
+        about: "CriticalKV over Ada-KV: head budgets from SnapKV scores, two-stage selection inside each head",
+        make: Some(|o| critical(o, adakv(o)?)),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "critical-pyramidkv",
+        about: "CriticalKV over PyramidKV: per-layer budgets shrinking with depth, two-stage selection per head",
+        make: Some(|o| critical(o, pyramid(o)?)),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "critical-h2o",
+        about: "CriticalKV over H2O: half the budget by accumulated attention, the rest by attention × ‖V·W_O‖₁",
+        make: Some(|o| critical(o, tokens(h2o::H2o::default())?)),
+        defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "critical-tova",
+        about: "CriticalKV over TOVA: half the budget by the current query's attention, the rest weighted by ‖V·W_O‖₁",
+        make: Some(|o| critical(o, tokens(tova::Tova::default())?)),
+        defaults: TOKEN,
+        caps: PLAIN,
     },
     PolicyDef {
         name: "knorm",

@@ -30,6 +30,8 @@ pub trait Rescorer: std::fmt::Debug + Send {
     fn rescore(&mut self, ctx: &ScoreCtx<'_>, out: &mut [f32]);
     /// Forget per-sequence state.
     fn reset(&mut self) {}
+    /// Follow a cache re-layout (see `Scorer::relocate`).
+    fn relocate(&mut self, _map: &[(u32, u32)], _n_slots: usize) {}
 }
 
 /// A scorer whose scores pass through a rescorer.
@@ -68,5 +70,9 @@ impl<R: Rescorer> Scorer for Wrapped<R> {
     fn reset(&mut self) {
         self.inner.reset();
         self.outer.reset();
+    }
+    fn relocate(&mut self, map: &[(u32, u32)], n_slots: usize) {
+        self.inner.relocate(map, n_slots);
+        self.outer.relocate(map, n_slots);
     }
 }

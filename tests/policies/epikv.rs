@@ -239,6 +239,7 @@ fn score_live(
         pool: &pool,
         rules: &rules,
         newest: pos.last().copied().unwrap_or(0),
+        n_new: 1,
         prompt_end,
         entries: Entries::Tokens { slots, pos },
     };

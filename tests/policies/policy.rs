@@ -521,6 +521,13 @@ fn every_policy_has_a_budget_test() {
         "snapkv",
         "adakv",
         "pyramidkv",
+        // CriticalKV over each: tests/policies/critical.rs
+        // (critical_budgets_hold_over_4096_tokens)
+        "critical-snapkv",
+        "critical-adakv",
+        "critical-pyramidkv",
+        "critical-h2o",
+        "critical-tova",
     ];
     for n in names() {
         assert!(
@@ -643,7 +650,7 @@ fn budget_never_reached_is_bit_identical_to_full() {
         // whose top layer holds 200 tokens)
         let budgets: &[usize] = match name {
             "window" => &[200, 1024],
-            "pyramidkv" => &[3400],
+            "pyramidkv" | "critical-pyramidkv" => &[3400],
             _ => &[200],
         };
         for &budget in budgets {

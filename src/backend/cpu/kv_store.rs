@@ -178,6 +178,32 @@ impl KvStore for CpuKv {
     fn clone_box(&self) -> Box<dyn KvStore> {
         Box::new(self.clone())
     }
+    fn resized(&self, n_rows: usize, moves: &[(u32, u32)]) -> Box<dyn KvStore> {
+        let mut out = CpuKv::new(self.ty, n_rows, self.row_vals);
+        let u = self.row_units;
+        fn copy<T: Copy>(src: &[T], dst: &mut [T], u: usize, moves: &[(u32, u32)]) {
+            for &(f, t) in moves {
+                let (f, t) = (f as usize * u, t as usize * u);
+                dst[t..t + u].copy_from_slice(&src[f..f + u]);
+            }
+        }
+        match (&self.store, &mut out.store) {
+            (Store::F32(k, v), Store::F32(k2, v2)) => {
+                copy(k, k2, u, moves);
+                copy(v, v2, u, moves);
+            }
+            (Store::F16(k, v), Store::F16(k2, v2)) => {
+                copy(k, k2, u, moves);
+                copy(v, v2, u, moves);
+            }
+            (Store::Q8(k, v), Store::Q8(k2, v2)) => {
+                copy(k, k2, u, moves);
+                copy(v, v2, u, moves);
+            }
+            _ => unreachable!("a store resized keeps its type"),
+        }
+        Box::new(out)
+    }
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

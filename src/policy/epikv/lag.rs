@@ -46,6 +46,14 @@ impl Lag {
         }
     }
 
+    /// Follow a cache re-layout (see `Scorer::relocate`); the last event's
+    /// scores are dropped (recomputed at the next event).
+    pub fn relocate(&mut self, map: &[(u32, u32)], n_slots: usize) {
+        crate::policy::relocate_slots(&mut self.kbar, self.kv_dim, map, n_slots);
+        crate::policy::relocate_slots(&mut self.vbar, self.kv_dim, map, n_slots);
+        self.clear();
+    }
+
     /// Forget the sequence.
     pub fn clear(&mut self) {
         self.last_live.clear();

@@ -506,6 +506,15 @@ impl Scorer for Epikv {
         }
     }
 
+    fn relocate(&mut self, map: &[(u32, u32)], n_slots: usize) {
+        super::relocate_slots(&mut self.score, 1, map, n_slots);
+        match &mut self.signal {
+            Some(Signal::Lag(l)) => l.relocate(map, n_slots),
+            Some(Signal::Seg(s)) => s.relocate(map, n_slots),
+            _ => {}
+        }
+    }
+
     fn reset(&mut self) {
         self.score.fill(0.0);
         match &mut self.signal {

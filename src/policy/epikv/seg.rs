@@ -53,6 +53,11 @@ impl Seg {
         }
     }
 
+    /// Follow a cache re-layout (see `Scorer::relocate`).
+    pub fn relocate(&mut self, map: &[(u32, u32)], n_slots: usize) {
+        crate::policy::relocate_slots(&mut self.kvar, 1, map, n_slots);
+    }
+
     /// Key variance of the new tokens.
     pub fn on_write(&mut self, kv: &KvCache, slots: &[u32]) {
         let hd = kv.head_dim;

@@ -1,0 +1,824 @@
+//! CriticalKV and prefill-then-compress: the two-stage selector on
+//! hand-built and random scores, CriticalAdaKV's budget split, the
+//! projected value norm against a direct computation from the dequantized
+//! W_O (Q4_1 as shipped, Q8_0 and a K-quant), the GQA map, budgets under
+//! the critical policies and under `--prompt-compress once`, the cache
+//! re-layout that gives the prompt's memory back, and the command line.
+
+use crate::util;
+
+use kvrun::backend::cpu::Cpu;
+use kvrun::backend::pool::ThreadPool;
+use kvrun::format::gguf::Gguf;
+use kvrun::generate::{KvPolicy, Session};
+use kvrun::kv::streams::Region;
+use kvrun::kv::{KvCache, KvType};
+use kvrun::model::llama::Logits;
+use kvrun::model::view::WeightSource;
+use kvrun::model::{BackendWeights, Config, ModelView, Weights};
+use kvrun::policy::critical::{two_stage, two_stage_shared, Critical, CriticalOptions};
+use kvrun::policy::table::ScorerOptions;
+use kvrun::policy::wrap::Rescorer;
+use kvrun::policy::{find, CacheShape, Evictor, PromptCompress, Step};
+use kvrun::sample::Rng;
+use kvrun::signals::Signals;
+use kvrun::tensor::DType;
+use kvrun::tokenizer::Tokenizer;
+use std::borrow::Cow;
+
+const OPTS: CriticalOptions = CriticalOptions {
+    alpha: 0.5,
+    eps: 1e-4,
+};
+
+/// Indices of the `keep` highest of `out` (ties: the later index).
+fn kept(out: &[f32], keep: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..out.len()).collect();
+    idx.sort_by(|&a, &b| out[b].total_cmp(&out[a]).then(b.cmp(&a)));
+    let mut k = idx[..keep.min(out.len())].to_vec();
+    k.sort_unstable();
+    k
+}
+
+// ------------------------------------------------------------ 1. the selector
+
+#[test]
+fn two_stage_keeps_top_alpha_by_attention_then_the_best_products() {
+    let a = [0.9f32, 0.1, 0.5, 0.05, 0.3, 0.3, 0.02, 0.7];
+    let n = [1.0f32, 10.0, 1.0, 100.0, 1.0, 2.0, 50.0, 1.0];
+    let mut out = vec![0.0; 8];
+    let mut idx = Vec::new();
+    two_stage(&a, &n, 4, &OPTS, false, &mut idx, &mut out);
+    // stage 1: ⌊0.5·4⌋ = 2 by A: 0 (0.9), 7 (0.7); stage 2 by (A+ε)N
+    // among the rest: 3 (5.0), 6 (1.005) beat 1 (1.001) and 5 (0.6)
+    assert!(out[0] >= 4.0 && out[7] >= 4.0, "{out:?}");
+    assert!([1, 2, 3, 4, 5, 6].iter().all(|&i| out[i] < 1.0), "{out:?}");
+    assert_eq!(kept(&out, 4), vec![0, 3, 6, 7]);
+    // α = 0: the product alone; α = 1: attention alone
+    let o0 = CriticalOptions { alpha: 0.0, ..OPTS };
+    two_stage(&a, &n, 4, &o0, false, &mut idx, &mut out);
+    assert_eq!(kept(&out, 4), vec![0, 1, 3, 6]);
+    let o1 = CriticalOptions { alpha: 1.0, ..OPTS };
+    two_stage(&a, &n, 4, &o1, false, &mut idx, &mut out);
+    // (4 and 5 tie at 0.3: the newer wins)
+    assert_eq!(kept(&out, 4), vec![0, 2, 5, 7]);
+    // ties are deterministic: the newer entry wins stage 1, and equal
+    // products leave the choice to the evictor (older evicted first)
+    let a = [0.5f32; 4];
+    let n = [1.0f32; 4];
+    two_stage(&a, &n, 2, &OPTS, false, &mut idx, &mut out);
+    assert!(out[3] >= 4.0 && out[..3].iter().all(|&x| x == out[0] && x < 1.0));
+    // the window's +∞ scores stay on top
+    let a = [0.1f32, f32::INFINITY, 0.2];
+    let n = [1.0f32, 1.0, 0.0];
+    let mut out = vec![0.0; 3];
+    two_stage(&a, &n, 2, &OPTS, false, &mut idx, &mut out);
+    assert!(out.iter().all(|x| x.is_finite()), "{out:?}");
+    assert_eq!(kept(&out, 2), vec![0, 1]);
+}
+
+#[test]
+fn two_stage_matches_brute_force_on_random_cases() {
+    let mut rng = Rng::new(11);
+    let mut idx = Vec::new();
+    for case in 0..500 {
+        let len = 1 + (rng.next_u64() % 40) as usize;
+        let keep = (rng.next_u64() % (len as u64 + 1)) as usize;
+        let alpha = [0.0f32, 0.25, 0.5, 0.8, 1.0][case % 5];
+        let o = CriticalOptions { alpha, eps: 1e-4 };
+        let a: Vec<f32> = (0..len).map(|_| rng.next_f64() as f32 * 0.2).collect();
+        let n: Vec<f32> = (0..len)
+            .map(|_| 0.5 + rng.next_f64() as f32 * 20.0)
+            .collect();
+        let mut out = vec![0.0; len];
+        two_stage(&a, &n, keep, &o, false, &mut idx, &mut out);
+        // brute force: the top ⌊α·keep⌋ by A, then the top by (A+ε)N of the rest
+        let k1 = (alpha * keep as f32).floor() as usize;
+        let mut by_a: Vec<usize> = (0..len).collect();
+        by_a.sort_by(|&x, &y| a[y].total_cmp(&a[x]));
+        let mut want: Vec<usize> = by_a[..k1].to_vec();
+        let mut rest: Vec<usize> = by_a[k1..].to_vec();
+        let p = |i: usize| (a[i] + o.eps) * n[i];
+        rest.sort_by(|&x, &y| p(y).total_cmp(&p(x)));
+        want.extend_from_slice(&rest[..keep - k1]);
+        want.sort_unstable();
+        assert_eq!(
+            kept(&out, keep),
+            want,
+            "case {case}: len {len} keep {keep} α {alpha}"
+        );
+        // stage-1 picks sit in their own tier
+        for &i in &by_a[..k1] {
+            assert!(out[i] >= 3.0, "case {case}");
+        }
+    }
+}
+
+#[test]
+fn critical_adakv_splits_the_group_budget_on_attention_then_selects_per_head() {
+    let mut rng = Rng::new(12);
+    let mut idx = Vec::new();
+    for case in 0..200 {
+        let lens = [
+            1 + (rng.next_u64() % 12) as usize,
+            1 + (rng.next_u64() % 12) as usize,
+            1 + (rng.next_u64() % 12) as usize,
+        ];
+        let off = [0, lens[0], lens[0] + lens[1], lens[0] + lens[1] + lens[2]];
+        let total = off[3];
+        let keep = (rng.next_u64() % (total as u64 + 1)) as usize;
+        let guard = (rng.next_u64() % 3) as usize;
+        let a: Vec<f32> = (0..total).map(|_| rng.next_f64() as f32).collect();
+        let n: Vec<f32> = (0..total)
+            .map(|_| 0.1 + rng.next_f64() as f32 * 5.0)
+            .collect();
+        let mut out = vec![0.0; total];
+        two_stage_shared(&a, &n, &off, keep, guard, &OPTS, &mut idx, &mut out);
+        // reference: safeguarded attention decides each head's budget
+        let mut g = a.clone();
+        for s in 0..3 {
+            let mut r: Vec<usize> = (off[s]..off[s + 1]).collect();
+            r.sort_by(|&x, &y| a[y].total_cmp(&a[x]));
+            for &i in r.iter().take(guard) {
+                g[i] = f32::INFINITY;
+            }
+        }
+        let mut all: Vec<usize> = (0..total).collect();
+        all.sort_by(|&x, &y| g[y].total_cmp(&g[x]).then(y.cmp(&x)));
+        let mut per = [0usize; 3];
+        for &i in &all[..keep] {
+            per[(0..3).rev().find(|&s| i >= off[s]).unwrap()] += 1;
+        }
+        // inside each head: two stages with that budget
+        let mut want = Vec::new();
+        for s in 0..3 {
+            let r = off[s]..off[s + 1];
+            let mut o = vec![0.0; r.len()];
+            two_stage(
+                &a[r.clone()],
+                &n[r.clone()],
+                per[s],
+                &OPTS,
+                false,
+                &mut idx,
+                &mut o,
+            );
+            want.extend(kept(&o, per[s]).into_iter().map(|i| i + off[s]));
+        }
+        want.sort_unstable();
+        assert_eq!(
+            kept(&out, keep),
+            want,
+            "case {case}: lens {lens:?} keep {keep}"
+        );
+    }
+}
+
+// ------------------------------------------------------------ 2. the projected value norm
+
+/// N_{l,h,i} by the definition: mean over the query heads q of KV head h
+/// (q = h·g … h·g+g−1) of Σ_o |Σ_j W_O[o, q·hd + j] · v_j|, W_O (dim, q_dim)
+/// dequantized by ggml.
+fn direct_norm(wo: &[f32], dim: usize, hd: usize, group: usize, h: usize, v: &[f32]) -> f64 {
+    let q_dim = wo.len() / dim;
+    let mut total = 0f64;
+    for q in h * group..(h + 1) * group {
+        for o in 0..dim {
+            let row = &wo[o * q_dim + q * hd..o * q_dim + (q + 1) * hd];
+            let y: f64 = row.iter().zip(v).map(|(&w, &x)| w as f64 * x as f64).sum();
+            total += y.abs();
+        }
+    }
+    total / group as f64
+}
+
+/// The same with query heads mapped to KV heads round-robin (the wrong GQA
+/// map: q = h + k · n_kv).
+fn interleaved_norm(
+    wo: &[f32],
+    dim: usize,
+    hd: usize,
+    group: usize,
+    n_kv: usize,
+    h: usize,
+    v: &[f32],
+) -> f64 {
+    let q_dim = wo.len() / dim;
+    let mut total = 0f64;
+    for k in 0..group {
+        let q = h + k * n_kv;
+        for o in 0..dim {
+            let row = &wo[o * q_dim + q * hd..o * q_dim + (q + 1) * hd];
+            let y: f64 = row.iter().zip(v).map(|(&w, &x)| w as f64 * x as f64).sum();
+            total += y.abs();
+        }
+    }
+    total / group as f64
+}
+
+/// Engine N (a full-cache session's values, W_O read through the CPU
+/// backend) against the direct computation, for every layer and KV head of
+/// a few slots; with `requant`, every layer's W_O is first re-quantized to
+/// that type by ggml.
+fn engine_norms_match(requant: Option<DType>) {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let mut w = Weights::from_gguf(&g).unwrap();
+    let c = w.config.clone();
+    let (dim, hd, nkv) = (c.dim, c.head_dim, c.n_kv_heads);
+    let group = c.n_heads / nkv;
+    let q_dim = c.n_heads * hd;
+    assert_eq!(group, 3, "SmolLM2-135M has 9 query heads over 3 KV heads");
+    if let Some(dt) = requant {
+        for l in 0..c.n_layers {
+            let wo = &w.layers[l].wo;
+            let mut f = vec![0f32; dim * q_dim];
+            ggml_sys::dequantize(wo.dtype.ggml_id(), &wo.bytes, &mut f);
+            let q = ggml_sys::quantize_ref(dt.ggml_id(), &f);
+            w.layers[l].wo = kvrun::backend::cpu::QMat::new(dt, q_dim, dim, Cow::Owned(q)).unwrap();
+        }
+    }
+    let dtype = w.layers[0].wo.dtype;
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let ids = tok.encode(&util::wikitext(400), false, false).unwrap();
+    let ids = &ids[..48];
+    let mut s = Session::new(&w, 64, 1, 64);
+    s.feed(ids, Logits::Last).unwrap();
+    let backend = Cpu::new(2);
+    let bw = BackendWeights::new(&backend, &w);
+    let view = ModelView::new(&w.config, &bw);
+    let mut crit = Critical::new(OPTS);
+    crit.prepare(
+        &view,
+        CacheShape {
+            n_slots: s.kv.cells.n_slots(),
+            budget: 64,
+        },
+    )
+    .unwrap();
+    let (slots, pos) = s.kv.live();
+    let (slots, pos) = (slots.to_vec(), pos.to_vec());
+    let signals = Signals::default();
+    crit.observe(&Step {
+        kv: &s.kv,
+        slots: &slots,
+        positions: &pos,
+        signals: &signals,
+        mass: None,
+        prompt_end: 0,
+    });
+    let pool = ThreadPool::new(2);
+    let mut v = vec![0f32; hd];
+    let (mut worst, mut gqa_gap) = (0f64, 0f64);
+    for l in [0, 7, 15, 29] {
+        let wo = &w.layers[l].wo;
+        let mut f = vec![0f32; dim * q_dim];
+        ggml_sys::dequantize(wo.dtype.ggml_id(), &wo.bytes, &mut f);
+        for &sl in slots.iter().step_by(7) {
+            for h in 0..nkv {
+                s.kv.head_f32(false, l, h, sl as usize, &mut v);
+                let want = direct_norm(&f, dim, hd, group, h, &v);
+                let got = crit.norm(&s.kv, &pool, sl, l, h) as f64;
+                worst = worst.max((got - want).abs() / want.max(1e-6));
+                let wrong = interleaved_norm(&f, dim, hd, group, nkv, h, &v);
+                gqa_gap = gqa_gap.max((wrong - want).abs() / want.max(1e-6));
+            }
+        }
+    }
+    eprintln!(
+        "{dtype}: worst relative error {worst:.2e}, wrong GQA map differs by up to {gqa_gap:.2}"
+    );
+    assert!(
+        worst < 1e-4,
+        "{dtype}: N differs from the direct computation by {worst}"
+    );
+    assert!(
+        gqa_gap > 1e-2,
+        "the GQA map test cannot tell maps apart ({gqa_gap})"
+    );
+}
+
+#[test]
+fn projected_norm_matches_the_dequantized_wo_q4_1() {
+    engine_norms_match(None);
+}
+
+#[test]
+fn projected_norm_matches_the_dequantized_wo_q8_0() {
+    engine_norms_match(Some(DType::Q8_0));
+}
+
+/// W_O as a K-quant matrix (blocks of 256: a model whose q_dim is a
+/// multiple of 256), read through the CPU matrix type the engine uses.
+struct KQuantWo {
+    mats: Vec<kvrun::backend::cpu::QMat<'static>>,
+}
+
+impl WeightSource for KQuantWo {
+    fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> kvrun::Result<()> {
+        let m = &self.mats[l];
+        out.clear();
+        out.resize(m.n_out * m.n_in, 0.0);
+        for (i, row) in out.chunks_exact_mut(m.n_in).enumerate() {
+            m.dequantize_row(i, row);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn projected_norm_matches_the_dequantized_wo_q4_k() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let base = Weights::from_gguf(&g).unwrap().config.clone();
+    // a GQA shape whose W_O rows are whole K-quant blocks: 8 query heads of
+    // 64 over 2 KV heads, dim 512, two layers
+    let c = Config {
+        n_layers: 2,
+        dim: 512,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+        ..base
+    };
+    let (dim, q_dim, hd) = (512usize, 512usize, 64usize);
+    let mut rng = Rng::new(13);
+    let mut mats = Vec::new();
+    let mut deq = Vec::new();
+    for _ in 0..2 {
+        let f: Vec<f32> = (0..dim * q_dim)
+            .map(|_| rng.next_f64() as f32 - 0.5)
+            .collect();
+        let q = ggml_sys::quantize_ref(DType::Q4K.ggml_id(), &f);
+        let mut d = vec![0f32; dim * q_dim];
+        ggml_sys::dequantize(DType::Q4K.ggml_id(), &q, &mut d);
+        deq.push(d);
+        mats.push(kvrun::backend::cpu::QMat::new(DType::Q4K, q_dim, dim, Cow::Owned(q)).unwrap());
+    }
+    let src = KQuantWo { mats };
+    let view = ModelView::new(&c, &src);
+    let mut crit = Critical::new(OPTS);
+    crit.prepare(
+        &view,
+        CacheShape {
+            n_slots: 8,
+            budget: 8,
+        },
+    )
+    .unwrap();
+    let mut acc = Vec::new();
+    let mut worst = 0f64;
+    for l in 0..2 {
+        for h in 0..2 {
+            let v: Vec<f32> = (0..5 * hd)
+                .map(|_| rng.next_f64() as f32 * 2.0 - 1.0)
+                .collect();
+            let mut got = vec![0f32; 5];
+            crit.norms_of(l, h, &v, &mut acc, &mut got);
+            for t in 0..5 {
+                let want = direct_norm(&deq[l], dim, hd, 4, h, &v[t * hd..(t + 1) * hd]);
+                worst = worst.max((got[t] as f64 - want).abs() / want);
+            }
+        }
+    }
+    assert!(worst < 1e-4, "Q4_K: N differs by {worst}");
+}
+
+// ------------------------------------------------------------ 3. budgets on the real model
+
+fn wiki(g: &Gguf, n: usize) -> Vec<u32> {
+    let tok = Tokenizer::from_gguf(g).unwrap();
+    let ids = tok.encode(&util::wikitext(n * 8), false, false).unwrap();
+    ids[..n].to_vec()
+}
+
+fn policy(name: &str, e: Evictor) -> KvPolicy {
+    let p = find(name)
+        .unwrap()
+        .build(&ScorerOptions::default())
+        .unwrap()
+        .unwrap();
+    KvPolicy::new(p, e)
+}
+
+fn evictor(budget: usize, recent: usize, every: usize) -> Evictor {
+    Evictor {
+        budget,
+        n_sink: 4,
+        n_recent: recent,
+        keep_prompt_until: 0,
+        evict_every: every,
+    }
+}
+
+/// Resident entries per budget group never exceed the group's budget.
+fn within_budget(s: &Session, what: &str) {
+    let p = s.policy.as_ref().unwrap();
+    match (&p.plan, s.kv.streams()) {
+        (Some(plan), Some(st)) => {
+            for g in &plan.groups {
+                let live: usize = (g.first..g.first + g.len).map(|x| st.len(x)).sum();
+                assert!(
+                    live <= g.budget,
+                    "{what}: group {g:?} holds {live} at {}",
+                    s.n_past
+                );
+            }
+        }
+        _ => assert!(
+            s.kv.cells.n_live() <= p.evictor.budget,
+            "{what}: {} resident at {}",
+            s.kv.cells.n_live(),
+            s.n_past
+        ),
+    }
+}
+
+/// Every critical policy keeps its budget at every step of a 4096-token
+/// run (one `feed` of the whole text: the session evicts between its
+/// budget-sized chunks), and its choices differ from the base policy's.
+#[test]
+fn critical_budgets_hold_over_4096_tokens() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let toks = wiki(&g, 4096);
+    struct Check;
+    impl kvrun::generate::StepObserver for Check {
+        fn needs(&self) -> kvrun::signals::Needs {
+            kvrun::signals::Needs::none()
+        }
+        fn on_step(&mut self, _: &Step<'_>) {}
+    }
+    for (name, base) in [
+        ("critical-snapkv", "snapkv"),
+        ("critical-adakv", "adakv"),
+        ("critical-pyramidkv", "pyramidkv"),
+        ("critical-h2o", "h2o"),
+        ("critical-tova", "tova"),
+    ] {
+        let streams = find(name).unwrap().caps.streams;
+        let (recent, every) = if streams { (32, 16) } else { (32, 1) };
+        let kept = |pol: &str| {
+            let mut s =
+                Session::with_policy(&w, 4096, 2, 512, policy(pol, evictor(256, recent, every)))
+                    .unwrap();
+            let mut fed = 0;
+            while fed < toks.len() {
+                let n = s.state.n_batch.min(toks.len() - fed);
+                s.feed_observed(&toks[fed..fed + n], Logits::Last, &mut Check)
+                    .unwrap();
+                fed += n;
+                within_budget(&s, pol);
+            }
+            assert!(s.kv.peak_live <= 256, "{pol}: peak {}", s.kv.peak_live);
+            match s.kv.streams() {
+                Some(st) => (0..st.n_streams())
+                    .flat_map(|x| st.stream(x).1.to_vec())
+                    .collect::<Vec<_>>(),
+                None => s.kv.live().1.to_vec(),
+            }
+        };
+        let (c, b) = (kept(name), kept(base));
+        assert_ne!(c, b, "{name} kept exactly what {base} kept");
+        eprintln!("{name}: ok");
+    }
+}
+
+// ------------------------------------------------------------ 4. prefill-then-compress
+
+#[test]
+fn cache_relayout_keeps_every_entry_as_stored() {
+    let mut rng = Rng::new(14);
+    for ty in [KvType::F16, KvType::Q8_0, KvType::F32] {
+        // token-uniform: 2 layers, 2 KV heads of 32
+        let mut kv = KvCache::with_type(2, 64, 32, 10, ty).unwrap();
+        let pos: Vec<i64> = (0..10).collect();
+        let mut slots = Vec::new();
+        kv.apply(&[], &pos, &mut slots).unwrap();
+        for l in 0..2 {
+            for &sl in &slots {
+                let k: Vec<f32> = (0..64).map(|_| rng.next_f64() as f32 - 0.5).collect();
+                let v: Vec<f32> = (0..64).map(|_| rng.next_f64() as f32 - 0.5).collect();
+                kv.write(l, sl as usize, &k, &v);
+            }
+        }
+        let read = |kv: &KvCache| {
+            let (sl, ps) = kv.live();
+            let mut out = Vec::new();
+            for (&s, &p) in sl.iter().zip(ps) {
+                let mut k = vec![0f32; 64];
+                let mut v = vec![0f32; 64];
+                for l in 0..2 {
+                    kv.k_f32(l, s as usize, &mut k);
+                    kv.v_f32(l, s as usize, &mut v);
+                    out.push((p, k.clone(), v.clone()));
+                }
+            }
+            out
+        };
+        kv.apply(&[1, 4, 5, 8], &[], &mut Vec::new()).unwrap();
+        let before = read(&kv);
+        let mut map = Vec::new();
+        kv.resize_slots(6, &mut map).unwrap();
+        assert_eq!(kv.cells.n_slots(), 6);
+        assert_eq!(map.len(), 6);
+        assert_eq!(read(&kv), before, "{ty:?}: shrink changed an entry");
+        kv.resize_slots(40, &mut map).unwrap();
+        assert_eq!(read(&kv), before, "{ty:?}: grow changed an entry");
+        assert_eq!(kv.bytes_allocated(), 40 * kv.bytes_per_token());
+        assert!(
+            kv.resize_slots(5, &mut map).is_err(),
+            "6 live tokens fit in 5 slots"
+        );
+        assert_eq!(read(&kv), before);
+
+        // streams: 2 layers × 2 heads, one region per layer
+        let regions = [
+            Region {
+                first_stream: 0,
+                n_streams: 2,
+                rows: 40,
+            },
+            Region {
+                first_stream: 2,
+                n_streams: 2,
+                rows: 40,
+            },
+        ];
+        let mut kv = KvCache::with_streams(2, 64, 32, &regions, ty).unwrap();
+        let mut st_slots = Vec::new();
+        kv.apply(&[], &pos, &mut st_slots).unwrap();
+        for l in 0..2 {
+            for i in 0..10 {
+                let k: Vec<f32> = (0..64).map(|_| rng.next_f64() as f32 - 0.5).collect();
+                let v: Vec<f32> = (0..64).map(|_| rng.next_f64() as f32 - 0.5).collect();
+                kv.write_token(l, i, 10, &st_slots, &k, &v);
+            }
+        }
+        // uneven evictions: stream 0 loses 6, stream 3 loses 2
+        let st = kv.streams().unwrap();
+        let mut victims: Vec<u32> = st.stream(0).0[2..8].to_vec();
+        victims.extend_from_slice(&st.stream(3).0[..2]);
+        kv.apply(&victims, &[], &mut Vec::new()).unwrap();
+        let sread = |kv: &KvCache| {
+            let st = kv.streams().unwrap();
+            let mut out = Vec::new();
+            for x in 0..4 {
+                let (sl, ps) = st.stream(x);
+                for (&s, &p) in sl.iter().zip(ps) {
+                    let mut k = vec![0f32; 32];
+                    let mut v = vec![0f32; 32];
+                    kv.head_f32(true, x / 2, x % 2, s as usize, &mut k);
+                    kv.head_f32(false, x / 2, x % 2, s as usize, &mut v);
+                    out.push((x, p, k, v));
+                }
+            }
+            out
+        };
+        let before = sread(&kv);
+        let small = [
+            Region {
+                first_stream: 0,
+                n_streams: 2,
+                rows: 16,
+            },
+            Region {
+                first_stream: 2,
+                n_streams: 2,
+                rows: 20,
+            },
+        ];
+        kv.resize_regions(&small, &mut map).unwrap();
+        assert_eq!(kv.cells.n_slots(), 36);
+        assert_eq!(sread(&kv), before, "{ty:?}: stream shrink changed an entry");
+        // new entries still go to each stream's own region
+        let mut ns = Vec::new();
+        kv.apply(&[], &[10], &mut ns).unwrap();
+        assert!(
+            ns[0] < 16 && ns[1] < 16 && ns[2] >= 16 && ns[3] >= 16,
+            "{ns:?}"
+        );
+        let too_small = [
+            Region {
+                first_stream: 0,
+                n_streams: 2,
+                rows: 8,
+            },
+            Region {
+                first_stream: 2,
+                n_streams: 2,
+                rows: 18,
+            },
+        ];
+        assert!(kv.resize_regions(&too_small, &mut map).is_err());
+    }
+}
+
+/// `--prompt-compress once`: the prompt is prefilled whole (transient
+/// memory = the prompt), compressed to exactly the budget at its end, the
+/// memory given back; what stays is exactly what a full cache holds at
+/// those positions (the re-layout copies rows as stored), and the next
+/// step computes what a full cache with the same positions dropped does.
+#[test]
+fn prompt_compressed_once_keeps_the_full_caches_rows() {
+    let g = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let toks = wiki(&g, 460);
+    let (prompt, rest) = toks.split_at(400);
+    // the reference: the whole prompt in one chunk, nothing evicted
+    let mut r = Session::new(&w, 460, 2, 512);
+    r.set_cache_type(KvType::F32).unwrap();
+    r.feed(prompt, Logits::Last).unwrap();
+    for name in ["h2o", "critical-h2o", "snapkv", "critical-snapkv"] {
+        let mut p = policy(name, evictor(128, 32, 8));
+        p.compress_once = true;
+        let mut s = Session::with_policy(&w, 460, 2, 512, p).unwrap();
+        s.set_cache_type(KvType::F32).unwrap();
+        s.protect_prompt(400);
+        s.feed(prompt, Logits::Last).unwrap();
+        // compressed to the budget exactly; the prompt was resident whole
+        assert_eq!(s.kv.cells.n_live(), 128 * s.kv.n_streams(), "{name}");
+        assert_eq!(
+            s.kv.peak_live, 400,
+            "{name}: the prompt is the transient peak"
+        );
+        let rows = match &s.policy.as_ref().unwrap().plan {
+            Some(plan) => plan.pool(),
+            None => 128,
+        };
+        assert_eq!(s.kv.cells.n_slots(), rows, "{name}: memory given back");
+        // sinks and the last 32 prompt positions are kept by every head,
+        // and every kept row is the full cache's row, bit for bit
+        let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+        let n_streams = s.kv.n_streams();
+        let c = &w.config;
+        for x in 0..n_streams {
+            let (sl, ps) = match s.kv.streams() {
+                Some(st) => st.stream(x),
+                None => s.kv.live(),
+            };
+            assert!(
+                (368..400).chain(0..4).all(|q| ps.binary_search(&q).is_ok()),
+                "{name}"
+            );
+            let heads: Vec<(usize, usize)> = if s.kv.streams().is_some() {
+                vec![(x / c.n_kv_heads, x % c.n_kv_heads)]
+            } else {
+                (0..c.n_layers)
+                    .flat_map(|l| (0..c.n_kv_heads).map(move |h| (l, h)))
+                    .collect()
+            };
+            for (&slot, &q) in sl.iter().zip(ps) {
+                for &(l, h) in &heads {
+                    for key in [true, false] {
+                        s.kv.head_f32(key, l, h, slot as usize, &mut a);
+                        r.kv.head_f32(key, l, h, q as usize, &mut b);
+                        assert!(a == b, "{name}: layer {l} head {h} position {q} changed");
+                    }
+                }
+            }
+        }
+        if s.kv.streams().is_none() {
+            // the next step attends like a full cache with the same
+            // positions dropped (up to the order of the sums)
+            let mut r2 = Session::new(&w, 460, 2, 512);
+            r2.set_cache_type(KvType::F32).unwrap();
+            r2.feed(prompt, Logits::Last).unwrap();
+            let a = s.feed(&rest[..1], Logits::Last).unwrap().to_vec();
+            let k = s.kv.live().1.to_vec();
+            let drop: Vec<u32> = r2
+                .kv
+                .live()
+                .0
+                .iter()
+                .zip(r2.kv.live().1)
+                .filter(|(_, p)| k.binary_search(p).is_err())
+                .map(|(&sl, _)| sl)
+                .collect();
+            r2.kv.apply(&drop, &[], &mut Vec::new()).unwrap();
+            let b = r2.feed(&rest[..1], Logits::Last).unwrap().to_vec();
+            assert_eq!(r2.kv.live().1, s.kv.live().1, "{name}");
+            let d = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-2, "{name}: logits differ by {d}");
+        }
+        for &t in &rest[s.n_past - 400..] {
+            s.feed(&[t], Logits::Last).unwrap();
+            within_budget(&s, name);
+        }
+        assert!(s.kv.cells.n_live() <= 128 * n_streams);
+    }
+}
+
+// ------------------------------------------------------------ 5. the command line
+
+#[test]
+fn critical_and_prompt_compress_flags_fail_in_one_line() {
+    use std::process::Command;
+    let run = |extra: &[&str]| {
+        Command::new(util::kvrun_bin())
+            .arg("-m")
+            .arg(util::default_model())
+            .args(["-p", "Hi", "-n", "2", "--temp", "0", "-t", "1", "--no-perf"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for (extra, want) in [
+        (
+            &[
+                "--policy",
+                "critical-snapkv",
+                "--kv-budget",
+                "96",
+                "--critical-alpha",
+                "1.5",
+            ][..],
+            "--critical-alpha",
+        ),
+        (
+            &[
+                "--policy",
+                "critical-h2o",
+                "--kv-budget",
+                "96",
+                "--critical-eps=-1",
+            ][..],
+            "--critical-eps",
+        ),
+        (
+            &[
+                "--policy",
+                "critical-h2o",
+                "--kv-budget",
+                "96",
+                "--critical-eps",
+                "nan",
+            ][..],
+            "--critical-eps",
+        ),
+        (
+            &[
+                "--policy",
+                "snapkv",
+                "--kv-budget",
+                "96",
+                "--prompt-compress",
+                "twice",
+            ][..],
+            "--prompt-compress",
+        ),
+        (
+            &[
+                "--policy",
+                "h2o",
+                "--kv-budget",
+                "96",
+                "--prompt-compress",
+                "once",
+                "--prompt-policy",
+                "window",
+            ][..],
+            "--prompt-compress",
+        ),
+        (
+            &[
+                "--policy",
+                "h2o",
+                "--kv-budget",
+                "96",
+                "--prompt-compress",
+                "once",
+                "--keep-prompt",
+            ][..],
+            "--prompt-compress",
+        ),
+    ] {
+        let o = run(extra);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{extra:?} succeeded");
+        assert_eq!(err.trim().lines().count(), 1, "{extra:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{extra:?}: {err}"
+        );
+    }
+    // and both modes run
+    for mode in ["stream", "once"] {
+        let o = run(&[
+            "--policy",
+            "critical-adakv",
+            "--kv-budget",
+            "96",
+            "--prompt-compress",
+            mode,
+        ]);
+        assert!(
+            o.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let _ = PromptCompress::parse("once").unwrap();
+}
