@@ -154,6 +154,11 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         let pp = t.starts_with("pp");
         let run = |s: &mut Session<'_>| -> Result<()> {
             if pp {
+                // with --prompt-compress once the pp tokens are the prompt
+                // (prefilled whole, then compressed once)
+                if s.policy.as_ref().is_some_and(|p| p.compress_once) {
+                    s.protect_prompt(s.n_past + n);
+                }
                 s.feed(&toks[..n], Logits::Last).map(|_| ())
             } else {
                 for &tk in &toks[..n] {

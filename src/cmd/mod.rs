@@ -118,6 +118,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Eval(eval::EvalCmd::Ppl(p))) => eval::ppl::run_ppl(p),
         Some(Cmd::Eval(eval::EvalCmd::Sweep(s))) => eval::sweep::run_sweep(s),
         Some(Cmd::Eval(eval::EvalCmd::Passkey(p))) => eval::passkey::run_passkey(p),
+        Some(Cmd::Eval(eval::EvalCmd::Perturbation(p))) => eval::perturb::run_perturbation(p),
         Some(Cmd::Batch(b)) => batch::run_batch(b),
         Some(Cmd::Serve(s)) => serve::run_serve(s),
         None => run::run_generate(&cli.run),

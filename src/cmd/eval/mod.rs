@@ -5,11 +5,14 @@
 //! - [`sweep`]: policies × KV budgets in one lockstep pass (CSV, JSON, SVG,
 //!   markdown).
 //! - [`passkey`]: pass-key retrieval at several depths of a long haystack.
+//! - [`perturb`]: the output perturbation of one compression event, an
+//!   attention-only selection vs its CriticalKV variant.
 //! - [`fidelity`]: what `ppl` and `sweep` share (the lockstep evaluation,
 //!   the fidelity metrics, the text input, the progress line).
 
 pub mod fidelity;
 pub mod passkey;
+pub mod perturb;
 pub mod ppl;
 pub mod sweep;
 
@@ -24,4 +27,6 @@ pub enum EvalCmd {
     Sweep(sweep::SweepArgs),
     /// Pass-key retrieval at several depths of a long haystack (filler or a reasoning trace).
     Passkey(passkey::PasskeyArgs),
+    /// CriticalKV's perturbation analysis: how much one compression changes each head's projected output, base vs critical.
+    Perturbation(perturb::PerturbArgs),
 }
