@@ -824,3 +824,50 @@ fn critical_and_prompt_compress_flags_fail_in_one_line() {
     }
     let _ = PromptCompress::parse("once").unwrap();
 }
+
+/// `kvrun eval perturbation` writes its table, JSON and plot; nothing
+/// evicted means no perturbation at all (the measurement's zero), and a
+/// small budget perturbs every layer.
+#[test]
+fn perturbation_eval_is_zero_without_eviction_and_positive_with_it() {
+    use std::process::Command;
+    let dir = std::env::temp_dir().join(format!("kvrun-perturb-{}", std::process::id()));
+    let o = Command::new(util::kvrun_bin())
+        .arg("-m")
+        .arg(util::default_model())
+        .args(["eval", "perturbation", "--ctx", "200", "--budgets", "48,300"])
+        .args(["--next", "4", "--rules", "snapkv,adakv", "-t", "2", "-f"])
+        .arg(util::shared("wikitext2_test_lf.txt"))
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("perturbation.json")).unwrap())
+            .unwrap();
+    let pts = j.as_array().unwrap();
+    assert_eq!(pts.len(), 4);
+    for p in pts {
+        let b = p["budget"].as_u64().unwrap();
+        let base: Vec<f64> = serde_json::from_value(p["layer_base"].clone()).unwrap();
+        let crit: Vec<f64> = serde_json::from_value(p["layer_critical"].clone()).unwrap();
+        assert_eq!(base.len(), 30);
+        let share = p["share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&share));
+        if b == 300 {
+            assert!(base.iter().chain(&crit).all(|&x| x == 0.0), "{p}");
+            assert!(p["kl_base"].as_f64().unwrap().abs() < 1e-9, "{p}");
+        } else {
+            assert!(base.iter().all(|&x| x > 0.0), "{p}");
+            assert!(p["kl_base"].as_f64().unwrap() > 0.0, "{p}");
+        }
+    }
+    assert!(std::fs::read_to_string(dir.join("perturbation.svg"))
+        .unwrap()
+        .contains("<polyline"));
+    assert!(std::fs::read_to_string(dir.join("perturbation.md"))
+        .unwrap()
+        .contains("| snapkv | 48 |"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
