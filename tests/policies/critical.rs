@@ -330,16 +330,17 @@ fn projected_norm_matches_the_dequantized_wo_q4_k() {
     let g = Gguf::open(&util::default_model()).unwrap();
     let base = Weights::from_gguf(&g).unwrap().config.clone();
     // a GQA shape whose W_O rows are whole K-quant blocks: 8 query heads of
-    // 64 over 2 KV heads, dim 512, two layers
+    // 64 over 2 KV heads (q_dim 512), two layers; dim 520 is not a multiple
+    // of the kernel's 16-column tile, (the kernel takes any width)
     let c = Config {
         n_layers: 2,
-        dim: 512,
+        dim: 520,
         n_heads: 8,
         n_kv_heads: 2,
         head_dim: 64,
         ..base
     };
-    let (dim, q_dim, hd) = (512usize, 512usize, 64usize);
+    let (dim, q_dim, hd) = (520usize, 512usize, 64usize);
     let mut rng = Rng::new(13);
     let mut mats = Vec::new();
     let mut deq = Vec::new();
@@ -835,7 +836,14 @@ fn perturbation_eval_is_zero_without_eviction_and_positive_with_it() {
     let o = Command::new(util::kvrun_bin())
         .arg("-m")
         .arg(util::default_model())
-        .args(["eval", "perturbation", "--ctx", "200", "--budgets", "48,300"])
+        .args([
+            "eval",
+            "perturbation",
+            "--ctx",
+            "200",
+            "--budgets",
+            "48,300",
+        ])
         .args(["--next", "4", "--rules", "snapkv,adakv", "-t", "2", "-f"])
         .arg(util::shared("wikitext2_test_lf.txt"))
         .arg("--out")
