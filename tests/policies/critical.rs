@@ -834,16 +834,9 @@ fn perturbation_eval_is_zero_without_eviction_and_positive_with_it() {
     use std::process::Command;
     let dir = std::env::temp_dir().join(format!("kvrun-perturb-{}", std::process::id()));
     let o = Command::new(util::kvrun_bin())
-        .arg("-m")
+        .args(["eval", "perturbation", "-m"])
         .arg(util::default_model())
-        .args([
-            "eval",
-            "perturbation",
-            "--ctx",
-            "200",
-            "--budgets",
-            "48,300",
-        ])
+        .args(["--ctx", "200", "--budgets", "48,300"])
         .args(["--next", "4", "--rules", "snapkv,adakv", "-t", "2", "-f"])
         .arg(util::shared("wikitext2_test_lf.txt"))
         .arg("--out")

@@ -98,8 +98,8 @@ fn registry_names_construct_and_describe() {
                 );
                 assert_eq!(s.scorer.per_stream(), s.rule.streams(), "{}", p.name);
                 let want = match p.name {
-                    "h2o" => MassMode::AllRows,
-                    "tova" => MassMode::LastRow,
+                    "h2o" | "critical-h2o" => MassMode::AllRows,
+                    "tova" | "critical-tova" => MassMode::LastRow,
                     _ => MassMode::None,
                 };
                 assert_eq!(s.scorer.needs().mass, want, "{}", p.name);
