@@ -202,15 +202,7 @@ impl PolicyConfig {
         let snap = self.snap_options()?;
         let critical = self.critical_options()?;
         let once = self.prompt_compress == PromptCompress::Once;
-        if once && self.prompt_policy.is_some() {
-            return Err(Error::config(
-                Field::PromptCompress,
-                Msg::default()
-                    .t("once compresses the prompt with the policy itself; leave ")
-                    .f(Field::PromptPolicy)
-                    .t(" out"),
-            ));
-        }
+        // (once with a prompt policy is refused where the session is built)
         if once && self.keep_prompt {
             return Err(Error::config(
                 Field::PromptCompress,

@@ -129,16 +129,11 @@ pub fn two_stage(
     idx.clear();
     idx.extend(0..len);
     top_k(idx, k1, |i| a[i]);
-    let mut first = vec![false; len];
-    for &i in &idx[..k1] {
-        first[i] = true;
+    for (i, o) in out[..len].iter_mut().enumerate() {
+        *o = squash(prod(i));
     }
-    for i in 0..len {
-        out[i] = if first[i] {
-            4.0 + squash(a[i])
-        } else {
-            squash(prod(i))
-        };
+    for &i in &idx[..k1] {
+        out[i] = 4.0 + squash(a[i]);
     }
     if tier2 {
         let rest = &mut idx[k1..];
@@ -319,32 +314,29 @@ impl Critical {
         self.pending.sort_unstable();
         self.pending.dedup();
         let (nl, nkv, hd) = (self.n_layers, self.n_kv, self.hd);
-        // units: (layer, head, slots)
-        let mut units: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+        // units: (layer, KV head, range of `slots`); stream caches group the
+        // live pending rows by owning stream, token-uniform caches share one
+        // list across every (layer, KV head)
+        let mut slots: Vec<u32> = Vec::with_capacity(self.pending.len());
+        let mut units: Vec<(usize, usize, std::ops::Range<usize>)> = Vec::new();
+        let live = |s: &u32| kv.cells.pos(*s as usize).is_some();
         match kv.streams() {
             Some(st) => {
-                let mut by: Vec<Vec<u32>> = vec![Vec::new(); st.n_streams()];
-                for &sl in &self.pending {
-                    if kv.cells.pos(sl as usize).is_some() {
-                        by[st.owner(sl as usize)].push(sl);
-                    }
-                }
-                for (s, v) in by.into_iter().enumerate() {
-                    if !v.is_empty() {
-                        units.push((s / nkv, s % nkv, v));
-                    }
+                slots.extend(self.pending.iter().filter(|s| live(s)));
+                slots.sort_by_key(|&s| (st.owner(s as usize), s));
+                let mut i = 0;
+                while i < slots.len() {
+                    let s = st.owner(slots[i] as usize);
+                    let j = i + slots[i..].partition_point(|&x| st.owner(x as usize) == s);
+                    units.push((s / nkv, s % nkv, i..j));
+                    i = j;
                 }
             }
             None => {
-                let live: Vec<u32> = self
-                    .pending
-                    .iter()
-                    .copied()
-                    .filter(|&s| kv.cells.pos(s as usize).is_some())
-                    .collect();
+                slots.extend(self.pending.iter().filter(|s| live(s)));
                 for l in 0..nl {
                     for h in 0..nkv {
-                        units.push((l, h, live.clone()));
+                        units.push((l, h, 0..slots.len()));
                     }
                 }
             }
@@ -362,10 +354,11 @@ impl Critical {
             let outs = SharedMut::new(&mut res);
             let nt = pool.n_threads();
             let me = &*self;
-            let (units, off) = (&units, &off);
+            let (units, off, slots) = (&units, &off, &slots);
             pool.run(|ti| {
                 let (mut v, mut acc) = (Vec::new(), Vec::new());
-                for (ui, (l, h, slots)) in units.iter().enumerate().skip(ti).step_by(nt) {
+                for (ui, (l, h, r)) in units.iter().enumerate().skip(ti).step_by(nt) {
+                    let slots = &slots[r.clone()];
                     v.resize(slots.len() * hd, 0.0);
                     kv.read_heads(false, *l, *h, slots, &mut v);
                     // SAFETY: unit ui's range of `res` is written by this thread only.
@@ -375,8 +368,8 @@ impl Critical {
             });
         }
         let w = nl * nkv;
-        for (ui, (l, h, slots)) in units.iter().enumerate() {
-            for (k, &sl) in slots.iter().enumerate() {
+        for (ui, (l, h, r)) in units.iter().enumerate() {
+            for (k, &sl) in slots[r.clone()].iter().enumerate() {
                 let x = res[off[ui] + k];
                 if self.streams {
                     self.norm[sl as usize] = x;
@@ -386,8 +379,8 @@ impl Critical {
             }
         }
         if !self.streams {
-            if let Some((_, _, slots)) = units.first() {
-                for &sl in slots {
+            if !units.is_empty() {
+                for &sl in &slots {
                     let r = &self.norm[sl as usize * w..(sl as usize + 1) * w];
                     self.tok[sl as usize] = r.iter().sum::<f32>() / w as f32;
                 }

@@ -19,7 +19,7 @@ use kvrun::model::{BackendWeights, Config, ModelView, Weights};
 use kvrun::policy::critical::{two_stage, two_stage_shared, Critical, CriticalOptions};
 use kvrun::policy::table::ScorerOptions;
 use kvrun::policy::wrap::Rescorer;
-use kvrun::policy::{find, CacheShape, Evictor, PromptCompress, Step};
+use kvrun::policy::{find, CacheShape, Evictor, Step};
 use kvrun::sample::Rng;
 use kvrun::signals::Signals;
 use kvrun::tensor::DType;
@@ -823,7 +823,6 @@ fn critical_and_prompt_compress_flags_fail_in_one_line() {
             String::from_utf8_lossy(&o.stderr)
         );
     }
-    let _ = PromptCompress::parse("once").unwrap();
 }
 
 /// `kvrun eval perturbation` writes its table, JSON and plot; nothing
