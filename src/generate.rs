@@ -613,6 +613,7 @@ impl<'w, B: Backend> Session<'w, B> {
                 signals: &self.signals,
                 mass,
                 prompt_end,
+                pool: self.backend.host_pool(),
             };
             if let Some(p) = &mut self.policy {
                 // the main scorer sees every step (its per-slot state

@@ -15,9 +15,11 @@
 //!   (eviction policies), [`tokenizer`], [`chat`] (templates,
 //!   think-tag splitting, stop strings);
 //! - [`load`] (a GGUF file or an HF directory → weights, tokenizer,
-//!   template), [`generate`] (the decode loop);
+//!   template), [`generate`] (the decode loop), `train` (Cargo feature
+//!   `train`: learning TRIM-KV / DBTrimKV retention gates with candle);
 //! - [`cmd`]: the command line and one module per command (`run`,
-//!   `inspect`, `bench`, `chat`, `eval`, `batch`, `calibrate`, `serve`).
+//!   `inspect`, `bench`, `chat`, `eval`, `batch`, `calibrate`, `serve`,
+//!   `train`).
 //!
 //! `tests/engine/layers.rs` checks this layering from the source.
 
@@ -40,5 +42,7 @@ pub mod sample;
 pub mod signals;
 pub mod tensor;
 pub mod tokenizer;
+#[cfg(feature = "train")]
+pub mod train;
 
 pub use error::{Error, Result};

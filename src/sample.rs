@@ -73,6 +73,12 @@ impl Rng {
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
+    /// Standard normal (Box–Muller, one draw per call).
+    pub fn normal(&mut self) -> f32 {
+        let u1 = self.next_f64().max(f64::MIN_POSITIVE);
+        let u2 = self.next_f64();
+        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
 }
 
 /// A stateful sampler (holds the RNG and the recent-token window).

@@ -92,6 +92,15 @@ pub struct KvArgs {
     /// critical-*: epsilon added to attention before weighting by the projected value norm (default 1e-4).
     #[arg(long = "critical-eps", value_name = "E")]
     pub critical_eps: Option<f32>,
+    /// trimkv/dbtrimkv: retention-gate file (default: <model stem>.gates.safetensors next to the model; made by `kvrun train gates`).
+    #[arg(long = "gates", value_name = "FILE")]
+    pub gates: Option<PathBuf>,
+    /// dbtrimkv: entries every (layer, KV head) keeps whatever the global ranking says (default 0).
+    #[arg(long = "min-per-head", value_name = "F")]
+    pub min_per_head: Option<usize>,
+    /// trimkv/dbtrimkv: score by the retention summed over the next N queries (default 1).
+    #[arg(long = "trim-lookahead", value_name = "N")]
+    pub trim_lookahead: Option<usize>,
     /// How a budgeted policy meets a prompt longer than its budget: stream
     /// (prefill in chunks, evicting between them; memory stays within the
     /// budget) or once (prefill the whole prompt, then compress it to the
@@ -160,6 +169,9 @@ impl KvArgs {
             pyramid_beta: self.pyramid_beta,
             critical_alpha: self.critical_alpha,
             critical_eps: self.critical_eps,
+            gates: self.gates.clone(),
+            min_per_head: self.min_per_head,
+            trim_lookahead: self.trim_lookahead,
             prompt_compress: crate::policy::PromptCompress::parse(&self.prompt_compress)?,
             cache_type: self.kv_type()?,
             pos_mode: self.pos_mode()?,

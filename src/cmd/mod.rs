@@ -25,6 +25,8 @@ pub mod inspect;
 pub mod prompt;
 pub mod run;
 pub mod serve;
+#[cfg(feature = "train")]
+pub mod train;
 
 pub use args::{KvArgs, ModelArgs, RunArgs, SamplingArgs};
 
@@ -69,6 +71,10 @@ pub enum Cmd {
     Calibrate(calibrate::CalibrateCmd),
     /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
     Serve(serve::ServeArgs),
+    /// Train what a policy learns (`train gates`: TRIM-KV / DBTrimKV retention gates).
+    #[cfg(feature = "train")]
+    #[command(subcommand)]
+    Train(train::TrainCmd),
 }
 
 /// Load the model `-m` names (or the default one): checkpoint, weights and
@@ -121,6 +127,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Eval(eval::EvalCmd::Perturbation(p))) => eval::perturb::run_perturbation(p),
         Some(Cmd::Batch(b)) => batch::run_batch(b),
         Some(Cmd::Serve(s)) => serve::run_serve(s),
+        #[cfg(feature = "train")]
+        Some(Cmd::Train(t)) => train::run_train(t),
         None => run::run_generate(&cli.run),
     }
 }

@@ -19,9 +19,9 @@
 //!   it onto few tokens, so budgets shrink with depth (`layer_budgets`;
 //!   `--pyramid-beta`, default 20).
 //! - `Global`: one group over every stream of every layer (n_layers ·
-//!   n_kv_heads · budget entries overall), each stream keeping its top
-//!   ⌊safeguard · budget⌋ (DBTrimKV-style global budgets; no shipped policy
-//!   uses it yet).
+//!   n_kv_heads · budget entries overall), each stream keeping at least its
+//!   top `min_per_head` (DBTrimKV; `--min-per-head`). Per-stream lengths
+//!   become whatever survives the global ranking.
 //!
 //! Scores must be comparable across the streams of a group (e.g.
 //! probabilities averaged the same way) for the shared rules to be fair.
@@ -41,8 +41,8 @@ pub enum BudgetRule {
     PerLayer { safeguard: f32 },
     /// Per-layer stream budgets shrinking with depth, above the observation window `window`.
     Pyramid { window: usize, beta: f32 },
-    /// One group of every stream; each keeps ⌊safeguard · budget⌋.
-    Global { safeguard: f32 },
+    /// One group of every stream; each keeps at least its top `min_per_head`.
+    Global { min_per_head: usize },
 }
 
 impl BudgetRule {
@@ -65,8 +65,14 @@ impl BudgetRule {
             BudgetRule::Pyramid { window, beta } => {
                 StreamPlan::per_stream(nl, nh, &layer_budgets(nl, budget, window, beta)?)
             }
-            BudgetRule::Global { safeguard } => {
-                StreamPlan::global(nl, nh, budget, guard(safeguard))
+            BudgetRule::Global { min_per_head } => {
+                if min_per_head > budget {
+                    return Err(Error::config(
+                        Field::MinPerHead,
+                        format!("{min_per_head} exceeds the per-head budget {budget}"),
+                    ));
+                }
+                StreamPlan::global(nl, nh, budget, min_per_head)
             }
         }))
     }

@@ -7,12 +7,14 @@
 use super::critical::CriticalOptions;
 use super::epikv::{self, Band, EpikvLayers, EpikvOptions};
 use super::evict::Evictor;
+use super::gates::{self, Gates};
 use super::snapkv::SnapOptions;
 use super::table::{lookup, PolicyDef, ScorerOptions};
 use super::{KvPolicy, PromptCompress, PromptPhase};
 use crate::error::{Error, Field, Msg, Result};
 use crate::kv::{KvType, PosMode};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Everything that decides a session's KV cache and eviction.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,6 +56,12 @@ pub struct PolicyConfig {
     pub critical_alpha: Option<f32>,
     /// critical-*: ε added to attention before weighting by the value norm.
     pub critical_eps: Option<f32>,
+    /// trimkv/dbtrimkv: retention-gate file (default: next to the model).
+    pub gates: Option<PathBuf>,
+    /// dbtrimkv: entries each stream keeps whatever the global ranking says.
+    pub min_per_head: Option<usize>,
+    /// trimkv/dbtrimkv: queries the retention score sums over.
+    pub trim_lookahead: Option<usize>,
     /// Streaming prefill under the budget, or the whole prompt then one compression.
     pub prompt_compress: PromptCompress,
     /// KV storage type.
@@ -84,6 +92,9 @@ impl Default for PolicyConfig {
             pyramid_beta: None,
             critical_alpha: None,
             critical_eps: None,
+            gates: None,
+            min_per_head: None,
+            trim_lookahead: None,
             prompt_compress: PromptCompress::Stream,
             cache_type: KvType::default(),
             pos_mode: PosMode::default(),
@@ -226,6 +237,47 @@ impl PolicyConfig {
                 }
             }
         };
+        // retention gates: an explicit file always; the one next to the
+        // model when the policy reads gates
+        let reads_gates = def.caps.gates || pdef.is_some_and(|p| p.caps.gates);
+        let gates = if reads_gates {
+            let path = self
+                .gates
+                .clone()
+                .unwrap_or_else(|| gates::gates_path_for(model));
+            if !path.is_file() {
+                return Err(Error::config(
+                    Field::Gates,
+                    Msg::default()
+                        .t(format!(
+                            "{} reads learned retention gates: {} not found (give ",
+                            if def.caps.gates {
+                                def.name
+                            } else {
+                                "the prompt policy"
+                            },
+                            path.display()
+                        ))
+                        .f(Field::Gates)
+                        .t(", or train them with `kvrun train gates`)"),
+                ));
+            }
+            Some(Arc::new(Gates::load(&path)?))
+        } else {
+            if self.gates.is_some() {
+                return Err(Error::config(
+                    Field::Gates,
+                    Msg::default().t(format!(
+                        "only applies to trimkv and dbtrimkv, not {}",
+                        self.policy
+                    )),
+                ));
+            }
+            None
+        };
+        if self.trim_lookahead == Some(0) {
+            return Err(Error::config(Field::TrimLookahead, "must be at least 1"));
+        }
         let n_recent = self
             .recent
             .unwrap_or_else(|| def.default_recent(budget, &snap));
@@ -241,6 +293,9 @@ impl PolicyConfig {
             },
             snap,
             critical,
+            gates,
+            min_per_head: self.min_per_head.unwrap_or(0),
+            trim_lookahead: self.trim_lookahead.unwrap_or(1),
         };
         let policy = def
             .build(&opts)?

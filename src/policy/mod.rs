@@ -35,6 +35,7 @@ pub mod config;
 pub mod critical;
 pub mod epikv;
 pub mod evict;
+pub mod gates;
 pub mod h2o;
 pub mod knorm;
 pub mod random;
@@ -42,6 +43,7 @@ pub mod snapkv;
 pub mod streams;
 pub mod table;
 pub mod tova;
+pub mod trimkv;
 pub mod window;
 pub mod wrap;
 
@@ -122,6 +124,8 @@ pub struct Step<'a> {
     /// First position after the prompt (0 in a prompt phase: every token
     /// is ranked).
     pub prompt_end: i64,
+    /// The host thread pool (for scorers that compute per written entry).
+    pub pool: &'a ThreadPool,
 }
 
 /// The entries a scorer ranks.

@@ -7,10 +7,13 @@
 use super::budget::BudgetRule;
 use super::critical::{Critical, CriticalOptions};
 use super::epikv::{Epikv, EpikvOptions, Variant};
+use super::gates::Gates;
 use super::snapkv::{SnapKv, SnapOptions};
+use super::trimkv::Retention;
 use super::wrap::Wrapped;
 use super::{h2o, knorm, random, tova, window, Policy, Scorer};
 use crate::error::{Error, Field, Msg, Result};
+use std::sync::Arc;
 
 /// What a policy can be combined with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -26,6 +29,9 @@ pub struct Caps {
     /// Reads EPIKV's per-model layer config (`<model stem>.epikv.json`
     /// next to the model) when no `--epikv-config` is given.
     pub epikv_config: bool,
+    /// Reads learned retention gates (`--gates`, default
+    /// `<model stem>.gates.safetensors` next to the model).
+    pub gates: bool,
 }
 
 /// Default recent window (`--kv-recent`).
@@ -35,6 +41,8 @@ pub enum RecentDefault {
     QuarterBudget,
     /// The observation window (`--obs-window`).
     ObsWindow,
+    /// None (learned retention finds its own recency).
+    Zero,
 }
 
 /// Default eviction cadence (`--evict-every`).
@@ -67,6 +75,12 @@ pub struct ScorerOptions {
     pub snap: SnapOptions,
     /// CriticalKV's α and ε (critical-*).
     pub critical: CriticalOptions,
+    /// Retention gates (trimkv, dbtrimkv).
+    pub gates: Option<Arc<Gates>>,
+    /// dbtrimkv: entries each stream keeps whatever the global ranking says.
+    pub min_per_head: usize,
+    /// trimkv/dbtrimkv: queries the retention score sums over.
+    pub trim_lookahead: usize,
 }
 
 /// Builds a policy's scorer and budget rule.
@@ -103,6 +117,7 @@ impl PolicyDef {
         match self.defaults.recent {
             RecentDefault::QuarterBudget => (budget / 4).min(128),
             RecentDefault::ObsWindow => snap.window,
+            RecentDefault::Zero => 0,
         }
     }
 
@@ -134,6 +149,16 @@ const PLAIN: Caps = Caps {
     reusable_session: true,
     streams: false,
     epikv_config: false,
+    gates: false,
+};
+const TRIM: Defaults = Defaults {
+    recent: RecentDefault::Zero,
+    ..STREAM
+};
+const GATED: Caps = Caps {
+    streams: true,
+    gates: true,
+    ..PLAIN
 };
 const STREAMS: Caps = Caps {
     streams: true,
@@ -181,6 +206,15 @@ fn pyramid(o: &ScorerOptions) -> Result<(Box<dyn Scorer>, BudgetRule)> {
             beta: o.snap.beta,
         },
     )
+}
+
+/// Learned retention under `rule`.
+fn retention(o: &ScorerOptions, rule: BudgetRule) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    let gates = o
+        .gates
+        .clone()
+        .ok_or_else(|| Error::config(Field::Gates, "no retention gates loaded"))?;
+    Ok((Box::new(Retention::new(gates, o.trim_lookahead)), rule))
 }
 
 fn epikv(o: &ScorerOptions, v: Variant) -> Result<(Box<dyn Scorer>, BudgetRule)> {
@@ -275,6 +309,27 @@ pub const POLICIES: &[PolicyDef] = &[
         make: Some(|o| critical(o, tokens(tova::Tova::default())?)),
         defaults: TOKEN,
         caps: PLAIN,
+    },
+    PolicyDef {
+        name: "trimkv",
+        about: "TRIM-KV: learned retention gates score (age · log β), equal budget per (layer, KV head)",
+        make: Some(|o| retention(o, BudgetRule::PerStream)),
+        defaults: TRIM,
+        caps: GATED,
+    },
+    PolicyDef {
+        name: "dbtrimkv",
+        about: "DBTrimKV: learned retention, one global budget over all layers and heads (lengths vary per head)",
+        make: Some(|o| {
+            retention(
+                o,
+                BudgetRule::Global {
+                    min_per_head: o.min_per_head,
+                },
+            )
+        }),
+        defaults: TRIM,
+        caps: GATED,
     },
     PolicyDef {
         name: "knorm",

@@ -32,6 +32,7 @@ const ENGINE: &[&str] = &[
     "sample",
     "chat",
     "error",
+    "train",
 ];
 
 /// Known cycles being removed elsewhere: (folder, from, to) edges ignored by

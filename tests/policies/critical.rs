@@ -265,6 +265,7 @@ fn engine_norms_match(requant: Option<DType>) {
         signals: &signals,
         mass: None,
         prompt_end: 0,
+        pool: &ThreadPool::new(1),
     });
     let pool = ThreadPool::new(2);
     let mut v = vec![0f32; hd];

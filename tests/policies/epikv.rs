@@ -211,6 +211,7 @@ fn observe(
         signals: sig,
         mass: None,
         prompt_end,
+        pool: &ThreadPool::new(1),
     });
 }
 

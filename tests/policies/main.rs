@@ -11,3 +11,4 @@ mod epikv;
 mod policy;
 mod streams;
 mod sweep;
+mod trimkv;

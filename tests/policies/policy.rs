@@ -80,9 +80,27 @@ fn registry_names_construct_and_describe() {
             "duplicate {}",
             p.name
         );
-        let s = p
-            .build(&ScorerOptions::default())
-            .unwrap_or_else(|e| panic!("{}: {e}", p.name));
+        // learned-retention rows need gates: any of the model's shape
+        let opts = ScorerOptions {
+            gates: Some(std::sync::Arc::new(kvrun::policy::gates::Gates::init(
+                kvrun::policy::gates::GateArch::Rg10,
+                576,
+                8,
+                30,
+                3,
+                10.0,
+                1,
+            ))),
+            ..Default::default()
+        };
+        if p.caps.gates {
+            assert!(
+                p.build(&ScorerOptions::default()).is_err(),
+                "{}: no gates",
+                p.name
+            );
+        }
+        let s = p.build(&opts).unwrap_or_else(|e| panic!("{}: {e}", p.name));
         assert_eq!(p.budgeted(), p.name != "full");
         match p.name {
             "full" => assert!(s.is_none(), "full has no scorer"),
@@ -528,6 +546,10 @@ fn every_policy_has_a_budget_test() {
         "critical-pyramidkv",
         "critical-h2o",
         "critical-tova",
+        // learned retention: tests/policies/trimkv.rs
+        // (trimkv_and_dbtrimkv_budgets_hold_while_streaming)
+        "trimkv",
+        "dbtrimkv",
     ];
     for n in names() {
         assert!(

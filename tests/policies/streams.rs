@@ -773,7 +773,7 @@ fn global_rule_shares_one_budget_across_every_stream() {
         "snapkv-global",
         caps,
         Box::new(scorer),
-        BudgetRule::Global { safeguard: 0.1 },
+        BudgetRule::Global { min_per_head: 6 },
     )
     .unwrap();
     let mut s =

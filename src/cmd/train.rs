@@ -1,0 +1,198 @@
+//! `kvrun train gates`: train TRIM-KV / DBTrimKV retention gates for a
+//! model (the library side is `crate::train`).
+
+use crate::cmd::args::{resolve_model, resolve_threads, ModelArgs};
+use crate::cmd::load_model;
+use crate::error::{Error, Result};
+use crate::policy::gates::{gates_path_for, GateArch};
+use crate::train::{self, DataSpec, Objective, TrainConfig};
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+
+/// `kvrun train ...`
+#[derive(Subcommand, Debug)]
+pub enum TrainCmd {
+    /// Learn retention gates (frozen model; KL to the full model + capacity hinge).
+    Gates(GatesArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct GatesArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Training text: plain text or JSONL (question/problem + solution/answer/output), repeatable.
+    #[arg(long = "data", value_name = "FILE", required = true)]
+    pub data: Vec<PathBuf>,
+    /// Tokens skipped at the start of every plain-text file (held out: what `kvrun eval` reads).
+    #[arg(long = "skip-tokens", default_value_t = 16384)]
+    pub skip_tokens: usize,
+    /// Records skipped at the start of every JSONL file (held out).
+    #[arg(long = "skip-records", default_value_t = 0)]
+    pub skip_records: usize,
+    /// Capacity M: entries per (layer, KV head) the gates learn to fit in.
+    #[arg(long = "budget", value_name = "M")]
+    pub budget: usize,
+    /// Gate architecture: rg10 (DBTrimKV: shared scoring head, global capacity) or rg (TRIM-KV).
+    #[arg(long = "arch", default_value = "rg10")]
+    pub arch: String,
+    /// Gate hidden width I.
+    #[arg(long = "gate-dim", default_value_t = 512)]
+    pub inter: usize,
+    /// Initial bias of the scoring head (10: β ≈ 0.99995, remember everything).
+    #[arg(long = "bias-init", default_value_t = 10.0)]
+    pub bias_init: f32,
+    /// Tokens per training sequence.
+    #[arg(long = "seq-len", default_value_t = 256)]
+    pub seq_len: usize,
+    /// Optimizer steps (one sequence each).
+    #[arg(long = "steps", default_value_t = 300)]
+    pub steps: usize,
+    /// AdamW learning rate.
+    #[arg(long = "lr", default_value_t = 1e-2)]
+    pub lr: f64,
+    /// Linear warm-up steps.
+    #[arg(long = "warmup", default_value_t = 10)]
+    pub warmup: usize,
+    /// AdamW weight decay.
+    #[arg(long = "weight-decay", default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Weight of the next-token cross-entropy beside the KL (fwkl_ntp).
+    #[arg(long = "ce-weight", default_value_t = 0.0)]
+    pub ce_weight: f64,
+    /// λ: weight of the capacity hinge.
+    #[arg(long = "cap-weight", default_value_t = 1.0)]
+    pub cap_weight: f64,
+    #[arg(long = "seed", default_value_t = 1)]
+    pub seed: u64,
+    /// Checkpoint every N steps (0 = only at the end).
+    #[arg(long = "save-every", default_value_t = 25)]
+    pub save_every: usize,
+    /// Continue from the checkpoint next to --out.
+    #[arg(long = "resume")]
+    pub resume: bool,
+    /// Gate file to write (default: <model stem>.gates.safetensors next to the model).
+    #[arg(short = 'o', long = "out")]
+    pub out: Option<PathBuf>,
+}
+
+/// Run `kvrun train ...`.
+pub fn run_train(c: &TrainCmd) -> Result<()> {
+    match c {
+        TrainCmd::Gates(a) => run_gates(a),
+    }
+}
+
+fn run_gates(a: &GatesArgs) -> Result<()> {
+    let arch = GateArch::parse(&a.arch).ok_or_else(|| {
+        Error::arg(
+            "--arch",
+            format!("unknown gate architecture '{}' (rg, rg10)", a.arch),
+        )
+    })?;
+    if a.budget == 0 {
+        return Err(Error::arg("--budget", "must be at least 1"));
+    }
+    if a.inter == 0 || a.inter > 65536 {
+        return Err(Error::arg("--gate-dim", "must be in 1..=65536"));
+    }
+    if a.seq_len < 2 || a.seq_len > 8192 {
+        return Err(Error::arg("--seq-len", "must be in 2..=8192"));
+    }
+    if !(a.lr > 0.0 && a.lr < 1.0) {
+        return Err(Error::arg("--lr", "must be in (0, 1)"));
+    }
+    let model_path = resolve_model(&a.model.model)?;
+    let out = a.out.clone().unwrap_or_else(|| gates_path_for(&model_path));
+    if a.resume && !out.is_file() {
+        return Err(Error::arg(
+            "--resume",
+            format!("no checkpoint at {}", out.display()),
+        ));
+    }
+    let threads = resolve_threads(a.model.threads)?;
+    crate::train::set_threads(threads);
+    let model = load_model(&a.model)?;
+    let w = model.weights();
+    let specs: Vec<DataSpec> = a
+        .data
+        .iter()
+        .map(|p| DataSpec {
+            path: p.clone(),
+            skip_tokens: a.skip_tokens,
+            skip_records: a.skip_records,
+        })
+        .collect();
+    let stream = train::load_tokens(&model.tokenizer, &specs, a.steps * a.seq_len)?;
+    eprintln!(
+        "train gates: {} ({} layers, {} KV heads), {} {}×{} → {} (I = {}), M = {}, {} tokens of data, {} steps of {} tokens, {} threads",
+        model.name(),
+        w.config.n_layers,
+        w.config.n_kv_heads,
+        arch.name(),
+        w.config.dim,
+        a.inter,
+        w.config.n_kv_heads,
+        a.inter,
+        a.budget,
+        stream.len(),
+        a.steps,
+        a.seq_len,
+        threads
+    );
+    let base = train::model::Base::from_weights(w, a.seq_len, candle_core::DType::F32)
+        .map_err(|e| Error::Other(format!("training: {e}")))?;
+    let cfg = TrainConfig {
+        arch,
+        inter: a.inter,
+        bias_init: a.bias_init,
+        objective: Objective {
+            budget: a.budget,
+            ce_weight: a.ce_weight,
+            cap_weight: a.cap_weight,
+        },
+        seq_len: a.seq_len,
+        steps: a.steps,
+        lr: a.lr,
+        warmup: a.warmup,
+        weight_decay: a.weight_decay,
+        seed: a.seed,
+        save_every: a.save_every,
+        out: out.clone(),
+        resume: a.resume,
+        model_name: model.name(),
+        data_desc: specs
+            .iter()
+            .map(|d| {
+                let name = d
+                    .path
+                    .file_name()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                if d.path.extension().is_some_and(|e| e == "jsonl") {
+                    format!("{name} (records from {})", d.skip_records)
+                } else {
+                    format!("{name} (tokens from {})", d.skip_tokens)
+                }
+            })
+            .collect(),
+        progress: true,
+    };
+    let t0 = std::time::Instant::now();
+    let (gates, hist) = train::train(&base, &stream, &cfg)?;
+    gates.save(&out)?;
+    let first = hist.first().copied().unwrap_or_default();
+    let m = &gates.meta["final"];
+    eprintln!(
+        "wrote {} ({} parameters) in {:.1} min: loss {:.4} → {:.4} (kl {:.4}, cap {:.4}, occupancy {:.1}; means of the last {} steps)",
+        out.display(),
+        gates.n_params(),
+        t0.elapsed().as_secs_f64() / 60.0,
+        first.total,
+        m["total"].as_f64().unwrap_or(f64::NAN),
+        m["kl"].as_f64().unwrap_or(f64::NAN),
+        m["cap"].as_f64().unwrap_or(f64::NAN),
+        m["occupancy"].as_f64().unwrap_or(f64::NAN),
+        m["over_last_steps"].as_u64().unwrap_or(0),
+    );
+    Ok(())
+}

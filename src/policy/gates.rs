@@ -1,0 +1,506 @@
+//! Learned retention gates (TRIM-KV / DBTrimKV): per layer, a small MLP on
+//! the attention block's input (the hidden state after the layer's input
+//! RMSNorm) giving log β per KV head, β ∈ (0, 1) the rate at which the new
+//! token's retention decays: r_{t,i} = β_i^(t−i).
+//!
+//! Two architectures (POLICIES.md §2.2):
+//! - `rg` (TRIM-KV): z = W2 · silu(W1 x + b1) + b, W1: D → I, W2: I → Hkv,
+//!   all per layer.
+//! - `rg10` (DBTrimKV): z = W3 · silu(W2 · silu(W1 x + b1) + b2) + b, with
+//!   W3: I → Hkv and b one parameter shared by every layer, so every layer's
+//!   scores are on one scale and can compete for one global budget.
+//!
+//! In both, log β = logsigmoid(z) = min(z, 0) − ln(1 + e^−|z|).
+//!
+//! A gate file is a safetensors file (F32 tensors, `[out, in]` row-major as
+//! PyTorch's `Linear`) whose `__metadata__` holds `kvrun.gates`, a JSON
+//! object naming the architecture, the model it was trained for and how
+//! (data, steps, budget M, final losses). Tensor names: `blk.{l}.fc1.weight`
+//! / `.bias`, `blk.{l}.fc2.weight` / `.bias` (`rg10`), and the scoring head
+//! `blk.{l}.head.weight` / `.bias` (`rg`) or `head.weight` / `head.bias`
+//! (`rg10`, shared).
+
+use crate::backend::pool::{split, SharedMut, ThreadPool};
+use crate::error::{Error, Result};
+use serde_json::{json, Value as Json};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Largest gate-file header accepted.
+const MAX_HEADER: usize = 16 << 20;
+
+/// Which gate MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateArch {
+    /// TRIM-KV: one hidden layer, every parameter per layer.
+    Rg,
+    /// DBTrimKV: two hidden layers, the scoring head shared by all layers.
+    Rg10,
+}
+
+impl GateArch {
+    /// The name in gate files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            GateArch::Rg => "rg",
+            GateArch::Rg10 => "rg10",
+        }
+    }
+
+    /// `rg` or `rg10`.
+    pub fn parse(s: &str) -> Option<GateArch> {
+        match s {
+            "rg" | "trimkv" => Some(GateArch::Rg),
+            "rg10" | "dbtrimkv" => Some(GateArch::Rg10),
+            _ => None,
+        }
+    }
+
+    /// Hidden layers of the MLP before the scoring head.
+    pub fn depth(self) -> usize {
+        match self {
+            GateArch::Rg => 1,
+            GateArch::Rg10 => 2,
+        }
+    }
+}
+
+/// One affine map, y = W x + b, W (n_out, n_in) row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dense {
+    pub n_in: usize,
+    pub n_out: usize,
+    /// (n_out, n_in)
+    pub w: Vec<f32>,
+    /// (n_out,)
+    pub b: Vec<f32>,
+}
+
+impl Dense {
+    /// All-zero weights and biases.
+    pub fn zeros(n_in: usize, n_out: usize) -> Dense {
+        Dense {
+            n_in,
+            n_out,
+            w: vec![0.0; n_in * n_out],
+            b: vec![0.0; n_out],
+        }
+    }
+
+    /// y (n_out,) = W x + b for one input x (n_in,).
+    fn apply(&self, dot: &Dot, x: &[f32], y: &mut [f32]) {
+        for (r, (o, &b)) in y.iter_mut().zip(&self.b).enumerate() {
+            *o = dot.f32(&self.w[r * self.n_in..(r + 1) * self.n_in], x) + b;
+        }
+    }
+}
+
+/// f32 dot product through ggml's runtime-dispatched SIMD kernel.
+struct Dot(ggml_sys::CpuTraits);
+
+impl Dot {
+    fn new() -> Dot {
+        // type 0 = F32, always present
+        Dot(ggml_sys::CpuTraits::of(0).expect("ggml has an f32 dot product"))
+    }
+    #[inline]
+    fn f32(&self, a: &[f32], b: &[f32]) -> f32 {
+        self.0
+            .dot(a.len(), bytemuck::cast_slice(a), bytemuck::cast_slice(b))
+    }
+}
+
+/// SiLU in place.
+fn silu(x: &mut [f32]) {
+    for v in x {
+        *v /= 1.0 + (-*v).exp();
+    }
+}
+
+/// log σ(z), stable for any z.
+#[inline]
+pub fn log_sigmoid(z: f32) -> f32 {
+    z.min(0.0) - (-z.abs()).exp().ln_1p()
+}
+
+/// The retention gates of every layer of one model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gates {
+    pub arch: GateArch,
+    /// Model width D (the gate input).
+    pub dim: usize,
+    /// Hidden width I.
+    pub inter: usize,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    /// Per layer, the hidden layers (`arch.depth()` of them).
+    pub hidden: Vec<Vec<Dense>>,
+    /// The scoring heads I → Hkv: one per layer (`rg`) or one shared (`rg10`).
+    pub heads: Vec<Dense>,
+    /// The `kvrun.gates` metadata (architecture, model, training run).
+    pub meta: Json,
+}
+
+impl Gates {
+    /// Gates of architecture `arch` initialised as the papers do: weights
+    /// N(0, 0.02) from a seeded generator, hidden biases 0, head bias
+    /// `bias_init` (10: β ≈ 0.99995, "remember everything").
+    pub fn init(
+        arch: GateArch,
+        dim: usize,
+        inter: usize,
+        n_layers: usize,
+        n_kv_heads: usize,
+        bias_init: f32,
+        seed: u64,
+    ) -> Gates {
+        let mut rng = crate::sample::Rng::new(seed);
+        let mut normal = |d: &mut Dense| {
+            for w in d.w.iter_mut() {
+                *w = 0.02 * rng.normal();
+            }
+        };
+        let hidden = (0..n_layers)
+            .map(|_| {
+                (0..arch.depth())
+                    .map(|k| {
+                        let mut d = Dense::zeros(if k == 0 { dim } else { inter }, inter);
+                        normal(&mut d);
+                        d
+                    })
+                    .collect()
+            })
+            .collect();
+        let n_heads = match arch {
+            GateArch::Rg => n_layers,
+            GateArch::Rg10 => 1,
+        };
+        let heads = (0..n_heads)
+            .map(|_| {
+                let mut d = Dense::zeros(inter, n_kv_heads);
+                normal(&mut d);
+                d.b.fill(bias_init);
+                d
+            })
+            .collect();
+        Gates {
+            arch,
+            dim,
+            inter,
+            n_layers,
+            n_kv_heads,
+            hidden,
+            heads,
+            meta: json!({}),
+        }
+    }
+
+    /// Layer `l`'s scoring head.
+    pub fn head(&self, l: usize) -> &Dense {
+        match self.arch {
+            GateArch::Rg => &self.heads[l],
+            GateArch::Rg10 => &self.heads[0],
+        }
+    }
+
+    /// Whether these gates fit a model of `n_layers` layers, width `dim`
+    /// and `n_kv_heads` KV heads; the error names what differs.
+    pub fn check_model(&self, n_layers: usize, dim: usize, n_kv_heads: usize) -> Result<()> {
+        let mut bad = Vec::new();
+        for (what, have, want) in [
+            ("layers", self.n_layers, n_layers),
+            ("width", self.dim, dim),
+            ("KV heads", self.n_kv_heads, n_kv_heads),
+        ] {
+            if have != want {
+                bad.push(format!("{what} {have} (model: {want})"));
+            }
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            let of = self.meta["model"].as_str().unwrap_or("another model");
+            Err(Error::Other(format!(
+                "retention gates were trained for {of}: {}",
+                bad.join(", ")
+            )))
+        }
+    }
+
+    /// log β (n, n_kv_heads) of layer `l` for `n` inputs `x` (n, dim).
+    pub fn log_beta(&self, l: usize, x: &[f32], n: usize, out: &mut [f32]) {
+        let mut scratch = Vec::new();
+        self.log_beta_with(&Dot::new(), l, x, n, out, &mut scratch)
+    }
+
+    fn log_beta_with(
+        &self,
+        dot: &Dot,
+        l: usize,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        scratch: &mut Vec<f32>,
+    ) {
+        let (d, i, nh) = (self.dim, self.inter, self.n_kv_heads);
+        scratch.resize(2 * i, 0.0);
+        let (a, b) = scratch.split_at_mut(i);
+        let head = self.head(l);
+        for t in 0..n {
+            // first hidden layer: a = silu(W1 x + b1)                  (I,)
+            let hid = &self.hidden[l];
+            hid[0].apply(dot, &x[t * d..(t + 1) * d], a);
+            silu(a);
+            // rg10's second: a = silu(W2 a + b2)                        (I,)
+            for layer in &hid[1..] {
+                layer.apply(dot, a, b);
+                silu(b);
+                a.copy_from_slice(b);
+            }
+            // scoring head and log-sigmoid: log β = logσ(W a + b)    (Hkv,)
+            let o = &mut out[t * nh..(t + 1) * nh];
+            head.apply(dot, a, o);
+            for v in o.iter_mut() {
+                *v = log_sigmoid(*v);
+            }
+        }
+    }
+
+    /// log β of every layer for one step: `input(l)` gives layer l's
+    /// inputs (n, dim); `out` receives (n_layers, n, n_kv_heads). Layers
+    /// are dealt out over the pool's threads.
+    pub fn log_beta_all<'a>(
+        &self,
+        pool: &ThreadPool,
+        input: impl Fn(usize) -> &'a [f32] + Sync,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let per = n * self.n_kv_heads;
+        let nt = pool.n_threads();
+        let nl = self.n_layers;
+        let o = SharedMut::new(&mut out[..nl * per]);
+        let run = |ti: usize| {
+            let dot = Dot::new();
+            let mut scratch = Vec::new();
+            let (l0, l1) = split(nl, ti, nt);
+            for l in l0..l1 {
+                // SAFETY: layer l's rows belong to this thread only.
+                let dst = unsafe { o.slice(l * per, per) };
+                self.log_beta_with(&dot, l, input(l), n, dst, &mut scratch);
+            }
+        };
+        if nl > 1 && nt > 1 {
+            pool.run(run);
+        } else {
+            run(0);
+        }
+    }
+
+    /// Every tensor by its file name.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>, &[f32])> {
+        let mut t: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
+        for (l, hid) in self.hidden.iter().enumerate() {
+            for (k, d) in hid.iter().enumerate() {
+                let n = format!("blk.{l}.fc{}", k + 1);
+                t.push((format!("{n}.weight"), vec![d.n_out, d.n_in], &d.w));
+                t.push((format!("{n}.bias"), vec![d.n_out], &d.b));
+            }
+        }
+        for (l, d) in self.heads.iter().enumerate() {
+            let n = match self.arch {
+                GateArch::Rg => format!("blk.{l}.head"),
+                GateArch::Rg10 => "head".to_string(),
+            };
+            t.push((format!("{n}.weight"), vec![d.n_out, d.n_in], &d.w));
+            t.push((format!("{n}.bias"), vec![d.n_out], &d.b));
+        }
+        t
+    }
+
+    /// Every tensor, mutable, in the order of `tensors`.
+    pub fn tensors_mut(&mut self) -> Vec<&mut Vec<f32>> {
+        let mut t = Vec::new();
+        for hid in self.hidden.iter_mut() {
+            for d in hid.iter_mut() {
+                t.push(&mut d.w);
+                t.push(&mut d.b);
+            }
+        }
+        for d in self.heads.iter_mut() {
+            t.push(&mut d.w);
+            t.push(&mut d.b);
+        }
+        t
+    }
+
+    /// Number of parameters.
+    pub fn n_params(&self) -> usize {
+        self.tensors().iter().map(|t| t.2.len()).sum()
+    }
+
+    /// The metadata written to a file: `meta` plus the shape fields.
+    fn full_meta(&self) -> Json {
+        let mut m = match &self.meta {
+            Json::Object(o) => o.clone(),
+            _ => Default::default(),
+        };
+        m.insert("arch".into(), json!(self.arch.name()));
+        m.insert("dim".into(), json!(self.dim));
+        m.insert("inter".into(), json!(self.inter));
+        m.insert("n_layers".into(), json!(self.n_layers));
+        m.insert("n_kv_heads".into(), json!(self.n_kv_heads));
+        Json::Object(m)
+    }
+
+    /// Write a gate file (safetensors, F32).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let io = |e: std::io::Error| Error::Io {
+            path: path.to_path_buf(),
+            source: e,
+        };
+        let mut header = serde_json::Map::new();
+        let mut meta = serde_json::Map::new();
+        meta.insert("kvrun.gates".into(), json!(self.full_meta().to_string()));
+        header.insert("__metadata__".into(), Json::Object(meta));
+        let mut off = 0usize;
+        let tensors = self.tensors();
+        for (name, shape, data) in &tensors {
+            let end = off + data.len() * 4;
+            header.insert(
+                name.clone(),
+                json!({"dtype": "F32", "shape": shape, "data_offsets": [off, end]}),
+            );
+            off = end;
+        }
+        let mut h = Json::Object(header).to_string().into_bytes();
+        // pad the header so the data starts 8-byte aligned
+        while h.len() % 8 != 0 {
+            h.push(b' ');
+        }
+        let mut bytes = Vec::with_capacity(8 + h.len() + off);
+        bytes.extend_from_slice(&(h.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(&h);
+        for (_, _, data) in &tensors {
+            for v in data.iter() {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        // write then rename, so an interrupted save never leaves a torn file
+        let tmp = path.with_extension("safetensors.tmp");
+        std::fs::write(&tmp, &bytes).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Read a gate file; every inconsistency is a one-line error naming it.
+    pub fn load(path: &Path) -> Result<Gates> {
+        let bytes = std::fs::read(path).map_err(|e| Error::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let bad = |what: String| {
+            Error::Other(format!("{}: not a kvrun gate file: {what}", path.display()))
+        };
+        if bytes.len() < 8 {
+            return Err(bad("shorter than its header length".into()));
+        }
+        let hl = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
+        if hl > MAX_HEADER as u64 || 8 + hl as usize > bytes.len() {
+            return Err(bad(format!("header length {hl} out of range")));
+        }
+        let hl = hl as usize;
+        let header: Json =
+            serde_json::from_slice(&bytes[8..8 + hl]).map_err(|e| bad(format!("header: {e}")))?;
+        let data = &bytes[8 + hl..];
+        let meta_s = header["__metadata__"]["kvrun.gates"]
+            .as_str()
+            .ok_or_else(|| bad("no kvrun.gates metadata".into()))?;
+        let meta: Json =
+            serde_json::from_str(meta_s).map_err(|e| bad(format!("kvrun.gates: {e}")))?;
+        let num = |k: &str| {
+            meta[k]
+                .as_u64()
+                .filter(|&v| v > 0 && v < 1 << 24)
+                .map(|v| v as usize)
+                .ok_or_else(|| bad(format!("metadata field '{k}' missing or out of range")))
+        };
+        let arch_s = meta["arch"].as_str().unwrap_or("");
+        let arch = GateArch::parse(arch_s)
+            .ok_or_else(|| bad(format!("unknown gate architecture '{arch_s}'")))?;
+        let (dim, inter, n_layers, n_kv) = (
+            num("dim")?,
+            num("inter")?,
+            num("n_layers")?,
+            num("n_kv_heads")?,
+        );
+        let mut g = Gates::init(arch, dim, inter, n_layers, n_kv, 0.0, 0);
+        let mut seen = BTreeMap::new();
+        let names: Vec<(String, Vec<usize>)> =
+            g.tensors().into_iter().map(|(n, s, _)| (n, s)).collect();
+        for ((name, shape), dst) in names.iter().zip(g.tensors_mut()) {
+            let t = &header[name.as_str()];
+            if t.is_null() {
+                return Err(bad(format!("tensor {name} missing")));
+            }
+            if t["dtype"].as_str() != Some("F32") {
+                return Err(bad(format!("tensor {name} is not F32")));
+            }
+            let have: Vec<usize> = t["shape"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64())
+                        .map(|v| v as usize)
+                        .collect()
+                })
+                .unwrap_or_default();
+            if &have != shape {
+                return Err(bad(format!(
+                    "tensor {name} has shape {have:?}, the metadata implies {shape:?}"
+                )));
+            }
+            let off: Vec<usize> = t["data_offsets"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64())
+                        .map(|v| v as usize)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let n = dst.len();
+            if off.len() != 2 || off[1] < off[0] || off[1] - off[0] != n * 4 || off[1] > data.len()
+            {
+                return Err(bad(format!("tensor {name}: bad data offsets {off:?}")));
+            }
+            for (v, c) in dst.iter_mut().zip(data[off[0]..off[1]].chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            if dst.iter().any(|v| !v.is_finite()) {
+                return Err(bad(format!("tensor {name} holds a non-finite value")));
+            }
+            seen.insert(name.clone(), ());
+        }
+        let mut meta = meta;
+        if let Json::Object(o) = &mut meta {
+            for k in ["arch", "dim", "inter", "n_layers", "n_kv_heads"] {
+                o.remove(k);
+            }
+        }
+        g.meta = meta;
+        Ok(g)
+    }
+}
+
+/// Where a model's gates live by default: `<model stem>.gates.safetensors`
+/// next to the model file (or inside a model directory).
+pub fn gates_path_for(model: &Path) -> PathBuf {
+    if model.is_dir() {
+        return model.join("gates.safetensors");
+    }
+    let stem = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    model.with_file_name(format!("{stem}.gates.safetensors"))
+}

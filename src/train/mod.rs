@@ -1,0 +1,616 @@
+//! Training retention gates (TRIM-KV / DBTrimKV, POLICIES.md §2.3) for a
+//! frozen model: `kvrun train gates` (Cargo feature `train`).
+//!
+//! Gradients come from candle's reverse-mode autodiff on its CPU backend:
+//! the base model is rebuilt as a candle computation (`model.rs`, the same
+//! math as `model/llama.rs`, checked against kvrun's own logits by a test)
+//! with the gates as the only variables. The objective per sequence:
+//!
+//! - quality: forward KL(teacher ‖ gated) of the next-token distributions,
+//!   averaged over positions (teacher = the same model, ungated), plus
+//!   `ce_weight` × the gated model's next-token cross-entropy;
+//! - capacity: a hinge on the soft occupancy S_t = Σ_{i≤t} β_i^(t−i).
+//!   Global (`rg10`, DBTrimKV): S_t summed over every layer and KV head
+//!   against M·L·Hkv, ℓ_t = max(0, (S_t − M·L·Hkv) / max(t·L·Hkv − M·L·Hkv,
+//!   1)); per head (`rg`): ℓ_{t,l,h} = max(0, (S − M) / max(t − M, 1)).
+//!   The mean over the violating entries only (0 when none);
+//! - total = quality + λ · capacity, minimised with AdamW.
+//!
+//! Checkpoints (the gate file plus `<out>.opt.safetensors` with the
+//! optimizer moments and `<out>.log.csv` with every step's losses) are
+//! written every `--save-every` steps and at the end; `--resume` continues
+//! from them. The learning curve is drawn to `<out>.curve.svg`.
+
+pub mod model;
+
+use crate::error::{Error, Result};
+use crate::policy::gates::{GateArch, Gates};
+use crate::tokenizer::Tokenizer;
+use candle_core::{DType, Device, Tensor, Var, D};
+use model::{occupancy, Base, GateVars};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Use `n` threads for candle's CPU kernels (its rayon pool reads
+/// RAYON_NUM_THREADS when first used; an explicit setting wins).
+pub fn set_threads(n: usize) {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+fn ce(e: candle_core::Error) -> Error {
+    Error::Other(format!("training: {e}"))
+}
+
+/// Loss weights and the capacity target.
+#[derive(Clone, Copy, Debug)]
+pub struct Objective {
+    /// Capacity M: entries per (layer, KV head) the gates must fit in.
+    pub budget: usize,
+    /// Weight of the next-token cross-entropy next to the KL.
+    pub ce_weight: f64,
+    /// λ: weight of the capacity hinge.
+    pub cap_weight: f64,
+}
+
+/// One step's loss terms.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Losses {
+    pub total: f64,
+    pub kl: f64,
+    pub ce: f64,
+    pub cap: f64,
+    /// Mean soft occupancy per (layer, KV head) at the last position.
+    pub occupancy: f64,
+}
+
+/// The loss of `gates` on `tokens` (the teacher's log-probabilities
+/// `teacher` (T, vocab) given) as a differentiable scalar, and its terms.
+pub fn loss(
+    base: &Base,
+    gates: &GateVars,
+    tokens: &[u32],
+    teacher: &Tensor,
+    obj: &Objective,
+) -> candle_core::Result<(Tensor, Losses)> {
+    let t = tokens.len();
+    let f = base.forward(tokens, Some(gates))?;
+    let logp = log_softmax(&f.logits)?; // (T, V)
+                                        // forward KL(teacher ‖ student), mean over positions
+    let kl = (teacher.exp()? * (teacher - &logp)?)?
+        .sum(D::Minus1)?
+        .mean_all()?;
+    let mut total = kl.clone();
+    let mut ce_v = 0.0;
+    if obj.ce_weight > 0.0 && t > 1 {
+        let next = Tensor::from_slice(&tokens[1..], (t - 1, 1), &Device::Cpu)?;
+        let lp = logp.narrow(0, 0, t - 1)?.gather(&next, 1)?;
+        let ce_t = lp.mean_all()?.neg()?;
+        ce_v = ce_t.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        total = (total + (ce_t * obj.ce_weight)?)?;
+    }
+    // capacity hinge on the soft occupancy
+    let occ = occupancy(&f.log_beta)?; // (L, Hkv, T)
+    let (nl, nkv, _) = occ.dims3()?;
+    let m = obj.budget as f64;
+    let pos: Vec<f32> = (0..t).map(|i| i as f32).collect();
+    let pos = Tensor::from_vec(pos, t, &Device::Cpu)?.to_dtype(occ.dtype())?;
+    let hinge = match gates.arch {
+        GateArch::Rg10 => {
+            let n = (nl * nkv) as f64;
+            let s = occ.sum(0)?.sum(0)?; // (T,)
+            let denom = ((pos * n)? - m * n)?.maximum(1.0)?;
+            ((s - m * n)? / denom)?.relu()?
+        }
+        GateArch::Rg => {
+            let denom = (pos - m)?.maximum(1.0)?;
+            (&occ - m)?.broadcast_div(&denom)?.relu()?
+        }
+    };
+    let n_pos = hinge
+        .gt(0.0)?
+        .to_dtype(DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    let cap = if n_pos > 0.0 {
+        (hinge.sum_all()? / n_pos)?
+    } else {
+        hinge.sum_all()?.zeros_like()?
+    };
+    total = (total + (&cap * obj.cap_weight)?)?;
+    let occ_last = occ.narrow(2, t - 1, 1)?.mean_all()?;
+    let s = |x: &Tensor| -> candle_core::Result<f64> { x.to_dtype(DType::F64)?.to_scalar::<f64>() };
+    let l = Losses {
+        total: s(&total)?,
+        kl: s(&kl)?,
+        ce: ce_v,
+        cap: s(&cap)?,
+        occupancy: s(&occ_last)?,
+    };
+    Ok((total, l))
+}
+
+/// log softmax over the last dimension.
+pub fn log_softmax(x: &Tensor) -> candle_core::Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?;
+    let z = x.broadcast_sub(&m)?;
+    let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    z.broadcast_sub(&lse)
+}
+
+/// AdamW over a set of variables.
+#[derive(Debug)]
+pub struct AdamW {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub step: usize,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl AdamW {
+    /// Zero moments for `vars`.
+    pub fn new(vars: &[&Var], lr: f64, weight_decay: f64) -> candle_core::Result<AdamW> {
+        let z = |v: &&Var| v.as_tensor().zeros_like();
+        Ok(AdamW {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+            step: 0,
+            m: vars.iter().map(z).collect::<candle_core::Result<_>>()?,
+            v: vars.iter().map(z).collect::<candle_core::Result<_>>()?,
+        })
+    }
+
+    /// One update of `vars` from the gradients of `loss`, at learning rate
+    /// `lr` (warm-up and schedule are the caller's).
+    pub fn step(&mut self, vars: &[&Var], loss: &Tensor, lr: f64) -> candle_core::Result<()> {
+        let grads = loss.backward()?;
+        self.step += 1;
+        let (b1, b2) = (self.beta1, self.beta2);
+        let c1 = 1.0 - b1.powi(self.step as i32);
+        let c2 = 1.0 - b2.powi(self.step as i32);
+        for (i, var) in vars.iter().enumerate() {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            self.m[i] = ((&self.m[i] * b1)? + (g * (1.0 - b1))?)?;
+            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let mhat = (&self.m[i] / c1)?;
+            let vhat = (&self.v[i] / c2)?;
+            let upd = (mhat / (vhat.sqrt()? + self.eps)?)?;
+            let w = var.as_tensor();
+            let decayed = (w * (1.0 - lr * self.weight_decay))?;
+            var.set(&(decayed - (upd * lr)?)?)?;
+        }
+        Ok(())
+    }
+
+    /// The moments as named tensors (checkpoints).
+    pub fn state(&self) -> HashMap<String, Tensor> {
+        let mut h = HashMap::new();
+        for (i, (m, v)) in self.m.iter().zip(&self.v).enumerate() {
+            h.insert(format!("m.{i}"), m.clone());
+            h.insert(format!("v.{i}"), v.clone());
+        }
+        h
+    }
+
+    /// Restore moments saved by `state`.
+    pub fn restore(&mut self, h: &HashMap<String, Tensor>, step: usize) -> Result<()> {
+        for i in 0..self.m.len() {
+            let (Some(m), Some(v)) = (h.get(&format!("m.{i}")), h.get(&format!("v.{i}"))) else {
+                return Err(Error::Other(format!(
+                    "optimizer checkpoint lacks tensor {i}"
+                )));
+            };
+            if m.dims() != self.m[i].dims() || v.dims() != self.v[i].dims() {
+                return Err(Error::Other(format!(
+                    "optimizer checkpoint tensor {i} has the wrong shape"
+                )));
+            }
+            self.m[i] = m.to_dtype(self.m[i].dtype()).map_err(ce)?;
+            self.v[i] = v.to_dtype(self.v[i].dtype()).map_err(ce)?;
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+/// Where training text comes from.
+#[derive(Clone, Debug)]
+pub struct DataSpec {
+    pub path: PathBuf,
+    /// Plain text: tokens skipped at the start (held out for evaluation).
+    pub skip_tokens: usize,
+    /// JSONL: records skipped at the start.
+    pub skip_records: usize,
+}
+
+/// The training token stream: every file's text, held-out parts skipped,
+/// JSONL records as "question/problem + solution/answer/output" each
+/// followed by the end-of-sequence token. Each file gives at most an equal
+/// share of `max_tokens` (a mix, not the first file alone).
+pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Result<Vec<u32>> {
+    let mut all = Vec::new();
+    let share = max_tokens.div_ceil(specs.len().max(1));
+    for d in specs {
+        let mut out = Vec::new();
+        let max_tokens = share;
+        let text = std::fs::read_to_string(&d.path).map_err(|e| Error::Io {
+            path: d.path.clone(),
+            source: e,
+        })?;
+        let is_jsonl = d.path.extension().is_some_and(|e| e == "jsonl");
+        if is_jsonl {
+            for (i, line) in text.lines().enumerate() {
+                if i < d.skip_records || line.trim().is_empty() {
+                    continue;
+                }
+                let j: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+                    Error::Other(format!("{} line {}: {e}", d.path.display(), i + 1))
+                })?;
+                let mut s = String::new();
+                for k in ["question", "problem", "prompt"] {
+                    if let Some(v) = j[k].as_str() {
+                        s.push_str(v);
+                        s.push_str("\n\n");
+                        break;
+                    }
+                }
+                for k in ["solution", "output", "answer", "text"] {
+                    if let Some(v) = j[k].as_str() {
+                        s.push_str(v);
+                        break;
+                    }
+                }
+                out.extend(tok.encode(&s, false, false)?);
+                out.extend(tok.eos());
+                if out.len() >= max_tokens {
+                    break;
+                }
+            }
+        } else {
+            let ids = tok.encode(&text, false, false)?;
+            out.extend(ids.into_iter().skip(d.skip_tokens));
+        }
+        out.truncate(max_tokens);
+        all.extend(out);
+    }
+    Ok(all)
+}
+
+/// What a training run needs.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub arch: GateArch,
+    pub inter: usize,
+    pub bias_init: f32,
+    pub objective: Objective,
+    pub seq_len: usize,
+    pub steps: usize,
+    pub lr: f64,
+    pub warmup: usize,
+    pub weight_decay: f64,
+    pub seed: u64,
+    pub save_every: usize,
+    pub out: PathBuf,
+    pub resume: bool,
+    /// Recorded in the gate file's metadata.
+    pub model_name: String,
+    pub data_desc: Vec<String>,
+    /// Progress on stderr.
+    pub progress: bool,
+}
+
+/// Sibling files of the gate file `out`.
+pub fn sibling(out: &Path, suffix: &str) -> PathBuf {
+    let name = out
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = name.strip_suffix(".safetensors").unwrap_or(&name);
+    out.with_file_name(format!("{stem}.{suffix}"))
+}
+
+/// Train gates for `base` on `stream`; returns the gates and every step's losses.
+pub fn train(base: &Base, stream: &[u32], cfg: &TrainConfig) -> Result<(Gates, Vec<Losses>)> {
+    let c = &base.config;
+    let t = cfg.seq_len;
+    if t < 2 || t > base.max_pos() {
+        return Err(Error::Other(format!(
+            "--seq-len must be in 2..={}, got {t}",
+            base.max_pos()
+        )));
+    }
+    let n_seq = stream.len() / t;
+    if n_seq == 0 {
+        return Err(Error::Other(format!(
+            "the training data holds {} tokens, fewer than one sequence of {t}",
+            stream.len()
+        )));
+    }
+    let mut gates = Gates::init(
+        cfg.arch,
+        c.dim,
+        cfg.inter,
+        c.n_layers,
+        c.n_kv_heads,
+        cfg.bias_init,
+        cfg.seed,
+    );
+    let log_path = sibling(&cfg.out, "log.csv");
+    let opt_path = sibling(&cfg.out, "opt.safetensors");
+    let mut history: Vec<Losses> = Vec::new();
+    if cfg.resume {
+        gates = Gates::load(&cfg.out)?;
+        if gates.arch != cfg.arch || gates.inter != cfg.inter {
+            return Err(Error::Other(format!(
+                "{}: --resume with another architecture ({} I={}, asked {} I={})",
+                cfg.out.display(),
+                gates.arch.name(),
+                gates.inter,
+                cfg.arch.name(),
+                cfg.inter
+            )));
+        }
+        gates.check_model(c.n_layers, c.dim, c.n_kv_heads)?;
+        history = read_log(&log_path)?;
+    }
+    let vars = GateVars::from_gates(&gates, base.dtype).map_err(ce)?;
+    let all = vars.all();
+    let mut opt = AdamW::new(&all, cfg.lr, cfg.weight_decay).map_err(ce)?;
+    if cfg.resume && !history.is_empty() {
+        let h = candle_core::safetensors::load(&opt_path, &Device::Cpu)
+            .map_err(|e| Error::Other(format!("{}: {e}", opt_path.display())))?;
+        opt.restore(&h, history.len())?;
+    }
+    // sequence order: a seeded shuffle of the non-overlapping windows
+    let mut order: Vec<usize> = (0..n_seq).collect();
+    let mut rng = crate::sample::Rng::new(cfg.seed ^ 0x5eed);
+    for i in (1..n_seq).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    let t0 = std::time::Instant::now();
+    let first = history.len();
+    for step in first..cfg.steps {
+        let s = order[step % n_seq];
+        let toks = &stream[s * t..(s + 1) * t];
+        // the teacher: the same model, ungated, no gradients
+        let teacher = base
+            .forward(toks, None)
+            .and_then(|f| log_softmax(&f.logits))
+            .map_err(ce)?
+            .detach();
+        let (total, l) = loss(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
+        if !l.total.is_finite() {
+            return Err(Error::Other(format!(
+                "training diverged at step {} (loss {})",
+                step + 1,
+                l.total
+            )));
+        }
+        let lr = if step < cfg.warmup {
+            cfg.lr * (step + 1) as f64 / cfg.warmup as f64
+        } else {
+            cfg.lr
+        };
+        opt.step(&all, &total, lr).map_err(ce)?;
+        history.push(l);
+        if cfg.progress {
+            let done = step + 1 - first;
+            let per = t0.elapsed().as_secs_f64() / done as f64;
+            let eta = per * (cfg.steps - step - 1) as f64;
+            eprint!(
+                "\rstep {}/{} loss {:.4} (kl {:.4} ce {:.3} cap {:.4}) occupancy {:.1}/{} | {:.1} s/step, {:.0} min left   ",
+                step + 1,
+                cfg.steps,
+                l.total,
+                l.kl,
+                l.ce,
+                l.cap,
+                l.occupancy,
+                cfg.objective.budget,
+                per,
+                eta / 60.0
+            );
+        }
+        let last = step + 1 == cfg.steps;
+        if last || (cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) {
+            vars.store(&mut gates).map_err(ce)?;
+            gates.meta = metadata(cfg, &history);
+            gates.save(&cfg.out)?;
+            candle_core::safetensors::save(&opt.state(), &opt_path)
+                .map_err(|e| Error::Other(format!("{}: {e}", opt_path.display())))?;
+            write_log(&log_path, &history)?;
+            std::fs::write(sibling(&cfg.out, "curve.svg"), curve_svg(&history)).map_err(|e| {
+                Error::Io {
+                    path: sibling(&cfg.out, "curve.svg"),
+                    source: e,
+                }
+            })?;
+        }
+    }
+    if cfg.progress {
+        eprintln!();
+    }
+    vars.store(&mut gates).map_err(ce)?;
+    gates.meta = metadata(cfg, &history);
+    Ok((gates, history))
+}
+
+/// The gate file's record of how it was made.
+fn metadata(cfg: &TrainConfig, h: &[Losses]) -> serde_json::Value {
+    let tail = &h[h.len().saturating_sub(20)..];
+    let mean = |f: fn(&Losses) -> f64| tail.iter().map(f).sum::<f64>() / tail.len().max(1) as f64;
+    serde_json::json!({
+        "model": cfg.model_name,
+        "trainer": format!("kvrun {} train gates", env!("CARGO_PKG_VERSION")),
+        "budget": cfg.objective.budget,
+        "seq_len": cfg.seq_len,
+        "steps": h.len(),
+        "lr": cfg.lr,
+        "ce_weight": cfg.objective.ce_weight,
+        "cap_weight": cfg.objective.cap_weight,
+        "bias_init": cfg.bias_init,
+        "seed": cfg.seed,
+        "data": cfg.data_desc,
+        "final": {
+            "total": mean(|l| l.total),
+            "kl": mean(|l| l.kl),
+            "ce": mean(|l| l.ce),
+            "cap": mean(|l| l.cap),
+            "occupancy": mean(|l| l.occupancy),
+            "over_last_steps": tail.len(),
+        },
+    })
+}
+
+const LOG_HEADER: &str = "step,total,kl,ce,cap,occupancy";
+
+fn write_log(path: &Path, h: &[Losses]) -> Result<()> {
+    let mut s = String::from(LOG_HEADER);
+    s.push('\n');
+    for (i, l) in h.iter().enumerate() {
+        s.push_str(&format!(
+            "{},{},{},{},{},{}\n",
+            i + 1,
+            l.total,
+            l.kl,
+            l.ce,
+            l.cap,
+            l.occupancy
+        ));
+    }
+    let mut f = std::fs::File::create(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    f.write_all(s.as_bytes()).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
+}
+
+fn read_log(path: &Path) -> Result<Vec<Losses>> {
+    let s = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in s.lines().enumerate().skip(1) {
+        let v: Vec<f64> = line.split(',').filter_map(|x| x.parse().ok()).collect();
+        if v.len() != 6 {
+            return Err(Error::Other(format!(
+                "{} line {}: expected 6 numbers",
+                path.display(),
+                i + 1
+            )));
+        }
+        out.push(Losses {
+            total: v[1],
+            kl: v[2],
+            ce: v[3],
+            cap: v[4],
+            occupancy: v[5],
+        });
+    }
+    Ok(out)
+}
+
+/// The learning curve: total, KL and λ·capacity per step (log scale), and
+/// a 10-step running mean of the total.
+pub fn curve_svg(h: &[Losses]) -> String {
+    let (w, ht, l, r, t, b) = (720.0, 380.0, 70.0, 20.0, 40.0, 50.0);
+    let n = h.len().max(2) as f64;
+    let vals: Vec<f64> = h
+        .iter()
+        .flat_map(|x| [x.total, x.kl, x.cap])
+        .filter(|v| *v > 0.0 && v.is_finite())
+        .collect();
+    let lo = vals
+        .iter()
+        .cloned()
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-6)
+        .log10()
+        .floor();
+    let hi = vals
+        .iter()
+        .cloned()
+        .fold(f64::NEG_INFINITY, f64::max)
+        .max(1e-5)
+        .log10()
+        .ceil();
+    let hi = if hi <= lo { lo + 1.0 } else { hi };
+    let x = |i: usize| l + (w - l - r) * i as f64 / (n - 1.0);
+    let y = |v: f64| {
+        let v = v.max(10f64.powf(lo)).log10();
+        t + (ht - t - b) * (hi - v) / (hi - lo)
+    };
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{ht}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{}" y="22" text-anchor="middle" font-size="15" font-weight="bold">retention-gate training: loss per step</text>
+"#,
+        w / 2.0
+    );
+    let mut e = lo;
+    while e <= hi {
+        let yy = y(10f64.powf(e));
+        s.push_str(&format!(
+            r##"<line x1="{l}" x2="{}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">1e{e}</text>
+"##,
+            w - r,
+            l - 6.0,
+            yy + 4.0
+        ));
+        e += 1.0;
+    }
+    let series: [(&str, &str, Box<dyn Fn(&Losses) -> f64>); 3] = [
+        ("total", "#222", Box::new(|x: &Losses| x.total)),
+        ("KL", "#1f77b4", Box::new(|x: &Losses| x.kl)),
+        ("capacity", "#d62728", Box::new(|x: &Losses| x.cap)),
+    ];
+    for (k, (name, color, f)) in series.iter().enumerate() {
+        let pts: Vec<String> = h
+            .iter()
+            .enumerate()
+            .map(|(i, v)| format!("{:.1},{:.1}", x(i), y(f(v))))
+            .collect();
+        s.push_str(&format!(
+            r#"<polyline fill="none" stroke="{color}" stroke-width="1" opacity="0.6" points="{}"/>
+<text x="{}" y="{}" fill="{color}">{name}</text>
+"#,
+            pts.join(" "),
+            l + 10.0 + 90.0 * k as f64,
+            t + 14.0
+        ));
+    }
+    // running mean of the total
+    let mut pts = Vec::new();
+    for i in 0..h.len() {
+        let a = i.saturating_sub(9);
+        let m = h[a..=i].iter().map(|v| v.total).sum::<f64>() / (i + 1 - a) as f64;
+        pts.push(format!("{:.1},{:.1}", x(i), y(m)));
+    }
+    s.push_str(&format!(
+        r#"<polyline fill="none" stroke="black" stroke-width="2.5" points="{}"/>
+<text x="{}" y="{}" text-anchor="middle">step ({} in all)</text>
+</svg>
+"#,
+        pts.join(" "),
+        w / 2.0,
+        ht - 12.0,
+        h.len()
+    ));
+    s
+}

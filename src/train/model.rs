@@ -1,0 +1,443 @@
+//! The frozen base model and the retention gates as a differentiable
+//! computation (candle), for training the gates. Same math as
+//! `model/llama.rs`, over one whole sequence at a time, with the
+//! retention-gated attention of TRIM-KV (POLICIES.md §2.3): the scaled
+//! logit of query t on key i is multiplied by β_i^(t−i) before the causal
+//! mask and the softmax, so a token whose retention has decayed fades to a
+//! zero logit (soft eviction). Gates off (`None`) is the plain model: the
+//! teacher.
+//!
+//! Only the gates are `Var`s; the base weights are constants (dequantized
+//! to f32 once), so backpropagation computes activation gradients through
+//! the frozen model and weight gradients for the gates alone.
+
+use crate::backend::RopeStyle;
+use crate::model::{Config, Weights};
+use crate::policy::gates::{Dense, GateArch, Gates};
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+
+/// One decoder layer's frozen weights, f32, `[out, in]` row-major.
+#[derive(Debug)]
+pub struct Layer {
+    pub attn_norm: Tensor,
+    pub wq: Tensor,
+    pub wk: Tensor,
+    pub wv: Tensor,
+    pub bq: Option<Tensor>,
+    pub bk: Option<Tensor>,
+    pub bv: Option<Tensor>,
+    pub wo: Tensor,
+    pub ffn_norm: Tensor,
+    pub w_gate: Tensor,
+    pub w_up: Tensor,
+    pub w_down: Tensor,
+}
+
+/// The frozen base model.
+#[derive(Debug)]
+pub struct Base {
+    pub config: Config,
+    /// (vocab, dim)
+    pub embd: Tensor,
+    pub layers: Vec<Layer>,
+    pub out_norm: Tensor,
+    /// (vocab, dim)
+    pub output: Tensor,
+    /// (hd, hd) signed permutation: x·rot pairs each rotated coordinate
+    /// with its partner as RoPE does (x_b → −x_a side).
+    rot: Tensor,
+    /// RoPE cos/sin per position, (max_pos, hd), built with the engine's
+    /// own `Rope` (same angles, same pairing).
+    cos: Tensor,
+    sin: Tensor,
+    pub dtype: DType,
+}
+
+fn mat(rows: usize, cols: usize, f: impl Fn(usize, &mut [f32]), dt: DType) -> Result<Tensor> {
+    let mut v = vec![0f32; rows * cols];
+    for (r, row) in v.chunks_exact_mut(cols).enumerate() {
+        f(r, row);
+    }
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu)?.to_dtype(dt)
+}
+
+fn vector(v: &[f32], dt: DType) -> Result<Tensor> {
+    Tensor::from_slice(v, v.len(), &Device::Cpu)?.to_dtype(dt)
+}
+
+impl Base {
+    /// Dequantize `w` (every matrix to f32, then `dt`), with RoPE tables
+    /// for sequences of up to `max_pos` tokens.
+    pub fn from_weights(w: &Weights<'_>, max_pos: usize, dt: DType) -> Result<Base> {
+        let c = w.config.clone();
+        let m = |q: &crate::backend::cpu::matmul::QMat<'_>| {
+            mat(q.n_out, q.n_in, |r, row| q.dequantize_row(r, row), dt)
+        };
+        let layers = w
+            .layers
+            .iter()
+            .map(|lw| {
+                Ok(Layer {
+                    attn_norm: vector(&lw.attn_norm, dt)?,
+                    wq: m(&lw.wq)?,
+                    wk: m(&lw.wk)?,
+                    wv: m(&lw.wv)?,
+                    bq: lw.bq.as_deref().map(|b| vector(b, dt)).transpose()?,
+                    bk: lw.bk.as_deref().map(|b| vector(b, dt)).transpose()?,
+                    bv: lw.bv.as_deref().map(|b| vector(b, dt)).transpose()?,
+                    wo: m(&lw.wo)?,
+                    ffn_norm: vector(&lw.ffn_norm, dt)?,
+                    w_gate: m(&lw.w_gate)?,
+                    w_up: m(&lw.w_up)?,
+                    w_down: m(&lw.w_down)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embd = m(&w.token_embd)?;
+        let output = match &w.output {
+            Some(o) => m(o)?,
+            None => embd.clone(),
+        };
+        let (rot, cos, sin) = rope_tables(&w.rope, &c, max_pos, dt)?;
+        Ok(Base {
+            embd,
+            layers,
+            out_norm: vector(&w.output_norm, dt)?,
+            output,
+            rot,
+            cos,
+            sin,
+            dtype: dt,
+            config: c,
+        })
+    }
+
+    /// A base model from explicit tensors (tests: tiny random models).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_parts(
+        config: Config,
+        rope: &crate::backend::rope::Rope,
+        embd: Tensor,
+        layers: Vec<Layer>,
+        out_norm: Tensor,
+        output: Tensor,
+        max_pos: usize,
+        dt: DType,
+    ) -> Result<Base> {
+        let (rot, cos, sin) = rope_tables(rope, &config, max_pos, dt)?;
+        Ok(Base {
+            config,
+            embd,
+            layers,
+            out_norm,
+            output,
+            rot,
+            cos,
+            sin,
+            dtype: dt,
+        })
+    }
+
+    /// Positions the RoPE tables cover.
+    pub fn max_pos(&self) -> usize {
+        self.cos.dims()[0]
+    }
+}
+
+/// RoPE as out = x ⊙ cos + (x · rot) ⊙ sin, with cos/sin read off the
+/// engine's own rotation (rotating unit pairs), so the pairing and the
+/// angles are exactly `Rope::apply`'s.
+fn rope_tables(
+    rope: &crate::backend::rope::Rope,
+    c: &Config,
+    max_pos: usize,
+    dt: DType,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let hd = c.head_dim;
+    let half = rope.n_rot / 2;
+    let pair = |i: usize| match rope.style {
+        RopeStyle::Normal => (2 * i, 2 * i + 1),
+        RopeStyle::Neox => (i, i + half),
+    };
+    // rot: (x·rot)[a] = −x[b], (x·rot)[b] = x[a]
+    let mut r = vec![0f32; hd * hd];
+    for i in 0..half {
+        let (a, b) = pair(i);
+        r[b * hd + a] = -1.0;
+        r[a * hd + b] = 1.0;
+    }
+    let mut cos = vec![0f32; max_pos * hd];
+    let mut sin = vec![0f32; max_pos * hd];
+    let mut unit = vec![0f32; hd];
+    for p in 0..max_pos {
+        unit.fill(0.0);
+        for i in 0..half {
+            unit[pair(i).0] = 1.0;
+        }
+        rope.apply(&mut unit, 1, hd, p);
+        let (cr, sr) = (
+            &mut cos[p * hd..(p + 1) * hd],
+            &mut sin[p * hd..(p + 1) * hd],
+        );
+        cr.fill(1.0);
+        for i in 0..half {
+            let (a, b) = pair(i);
+            // R(p)·e_a = (cos, sin) at (a, b)
+            cr[a] = unit[a];
+            cr[b] = unit[a];
+            sr[a] = unit[b];
+            sr[b] = unit[b];
+        }
+    }
+    let dev = Device::Cpu;
+    Ok((
+        Tensor::from_vec(r, (hd, hd), &dev)?.to_dtype(dt)?,
+        Tensor::from_vec(cos, (max_pos, hd), &dev)?.to_dtype(dt)?,
+        Tensor::from_vec(sin, (max_pos, hd), &dev)?.to_dtype(dt)?,
+    ))
+}
+
+/// The gates as trainable variables, mirroring `Gates` (same tensor order).
+#[derive(Debug)]
+pub struct GateVars {
+    pub arch: GateArch,
+    /// Per layer: (W, b) of each hidden layer.
+    pub hidden: Vec<Vec<(Var, Var)>>,
+    /// Scoring heads: per layer (`rg`) or one shared (`rg10`).
+    pub heads: Vec<(Var, Var)>,
+}
+
+fn dense_vars(d: &Dense, dt: DType) -> Result<(Var, Var)> {
+    let dev = Device::Cpu;
+    Ok((
+        Var::from_tensor(&Tensor::from_slice(&d.w, (d.n_out, d.n_in), &dev)?.to_dtype(dt)?)?,
+        Var::from_tensor(&Tensor::from_slice(&d.b, d.n_out, &dev)?.to_dtype(dt)?)?,
+    ))
+}
+
+fn to_dense(w: &Var, b: &Var, d: &mut Dense) -> Result<()> {
+    d.w = w
+        .as_tensor()
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    d.b = b.as_tensor().to_dtype(DType::F32)?.to_vec1()?;
+    Ok(())
+}
+
+impl GateVars {
+    /// Variables holding `g`'s values.
+    pub fn from_gates(g: &Gates, dt: DType) -> Result<GateVars> {
+        Ok(GateVars {
+            arch: g.arch,
+            hidden: g
+                .hidden
+                .iter()
+                .map(|h| h.iter().map(|d| dense_vars(d, dt)).collect())
+                .collect::<Result<_>>()?,
+            heads: g
+                .heads
+                .iter()
+                .map(|d| dense_vars(d, dt))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// Write the variables' values back into `g`.
+    pub fn store(&self, g: &mut Gates) -> Result<()> {
+        for (hv, hd) in self.hidden.iter().zip(g.hidden.iter_mut()) {
+            for ((w, b), d) in hv.iter().zip(hd.iter_mut()) {
+                to_dense(w, b, d)?;
+            }
+        }
+        for ((w, b), d) in self.heads.iter().zip(g.heads.iter_mut()) {
+            to_dense(w, b, d)?;
+        }
+        Ok(())
+    }
+
+    /// Every variable, in `Gates::tensors` order.
+    pub fn all(&self) -> Vec<&Var> {
+        let mut v = Vec::new();
+        for h in &self.hidden {
+            for (w, b) in h {
+                v.push(w);
+                v.push(b);
+            }
+        }
+        for (w, b) in &self.heads {
+            v.push(w);
+            v.push(b);
+        }
+        v
+    }
+
+    /// log β (T, Hkv) of layer `l` for inputs x (T, D).
+    pub fn log_beta(&self, l: usize, x: &Tensor) -> Result<Tensor> {
+        let mut a = x.clone();
+        for (w, b) in &self.hidden[l] {
+            a = a
+                .matmul(&w.as_tensor().t()?)?
+                .broadcast_add(b.as_tensor())?
+                .silu()?;
+        }
+        let (w, b) = match self.arch {
+            GateArch::Rg => &self.heads[l],
+            GateArch::Rg10 => &self.heads[0],
+        };
+        let z = a
+            .matmul(&w.as_tensor().t()?)?
+            .broadcast_add(b.as_tensor())?;
+        log_sigmoid(&z)
+    }
+}
+
+/// log σ(z) = min(z, 0) − ln(1 + e^−|z|).
+pub fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
+    z.minimum(0.0)? - ((z.abs()?.neg()?.exp()? + 1.0)?.log()?)
+}
+
+fn rmsnorm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?
+        .broadcast_mul(w)
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// What one forward pass returns.
+#[derive(Debug)]
+pub struct Forward {
+    /// (T, vocab)
+    pub logits: Tensor,
+    /// Per layer, log β (T, Hkv) (empty without gates).
+    pub log_beta: Vec<Tensor>,
+}
+
+impl Base {
+    /// RoPE on x (T, H, hd) at positions 0..T.
+    fn rope(&self, x: &Tensor) -> Result<Tensor> {
+        let (t, h, hd) = x.dims3()?;
+        let cos = self.cos.narrow(0, 0, t)?.unsqueeze(1)?;
+        let sin = self.sin.narrow(0, 0, t)?.unsqueeze(1)?;
+        let xr = x
+            .reshape((t * h, hd))?
+            .matmul(&self.rot)?
+            .reshape((t, h, hd))?;
+        x.broadcast_mul(&cos)? + xr.broadcast_mul(&sin)?
+    }
+
+    /// The model over `tokens` (T ≤ max_pos), retention-gated by `gates`
+    /// when given.
+    pub fn forward(&self, tokens: &[u32], gates: Option<&GateVars>) -> Result<Forward> {
+        let c = &self.config;
+        let dev = Device::Cpu;
+        let t = tokens.len();
+        let (hq, hkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let group = hq / hkv;
+        let ids = Tensor::from_slice(tokens, t, &dev)?;
+        let mut x = self.embd.index_select(&ids, 0)?; // (T, D)
+                                                      // causal mask (T, T): 0 at or below the diagonal, −inf above; ages
+                                                      // t − i (0 above the diagonal, masked anyway)
+        let mut mask = vec![0f32; t * t];
+        let mut age = vec![0f32; t * t];
+        for q in 0..t {
+            for k in 0..t {
+                if k > q {
+                    mask[q * t + k] = f32::NEG_INFINITY;
+                } else {
+                    age[q * t + k] = (q - k) as f32;
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (t, t), &dev)?.to_dtype(self.dtype)?;
+        let age = Tensor::from_vec(age, (1, t, t), &dev)?.to_dtype(self.dtype)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut log_beta = Vec::new();
+        for (l, lw) in self.layers.iter().enumerate() {
+            // attention rmsnorm: the gate's input too               (T, D)
+            let h = rmsnorm(&x, &lw.attn_norm, c.norm_eps)?;
+            // projections and RoPE                      (T, H, hd) / (T, Hkv, hd)
+            let q = linear(&h, &lw.wq, lw.bq.as_ref())?.reshape((t, hq, hd))?;
+            let k = linear(&h, &lw.wk, lw.bk.as_ref())?.reshape((t, hkv, hd))?;
+            let v = linear(&h, &lw.wv, lw.bv.as_ref())?.reshape((t, hkv, hd))?;
+            let q = self.rope(&q)?;
+            let k = self.rope(&k)?;
+            // grouped heads: q as (Hkv, g·T, hd) against k (Hkv, T, hd)
+            let q = q
+                .reshape((t, hkv, group, hd))?
+                .permute((1, 2, 0, 3))?
+                .contiguous()?
+                .reshape((hkv, group * t, hd))?;
+            let k = k.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
+            let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
+                                                      // scaled logits                                   (Hkv, g, T, T)
+            let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, t))?;
+            if let Some(g) = gates {
+                // retention: logits × β_i^(t−i)                  (Hkv, 1, T, T)
+                let lb = g.log_beta(l, &h)?; // (T, Hkv)
+                let decay = age
+                    .broadcast_mul(&lb.t()?.unsqueeze(1)?)?
+                    .exp()?
+                    .unsqueeze(1)?;
+                s = s.broadcast_mul(&decay)?;
+                log_beta.push(lb);
+            }
+            let s = s.broadcast_add(&mask)?;
+            let p = candle_core::Tensor::exp(&s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?)?;
+            let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
+            // weighted values, heads back in place              (T, Hq·hd)
+            let o = p
+                .reshape((hkv, group * t, t))?
+                .matmul(&v)?
+                .reshape((hkv, group, t, hd))?
+                .permute((2, 0, 1, 3))?
+                .contiguous()?
+                .reshape((t, hq * hd))?;
+            x = (x + linear(&o, &lw.wo, None)?)?;
+            // SwiGLU feed-forward                                    (T, D)
+            let h2 = rmsnorm(&x, &lw.ffn_norm, c.norm_eps)?;
+            let f = (linear(&h2, &lw.w_gate, None)?.silu()? * linear(&h2, &lw.w_up, None)?)?;
+            x = (x + linear(&f, &lw.w_down, None)?)?;
+        }
+        let h = rmsnorm(&x, &self.out_norm, c.norm_eps)?;
+        Ok(Forward {
+            logits: linear(&h, &self.output, None)?,
+            log_beta,
+        })
+    }
+}
+
+/// Soft occupancy S_t = Σ_{i≤t} β_i^(t−i) of every (layer, KV head) at
+/// every query t, (L, Hkv, T), from per-layer log β (T, Hkv).
+pub fn occupancy(log_beta: &[Tensor]) -> Result<Tensor> {
+    let t = log_beta[0].dims()[0];
+    let dt = log_beta[0].dtype();
+    let dev = Device::Cpu;
+    let mut age = vec![0f32; t * t];
+    let mut tri = vec![0f32; t * t];
+    for q in 0..t {
+        for k in 0..=q {
+            age[q * t + k] = (q - k) as f32;
+            tri[q * t + k] = 1.0;
+        }
+    }
+    let age = Tensor::from_vec(age, (1, t, t), &dev)?.to_dtype(dt)?;
+    let tri = Tensor::from_vec(tri, (1, t, t), &dev)?.to_dtype(dt)?;
+    let per_layer = log_beta
+        .iter()
+        .map(|lb| {
+            age.broadcast_mul(&lb.t()?.unsqueeze(1)?)?
+                .exp()?
+                .broadcast_mul(&tri)?
+                .sum(D::Minus1) // (Hkv, T)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&per_layer, 0)
+}
