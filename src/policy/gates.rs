@@ -445,29 +445,13 @@ impl Gates {
             if t["dtype"].as_str() != Some("F32") {
                 return Err(bad(format!("tensor {name} is not F32")));
             }
-            let have: Vec<usize> = t["shape"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|v| v.as_u64())
-                        .map(|v| v as usize)
-                        .collect()
-                })
-                .unwrap_or_default();
+            let have = usizes(&t["shape"]);
             if &have != shape {
                 return Err(bad(format!(
                     "tensor {name} has shape {have:?}, the metadata implies {shape:?}"
                 )));
             }
-            let off: Vec<usize> = t["data_offsets"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|v| v.as_u64())
-                        .map(|v| v as usize)
-                        .collect()
-                })
-                .unwrap_or_default();
+            let off = usizes(&t["data_offsets"]);
             let n = dst.len();
             if off.len() != 2 || off[1] < off[0] || off[1] - off[0] != n * 4 || off[1] > data.len()
             {
@@ -490,6 +474,18 @@ impl Gates {
         g.meta = meta;
         Ok(g)
     }
+}
+
+/// A JSON array of non-negative integers (anything else: empty or shorter).
+fn usizes(v: &Json) -> Vec<usize> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as usize)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Where a model's gates live by default: `<model stem>.gates.safetensors`

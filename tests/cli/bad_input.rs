@@ -700,3 +700,129 @@ fn c50_device_flag_reaches_the_backend_check() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+// ---------------------------------------------------------------- retention gates
+
+/// trimkv/dbtrimkv without gates, with a gate file that is not one, with
+/// gates of another model; `--gates` on a policy that reads none; the
+/// trainer's bad arguments: one line each.
+#[test]
+fn c60_retention_gates() {
+    let m = model();
+    let tmp = Scratch::new("c60");
+    let mut a = gen_args(&m);
+    a.extend([
+        "--policy",
+        "dbtrimkv",
+        "--kv-budget",
+        "64",
+        "--gates",
+        "/nonexistent.gates.safetensors",
+    ]);
+    expect_error(
+        &a,
+        &[
+            "--gates",
+            "/nonexistent.gates.safetensors",
+            "kvrun train gates",
+        ],
+    );
+    let junk = tmp.write("junk.safetensors", b"\x05\x00\x00\x00\x00\x00\x00\x00{}   ");
+    let mut a = gen_args(&m);
+    a.extend([
+        "--policy",
+        "trimkv",
+        "--kv-budget",
+        "64",
+        "--gates",
+        &s(&junk),
+    ]);
+    expect_error(&a, &["junk.safetensors", "not a kvrun gate file"]);
+    // gates of another shape: refused when the session is built
+    let g = kvrun::policy::gates::Gates::init(
+        kvrun::policy::gates::GateArch::Rg10,
+        64,
+        8,
+        2,
+        1,
+        10.0,
+        1,
+    );
+    let other = tmp.0.join("other.gates.safetensors");
+    g.save(&other).unwrap();
+    let mut a = gen_args(&m);
+    a.extend([
+        "--policy",
+        "dbtrimkv",
+        "--kv-budget",
+        "64",
+        "--gates",
+        &s(&other),
+    ]);
+    expect_error(
+        &a,
+        &["retention gates were trained for", "layers 2 (model: 30)"],
+    );
+    let mut a = gen_args(&m);
+    a.extend([
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "64",
+        "--gates",
+        &s(&other),
+    ]);
+    expect_error(&a, &["--gates", "only applies to trimkv and dbtrimkv"]);
+    let mut a = gen_args(&m);
+    a.extend([
+        "--policy",
+        "dbtrimkv",
+        "--kv-budget",
+        "64",
+        "--min-per-head",
+        "65",
+    ]);
+    if std::path::Path::new(&m)
+        .with_extension("gates.safetensors")
+        .is_file()
+    {
+        expect_error(&a, &["--min-per-head", "65 exceeds the per-head budget 64"]);
+    }
+    let data = tmp.write("d.txt", b"hello world");
+    for (bad, msg) in [
+        (vec!["--budget", "0"], "--budget"),
+        (
+            vec!["--budget", "8", "--arch", "rg7"],
+            "unknown gate architecture 'rg7'",
+        ),
+        (vec!["--budget", "8", "--seq-len", "1"], "--seq-len"),
+        (vec!["--budget", "8", "--lr", "3"], "--lr"),
+        (
+            vec![
+                "--budget",
+                "8",
+                "--resume",
+                "-o",
+                "/nonexistent/g.safetensors",
+            ],
+            "--resume",
+        ),
+        (
+            vec!["--budget", "8", "--seq-len", "64"],
+            "fewer than one sequence of 64",
+        ),
+    ] {
+        let mut a = vec![
+            "train",
+            "gates",
+            "-m",
+            &m,
+            "--data",
+            &s(&data),
+            "--skip-tokens",
+            "0",
+        ];
+        a.extend(bad.iter().copied());
+        expect_error(&a, &[msg]);
+    }
+}

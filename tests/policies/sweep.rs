@@ -5,7 +5,9 @@
 use crate::util;
 
 use kvrun::cmd::eval::fidelity::{Fidelity, PplReport};
-use kvrun::cmd::eval::sweep::{merge_reports, to_csv, to_svg, Metric, CSV_HEADER};
+use kvrun::cmd::eval::sweep::{
+    heads_svg, merge_reports, to_csv, to_svg, write_outputs, Metric, CSV_HEADER,
+};
 use std::process::Command;
 
 fn field<'a>(header: &[&str], row: &'a [&'a str], name: &str) -> &'a str {
@@ -221,6 +223,7 @@ fn report(policy: &str, budget: usize, n: usize, kl: f64, seg: bool) -> PplRepor
         peak_kv_bytes: budget.min(n) * 100,
         evicted: n.saturating_sub(budget),
         tokens_per_second: 10.0,
+        stream_lengths: Vec::new(),
     }
 }
 
@@ -279,6 +282,41 @@ fn plot_and_csv_helpers() {
         serde_json::to_string(&s).unwrap(),
         serde_json::to_string(&a).unwrap()
     );
+
+    // the per-head distribution: one panel per point whose streams ended
+    // uneven, one cell per (layer, head), the layer totals as bars
+    let mut even = report("snapkv", 64, 100, 0.1, false);
+    even.stream_lengths = vec![vec![64; 3]; 4];
+    let mut glob = report("dbtrimkv", 64, 100, 0.1, false);
+    glob.stream_lengths = vec![
+        vec![10, 200, 30],
+        vec![64, 64, 64],
+        vec![1, 2, 3],
+        vec![90, 80, 70],
+    ];
+    let svg = heads_svg(&[even.clone(), glob.clone()]);
+    assert!(
+        svg.contains("dbtrimkv B=64") && !svg.contains("snapkv B="),
+        "only uneven points"
+    );
+    assert_eq!(svg.matches("<title>layer ").count(), 4 * 3 + 4);
+    assert!(svg.contains("layer 0 head 1: 200") && svg.contains("layer 3: 240"));
+    let json = serde_json::to_value(&glob).unwrap();
+    assert_eq!(json["stream_lengths"][0][1], 200);
+    assert!(serde_json::to_value(&a)
+        .unwrap()
+        .get("stream_lengths")
+        .is_none());
+    let dir = std::env::temp_dir().join(format!("kvrun-heads-{}", std::process::id()));
+    let prefix = dir.join("x");
+    write_outputs(&prefix, &[even.clone()], Metric::Kl, "t", None).unwrap();
+    assert!(
+        !dir.join("x.heads.svg").exists(),
+        "even budgets draw no heat map"
+    );
+    write_outputs(&prefix, &[even, glob], Metric::Kl, "t", None).unwrap();
+    assert!(dir.join("x.heads.svg").is_file());
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -631,3 +631,44 @@ mod train {
         std::fs::remove_dir_all(&dir).ok();
     }
 }
+
+/// The gates shipped next to the default model load, describe their
+/// training run, and drive both policies from the command line (found
+/// without `--gates`), the budget held.
+#[test]
+fn shipped_gates_run_from_the_cli() {
+    let model = util::default_model();
+    let path = kvrun::policy::gates::gates_path_for(&model);
+    let g = Gates::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let gg = Gguf::open(&model).unwrap();
+    let w = Weights::from_gguf(&gg).unwrap();
+    g.check_model(w.config.n_layers, w.config.dim, w.config.n_kv_heads)
+        .unwrap();
+    assert_eq!(g.arch, GateArch::Rg10);
+    for k in ["budget", "steps", "seq_len", "data", "final"] {
+        assert!(!g.meta[k].is_null(), "metadata lacks {k}: {}", g.meta);
+    }
+    assert!(g.meta["final"]["kl"].as_f64().unwrap() > 0.0);
+    for policy in ["trimkv", "dbtrimkv"] {
+        let out = std::process::Command::new(util::kvrun_bin())
+            .args(["-m"])
+            .arg(&model)
+            .args([
+                "-p",
+                "The history of Rome is long and",
+                "-n",
+                "24",
+                "-t",
+                "1",
+            ])
+            .args(["--temp", "0", "--policy", policy, "--kv-budget", "16"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{policy}: {err}");
+        assert!(
+            err.contains(&format!("policy={policy}")) && err.contains("peak=16"),
+            "{policy}: {err}"
+        );
+    }
+}

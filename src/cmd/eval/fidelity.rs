@@ -175,6 +175,11 @@ pub struct PplReport {
     /// for the other points excluded). Points of one run are comparable with
     /// each other; it is not the wall-clock throughput of the run.
     pub tokens_per_second: f64,
+    /// Resident entries per (layer, KV head) stream at the end, [layer][head]
+    /// (stream policies; empty for token-uniform caches): how the budget
+    /// ended up shared.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stream_lengths: Vec<Vec<usize>>,
 }
 
 /// log-softmax of `l` into `out` (same length).
@@ -352,6 +357,16 @@ impl Point<'_> {
                 (n - 1) as f64 / secs
             } else {
                 0.0
+            },
+            stream_lengths: match self.s.kv.streams() {
+                Some(st) => (0..st.n_streams() / st.n_kv_heads.max(1))
+                    .map(|l| {
+                        (0..st.n_kv_heads)
+                            .map(|h| st.len(l * st.n_kv_heads + h))
+                            .collect()
+                    })
+                    .collect(),
+                None => Vec::new(),
             },
         }
     }

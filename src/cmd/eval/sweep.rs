@@ -270,6 +270,11 @@ pub fn merge_reports(rs: &[PplReport]) -> PplReport {
         } else {
             0.0
         },
+        // how the budget was shared at the end of the last record
+        stream_lengths: rs
+            .last()
+            .map(|r| r.stream_lengths.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -701,6 +706,112 @@ fn write_file(path: &Path, text: &str) -> Result<()> {
     })
 }
 
+/// Whether a point's streams ended with different lengths (a shared or
+/// global budget: adakv, dbtrimkv, ...).
+fn uneven(r: &PplReport) -> bool {
+    let mut it = r.stream_lengths.iter().flatten();
+    let first = it.next();
+    it.any(|x| Some(x) != first)
+}
+
+/// How the budget ended up shared, one heat map per point whose streams
+/// ended uneven: rows = layers, columns = KV heads, colour = resident
+/// entries relative to the per-head budget (white 0, blue at the budget,
+/// dark red at 4× or more), with the per-layer total as a bar.
+pub fn heads_svg(rs: &[PplReport]) -> String {
+    let pts: Vec<&PplReport> = rs.iter().filter(|r| uneven(r)).collect();
+    let nl = pts.first().map_or(0, |r| r.stream_lengths.len());
+    let nh = pts
+        .first()
+        .and_then(|r| r.stream_lengths.first())
+        .map_or(0, |h| h.len());
+    let (cell_w, cell_h, bar_w, gap) = (18.0, 11.0, 60.0, 40.0);
+    let panel_w = nh as f64 * cell_w + bar_w + gap;
+    let (top, left) = (70.0, 40.0);
+    let w = left + panel_w * pts.len().max(1) as f64;
+    let h = top + nl as f64 * cell_h + 50.0;
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" font-family="sans-serif" font-size="11">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{:.0}" y="20" text-anchor="middle" font-size="14" font-weight="bold">resident entries per (layer, KV head) at the end: how the budget was shared</text>
+"#,
+        w / 2.0
+    );
+    for l in (0..nl).step_by(5) {
+        s.push_str(&format!(
+            r#"<text x="{:.0}" y="{:.1}" text-anchor="end">L{l}</text>
+"#,
+            left - 4.0,
+            top + (l as f64 + 0.8) * cell_h
+        ));
+    }
+    let colour = |f: f64| {
+        // 0 → white, 1 → blue, ≥ 4 → dark red
+        let (r, g, b) = if f <= 1.0 {
+            (
+                255.0 * (1.0 - f) + 31.0 * f,
+                255.0 * (1.0 - f) + 119.0 * f,
+                255.0 * (1.0 - f) + 180.0 * f,
+            )
+        } else {
+            let t = ((f - 1.0) / 3.0).min(1.0);
+            (
+                31.0 + (160.0 - 31.0) * t,
+                119.0 * (1.0 - t),
+                180.0 * (1.0 - t) + 20.0 * t,
+            )
+        };
+        format!("rgb({:.0},{:.0},{:.0})", r, g, b)
+    };
+    for (k, r) in pts.iter().enumerate() {
+        let x0 = left + k as f64 * panel_w;
+        let budget = r.budget.unwrap_or(1).max(1) as f64;
+        let totals: Vec<usize> = r.stream_lengths.iter().map(|h| h.iter().sum()).collect();
+        let max_total = totals.iter().copied().max().unwrap_or(1).max(1) as f64;
+        s.push_str(&format!(
+            r##"<text x="{:.1}" y="{:.0}" font-weight="bold">{} B={}</text>
+<text x="{:.1}" y="{:.0}" fill="#555">heads ×{}; bar: layer total (max {})</text>
+"##,
+            x0,
+            top - 22.0,
+            r.policy,
+            budget,
+            x0,
+            top - 8.0,
+            nh,
+            max_total
+        ));
+        for (l, heads) in r.stream_lengths.iter().enumerate() {
+            let y = top + l as f64 * cell_h;
+            for (hh, &n) in heads.iter().enumerate() {
+                s.push_str(&format!(
+                    r#"<rect x="{:.1}" y="{y:.1}" width="{}" height="{}" fill="{}"><title>layer {l} head {hh}: {n}</title></rect>
+"#,
+                    x0 + hh as f64 * cell_w,
+                    cell_w - 1.0,
+                    cell_h - 1.0,
+                    colour(n as f64 / budget)
+                ));
+            }
+            let bw = bar_w * totals[l] as f64 / max_total;
+            s.push_str(&format!(
+                r##"<rect x="{:.1}" y="{y:.1}" width="{bw:.1}" height="{}" fill="#888"><title>layer {l}: {}</title></rect>
+"##,
+                x0 + nh as f64 * cell_w + 4.0,
+                cell_h - 2.0,
+                totals[l]
+            ));
+        }
+    }
+    s.push_str(&format!(
+        r##"<text x="{left}" y="{:.0}" fill="#555">colour: entries / per-head budget — white 0, blue 1, dark red ≥ 4</text>
+</svg>
+"##,
+        h - 14.0
+    ));
+    s
+}
+
 /// Write PREFIX.csv, PREFIX.json and PREFIX.svg; returns their paths.
 pub fn write_outputs(
     prefix: &Path,
@@ -724,6 +835,10 @@ pub fn write_outputs(
     let json = serde_json::to_string_pretty(rs).map_err(|e| Error::Other(e.to_string()))?;
     write_file(&paths[1], &(json + "\n"))?;
     write_file(&paths[2], &to_svg(rs, metric, source, text_len))?;
+    // the per-head distribution of points whose budget is shared unevenly
+    if rs.iter().any(uneven) {
+        write_file(&with_ext(prefix, "heads.svg"), &heads_svg(rs))?;
+    }
     Ok(paths)
 }
 
@@ -747,12 +862,14 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
     if a.chunk == 0 {
         return Err(Error::arg("--chunk", "must be at least 1"));
     }
-    // Check every point's settings before spending minutes on the text.
+    // Check every point's settings before spending minutes on the text
+    // (policies may read files next to the model: EPIKV's config, gates).
+    let path = resolve_model(&a.model.model)?;
     let mut points = Vec::with_capacity(policies.len() * budgets.len());
     for p in &policies {
         for &bud in &budgets {
             let kv = a.kv_args(p, bud);
-            if let Some(kp) = kv.build(a.seed, Path::new(""))? {
+            if let Some(kp) = kv.build(a.seed, &path)? {
                 let e = &kp.evictor;
                 if e.budget == 0 || e.n_sink + e.n_recent >= e.budget {
                     return Err(Error::arg(
@@ -773,7 +890,6 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
             .load()
         })
         .collect::<Result<_>>()?;
-    let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     let model = load_model(&a.model)?;
     let (w, tok) = (model.weights(), &model.tokenizer);
