@@ -728,6 +728,7 @@ fn c60_retention_gates() {
         ],
     );
     let junk = tmp.write("junk.safetensors", b"\x05\x00\x00\x00\x00\x00\x00\x00{}   ");
+    let junk_s = s(&junk);
     let mut a = gen_args(&m);
     a.extend([
         "--policy",
@@ -735,7 +736,7 @@ fn c60_retention_gates() {
         "--kv-budget",
         "64",
         "--gates",
-        &s(&junk),
+        &junk_s,
     ]);
     expect_error(&a, &["junk.safetensors", "not a kvrun gate file"]);
     // gates of another shape: refused when the session is built
@@ -750,6 +751,7 @@ fn c60_retention_gates() {
     );
     let other = tmp.0.join("other.gates.safetensors");
     g.save(&other).unwrap();
+    let other_s = s(&other);
     let mut a = gen_args(&m);
     a.extend([
         "--policy",
@@ -757,7 +759,7 @@ fn c60_retention_gates() {
         "--kv-budget",
         "64",
         "--gates",
-        &s(&other),
+        &other_s,
     ]);
     expect_error(
         &a,
@@ -770,7 +772,7 @@ fn c60_retention_gates() {
         "--kv-budget",
         "64",
         "--gates",
-        &s(&other),
+        &other_s,
     ]);
     expect_error(&a, &["--gates", "only applies to trimkv and dbtrimkv"]);
     let mut a = gen_args(&m);
@@ -789,6 +791,7 @@ fn c60_retention_gates() {
         expect_error(&a, &["--min-per-head", "65 exceeds the per-head budget 64"]);
     }
     let data = tmp.write("d.txt", b"hello world");
+    let data_s = s(&data);
     for (bad, msg) in [
         (vec!["--budget", "0"], "--budget"),
         (
@@ -818,7 +821,7 @@ fn c60_retention_gates() {
             "-m",
             &m,
             "--data",
-            &s(&data),
+            &data_s,
             "--skip-tokens",
             "0",
         ];
