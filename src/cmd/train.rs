@@ -123,6 +123,16 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         })
         .collect();
     let stream = train::load_tokens(&model.tokenizer, &specs, a.steps * a.seq_len)?;
+    if stream.len() < a.seq_len {
+        return Err(Error::arg(
+            "--data",
+            format!(
+                "the training data holds {} tokens, fewer than one sequence of {}",
+                stream.len(),
+                a.seq_len
+            ),
+        ));
+    }
     eprintln!(
         "train gates: {} ({} layers, {} KV heads), {} {}×{} → {} (I = {}), M = {}, {} tokens of data, {} steps of {} tokens, {} threads",
         model.name(),

@@ -766,14 +766,7 @@ fn c60_retention_gates() {
         &["retention gates were trained for", "layers 2 (model: 30)"],
     );
     let mut a = gen_args(&m);
-    a.extend([
-        "--policy",
-        "h2o",
-        "--kv-budget",
-        "64",
-        "--gates",
-        &other_s,
-    ]);
+    a.extend(["--policy", "h2o", "--kv-budget", "64", "--gates", &other_s]);
     expect_error(&a, &["--gates", "only applies to trimkv and dbtrimkv"]);
     let mut a = gen_args(&m);
     a.extend([

@@ -50,11 +50,26 @@ fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) ->
     }
 }
 
+/// Retention gates of the default model's shape (β ≈ 1: remember
+/// everything), for the learned-retention rows.
+fn test_gates() -> std::sync::Arc<kvrun::policy::gates::Gates> {
+    std::sync::Arc::new(kvrun::policy::gates::Gates::init(
+        kvrun::policy::gates::GateArch::Rg10,
+        576,
+        8,
+        30,
+        3,
+        10.0,
+        1,
+    ))
+}
+
 fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
     let p = find(name)
         .unwrap()
         .build(&ScorerOptions {
             seed,
+            gates: Some(test_gates()),
             ..Default::default()
         })
         .unwrap()
@@ -82,15 +97,7 @@ fn registry_names_construct_and_describe() {
         );
         // learned-retention rows need gates: any of the model's shape
         let opts = ScorerOptions {
-            gates: Some(std::sync::Arc::new(kvrun::policy::gates::Gates::init(
-                kvrun::policy::gates::GateArch::Rg10,
-                576,
-                8,
-                30,
-                3,
-                10.0,
-                1,
-            ))),
+            gates: Some(test_gates()),
             ..Default::default()
         };
         if p.caps.gates {

@@ -147,6 +147,10 @@ fn run_job<'e>(
     slot.capacity
         .store(sess.kv.cells.n_slots(), Ordering::Relaxed);
     if job.tx.send(Ev::Started).is_err() {
+        // the client left while its prompt was being prepared: a cancellation
+        if let Ok(mut m) = app.metrics.lock() {
+            m.cancelled += 1;
+        }
         return Ok(());
     }
     let mut sampler = Sampler::new(job.sampler.clone());
