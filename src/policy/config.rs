@@ -237,10 +237,10 @@ impl PolicyConfig {
                 }
             }
         };
-        // retention gates: an explicit file always; the one next to the
-        // model when the policy reads gates
-        let reads_gates = def.caps.gates || pdef.is_some_and(|p| p.caps.gates);
-        let gates = if reads_gates {
+        // retention gates: `--gates` or the file next to the model, for a
+        // policy that reads them (a prompt phase is token-uniform, so a
+        // gated prompt policy is refused where the phase is built)
+        let gates = if def.caps.gates {
             let path = self
                 .gates
                 .clone()
@@ -251,11 +251,7 @@ impl PolicyConfig {
                     Msg::default()
                         .t(format!(
                             "{} reads learned retention gates: {} not found (give ",
-                            if def.caps.gates {
-                                def.name
-                            } else {
-                                "the prompt policy"
-                            },
+                            def.name,
                             path.display()
                         ))
                         .f(Field::Gates)

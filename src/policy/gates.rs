@@ -229,10 +229,11 @@ impl Gates {
 
     /// log β (n, n_kv_heads) of layer `l` for `n` inputs `x` (n, dim).
     pub fn log_beta(&self, l: usize, x: &[f32], n: usize, out: &mut [f32]) {
-        let mut scratch = Vec::new();
+        let mut scratch = vec![0.0; 2 * self.inter];
         self.log_beta_with(&Dot::new(), l, x, n, out, &mut scratch)
     }
 
+    /// `log_beta` with `scratch` of 2 · inter floats.
     fn log_beta_with(
         &self,
         dot: &Dot,
@@ -240,11 +241,10 @@ impl Gates {
         x: &[f32],
         n: usize,
         out: &mut [f32],
-        scratch: &mut Vec<f32>,
+        scratch: &mut [f32],
     ) {
         let (d, i, nh) = (self.dim, self.inter, self.n_kv_heads);
-        scratch.resize(2 * i, 0.0);
-        let (a, b) = scratch.split_at_mut(i);
+        let (a, b) = scratch[..2 * i].split_at_mut(i);
         let head = self.head(l);
         for t in 0..n {
             // first hidden layer: a = silu(W1 x + b1)                  (I,)
@@ -268,26 +268,35 @@ impl Gates {
 
     /// log β of every layer for one step: `input(l)` gives layer l's
     /// inputs (n, dim); `out` receives (n_layers, n, n_kv_heads). Layers
-    /// are dealt out over the pool's threads.
+    /// are dealt out over the pool's threads; `scratch` (grown once to
+    /// 2 · inter per thread) is the caller's, so a decode step allocates
+    /// nothing.
     pub fn log_beta_all<'a>(
         &self,
         pool: &ThreadPool,
         input: impl Fn(usize) -> &'a [f32] + Sync,
         n: usize,
         out: &mut [f32],
+        scratch: &mut Vec<f32>,
     ) {
         let per = n * self.n_kv_heads;
         let nt = pool.n_threads();
         let nl = self.n_layers;
+        let w = 2 * self.inter;
+        if scratch.len() < nt * w {
+            scratch.resize(nt * w, 0.0);
+        }
         let o = SharedMut::new(&mut out[..nl * per]);
+        let sc = SharedMut::new(&mut scratch[..nt * w]);
         let run = |ti: usize| {
             let dot = Dot::new();
-            let mut scratch = Vec::new();
+            // SAFETY: thread ti's scratch is its own.
+            let mine = unsafe { sc.slice(ti * w, w) };
             let (l0, l1) = split(nl, ti, nt);
             for l in l0..l1 {
                 // SAFETY: layer l's rows belong to this thread only.
                 let dst = unsafe { o.slice(l * per, per) };
-                self.log_beta_with(&dot, l, input(l), n, dst, &mut scratch);
+                self.log_beta_with(&dot, l, input(l), n, dst, mine);
             }
         };
         if nl > 1 && nt > 1 {

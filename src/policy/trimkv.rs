@@ -67,6 +67,8 @@ pub struct Retention {
     log_beta: Vec<f32>,
     /// (n_layers, n_batch, n_kv_heads) log β of the last step.
     step: Vec<f32>,
+    /// The gate MLP's per-thread scratch.
+    scratch: Vec<f32>,
 }
 
 impl Retention {
@@ -77,12 +79,8 @@ impl Retention {
             lookahead: lookahead.max(1),
             log_beta: Vec::new(),
             step: Vec::new(),
+            scratch: Vec::new(),
         }
-    }
-
-    /// The stored log β of pool row `slot`.
-    pub fn log_beta(&self, slot: u32) -> f32 {
-        self.log_beta.get(slot as usize).copied().unwrap_or(0.0)
     }
 }
 
@@ -114,7 +112,13 @@ impl Scorer for Retention {
         }
         // log β of every new entry, layers dealt over the threads
         self.step.resize(nl * n * nkv, 0.0);
-        g.log_beta_all(step.pool, |l| ai.layer(l), n, &mut self.step);
+        g.log_beta_all(
+            step.pool,
+            |l| ai.layer(l),
+            n,
+            &mut self.step,
+            &mut self.scratch,
+        );
         // stream s = l · Hkv + h wrote token i into slots[s · n + i]
         for l in 0..nl {
             for h in 0..nkv {

@@ -40,7 +40,12 @@ fn wiki_tokens(g: &Gguf, n: usize) -> Vec<u32> {
     ids[..n].to_vec()
 }
 
-fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) -> Evictor {
+pub(crate) fn evictor(
+    budget: usize,
+    n_sink: usize,
+    n_recent: usize,
+    evict_every: usize,
+) -> Evictor {
     Evictor {
         budget,
         n_sink,

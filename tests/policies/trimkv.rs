@@ -8,14 +8,15 @@
 
 use crate::util;
 
+use crate::policy::evictor;
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::{KvPolicy, Session};
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
+use kvrun::policy::find;
 use kvrun::policy::gates::{log_sigmoid, GateArch, Gates};
 use kvrun::policy::table::ScorerOptions;
 use kvrun::policy::trimkv::{log1mexp, retention_score};
-use kvrun::policy::{find, Evictor};
 use kvrun::sample::Rng;
 use kvrun::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -90,7 +91,7 @@ fn gate_forward_matches_a_direct_computation() {
         let x: Vec<f32> = (0..n * d).map(|_| rng.normal()).collect();
         let pool = kvrun::backend::pool::ThreadPool::new(2);
         let mut all = vec![0f32; nl * n * nkv];
-        g.log_beta_all(&pool, |_| &x[..], n, &mut all);
+        g.log_beta_all(&pool, |_| &x[..], n, &mut all, &mut Vec::new());
         for l in 0..nl {
             let mut out = vec![0f32; n * nkv];
             g.log_beta(l, &x, n, &mut out);
@@ -240,16 +241,6 @@ fn gate_files_round_trip_and_mismatches_are_one_line_errors() {
         .to_string();
     assert!(e.contains("retention gates were trained for"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
-}
-
-fn evictor(budget: usize, n_sink: usize, n_recent: usize, evict_every: usize) -> Evictor {
-    Evictor {
-        budget,
-        n_sink,
-        n_recent,
-        keep_prompt_until: 0,
-        evict_every,
-    }
 }
 
 /// Gates whose log β is a constant per (layer, KV head): zero weights, the
@@ -486,7 +477,6 @@ mod train {
             assert!(terms.kl > 0.0 && terms.cap > 0.0, "{terms:?}");
             let grads = l.backward().unwrap();
             let all = vars.all();
-            let mut checked = 0;
             for (vi, var) in all.iter().enumerate() {
                 let gt = grads
                     .get(var.as_tensor())
@@ -514,10 +504,8 @@ mod train {
                         "{arch:?} tensor {vi} entry {j}: backprop {} vs finite difference {fd}",
                         gv[j]
                     );
-                    checked += 1;
                 }
             }
-            assert!(checked >= 3 * all.len());
         }
     }
 
