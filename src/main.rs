@@ -19,6 +19,10 @@ fn main() -> ExitCode {
             };
         }
     };
+    if let Err(e) = kvrun::backend::cpu::isa::check_env() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     match kvrun::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

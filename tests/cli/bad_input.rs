@@ -35,10 +35,15 @@ impl Drop for Scratch {
 }
 
 fn run(args: &[&str]) -> Output {
+    run_env(args, &[])
+}
+
+fn run_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(util::kvrun_bin())
         .args(args)
         .env_remove("KVRUN_MODEL")
         .env_remove("RUST_BACKTRACE")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .expect("spawn kvrun")
@@ -46,7 +51,11 @@ fn run(args: &[&str]) -> Output {
 
 /// Run kvrun, expect a clean one-line failure, and return that line.
 fn expect_error(args: &[&str], must_contain: &[&str]) -> String {
-    let out = run(args);
+    expect_error_env(args, &[], must_contain)
+}
+
+fn expect_error_env(args: &[&str], env: &[(&str, &str)], must_contain: &[&str]) -> String {
+    let out = run_env(args, env);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let ctx = format!(
         "kvrun {args:?}\nstatus: {:?}\nstderr:\n{stderr}",
@@ -820,5 +829,34 @@ fn c60_retention_gates() {
         ];
         a.extend(bad.iter().copied());
         expect_error(&a, &[msg]);
+    }
+}
+
+/// `KVRUN_CPU` naming no kernel level, or one this CPU lacks: one line.
+#[test]
+fn c61_kernel_level() {
+    use kvrun::backend::cpu::isa::{detected, Level};
+    let m = model();
+    let a = gen_args(&m);
+    expect_error_env(
+        &a,
+        &[("KVRUN_CPU", "avx9")],
+        &["KVRUN_CPU=avx9", "expected one of", "portable"],
+    );
+    if let Some(above) = Level::ALL.into_iter().find(|&l| l > detected()) {
+        expect_error_env(
+            &a,
+            &[("KVRUN_CPU", above.name())],
+            &["this CPU supports at most", detected().name()],
+        );
+    }
+    // every level the CPU has is accepted
+    for l in Level::ALL.into_iter().filter(|&l| l <= detected()) {
+        let out = run_env(&a, &[("KVRUN_CPU", l.name())]);
+        assert!(
+            out.status.success(),
+            "KVRUN_CPU={l}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -29,37 +29,51 @@ fn kvrun(args: &[&str]) -> (String, String, bool) {
 fn golden_greedy_64_tokens() {
     let model = util::default_model();
     let m = model.to_str().unwrap();
-    let run = |threads: &str| {
-        let (out, err, ok) = kvrun(&[
-            "-m",
-            m,
-            "-p",
-            "Explain why the sky is blue in two sentences.",
-            "-n",
-            "64",
-            "--temp",
-            "0",
-            "-t",
-            threads,
-            "--no-perf",
-        ]);
-        assert!(ok, "kvrun failed: {err}");
-        out
+    let run = |threads: &str, level: &str| {
+        let out = Command::new(util::kvrun_bin())
+            .args([
+                "-m",
+                m,
+                "-p",
+                "Explain why the sky is blue in two sentences.",
+                "-n",
+                "64",
+                "--temp",
+                "0",
+                "-t",
+                threads,
+                "--no-perf",
+            ])
+            .env("KVRUN_CPU", level)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kvrun");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "kvrun failed: {err}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let out = run("2");
-    let profile = util::kernel_profile();
-    let path = util::root().join(format!("tests/data/golden_sky.{profile}.txt"));
-    match std::fs::read_to_string(&path) {
-        Ok(want) => assert_eq!(out, want, "golden output changed (profile {profile})"),
-        Err(_) => {
-            eprintln!("no golden text for kernel profile {profile}; got:\n{out}");
-            assert!(
-                out.starts_with(
-                    "The sky is blue in two sentences because of a process called Rayleigh scattering,"
-                ),
-                "golden opening changed: {out}"
-            );
-            assert_eq!(out, run("1"), "1 and 2 threads gave different text");
+    // this process's level, then every lower one the CPU runs
+    let levels = std::iter::once(kvrun::backend::cpu::isa::level()).chain(util::lower_levels());
+    for level in levels {
+        let out = run("2", level.name());
+        let profile = util::profile_of(level);
+        let path = util::root().join(format!("tests/data/golden_sky.{profile}.txt"));
+        match std::fs::read_to_string(&path) {
+            Ok(want) => assert_eq!(out, want, "golden output changed (profile {profile})"),
+            Err(_) => {
+                eprintln!("no golden text for kernel profile {profile}; got:\n{out}");
+                assert!(
+                    out.starts_with(
+                        "The sky is blue in two sentences because of a process called Rayleigh scattering,"
+                    ),
+                    "golden opening changed: {out}"
+                );
+                assert_eq!(
+                    out,
+                    run("1", level.name()),
+                    "1 and 2 threads gave different text"
+                );
+            }
         }
     }
 }

@@ -7,7 +7,9 @@ use half::f16;
 use kvrun::backend::cpu::decode_attn::attend_group_probs;
 use kvrun::backend::cpu::matmul::matmul_q;
 use kvrun::backend::cpu::prefill_attn_kernels::attend_prefill_group;
-use kvrun::backend::cpu::qgemm_x86::{q4_1_q8_1_tile, tile_q4_1_q8_1_scalar, TileScales, MR, NT};
+use kvrun::backend::cpu::qgemm_x86::{
+    q4_1_q8_1_tile_available, tile_q4_1_q8_1_scalar, TileScales, MR, NT,
+};
 use kvrun::backend::cpu::reference::prefill_group_dyn;
 use kvrun::backend::cpu::reference::{attend_group, attend_head};
 use kvrun::backend::cpu::QMat;
@@ -288,7 +290,7 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
         ws.q4_1(&rows, nb);
         as_.q8_1(&toks, nb);
         let scalar = tile_q4_1_q8_1_scalar(nb, &rows, &ws, &toks, &as_);
-        let simd = q4_1_q8_1_tile().map(|f| f(nb, &rows, &ws, &toks, &as_));
+        let simd = q4_1_q8_1_tile_available().map(|f| f(nb, &rows, &ws, &toks, &as_));
         for i in 0..MR {
             for t in 0..NT {
                 let g = tr.dot(n_in, rows[i], toks[t]);

@@ -59,10 +59,11 @@ fn llama_sequential(lm: &ggml_sys::LlamaModel, ids: &[i32]) -> Vec<f32> {
 /// sets against itself at every other position.
 #[test]
 fn parity_logits_every_position_of_128_token_prompt() {
+    util::rerun_at_lower_levels("parity::parity_logits_every_position_of_128_token_prompt");
     let path = util::default_model();
     let g = Gguf::open(&path).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    let lm = ggml_sys::LlamaModel::load(path.to_str().unwrap(), false).unwrap();
+    let lm = ggml_sys::LlamaModel::load_plain(path.to_str().unwrap()).unwrap();
     let text = util::wikitext(4000);
     let ids: Vec<i32> = lm.tokenize(&text, false, false)[..128].to_vec();
     let vocab = w.config.vocab;
@@ -167,7 +168,7 @@ fn parity_greedy_continuations() {
     let path = util::default_model();
     let g = Gguf::open(&path).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    let lm = ggml_sys::LlamaModel::load(path.to_str().unwrap(), false).unwrap();
+    let lm = ggml_sys::LlamaModel::load_plain(path.to_str().unwrap()).unwrap();
     let prompts = [
         "The capital of France is",
         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

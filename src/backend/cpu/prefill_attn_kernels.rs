@@ -132,7 +132,7 @@ fn prefill_group<'k, const G: usize, V: Fn(usize) -> &'k [f32]>(
     }
     // scores s[h][j] = Σ_d q[h][d] * K[j][d], attn512::TILE keys at a
     // time where the CPU has the tiles, then LANES at a time
-    let simd = attn512::available();
+    let simd = attn512::enabled();
     let mut j0 = 0;
     while simd && j0 + attn512::TILE <= n {
         attn512::score_tile::<G>(&qr, hd, kt, stride, j0, scale, n, sc);

@@ -8,16 +8,15 @@
 /// Keys per score tile and dimensions per value tile.
 pub const TILE: usize = 64;
 
-/// Whether this CPU runs the tiles.
+/// Whether this CPU can run the tiles (whatever `KVRUN_CPU` says).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    super::isa::detected() >= super::isa::Level::Avx512
+}
+
+/// Whether prefill takes the tiles in this process (the CPU has them and
+/// `KVRUN_CPU` allows them).
+pub fn enabled() -> bool {
+    super::isa::at_least(super::isa::Level::Avx512)
 }
 
 /// sc[h * n + j0 + j] = scale · Σ_d qr[h][d] · kt[d * stride + j0 + j] for

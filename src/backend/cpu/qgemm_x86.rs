@@ -71,20 +71,27 @@ impl TileScales {
 pub type TileFn =
     fn(usize, &[&[u8]; MR], &TileScales, &[&[u8]; NT], &TileScales) -> [[f32; NT]; MR];
 
-/// The fastest Q4_1 × Q8_1 tile kernel this CPU runs, if any beats
-/// row-by-row `vec_dot` (AVX-512 VNNI).
-pub fn q4_1_q8_1_tile() -> Option<TileFn> {
+/// The fastest Q4_1 × Q8_1 tile kernel this CPU can run, if any beats
+/// row-by-row `vec_dot` (AVX-512 VNNI), whatever `KVRUN_CPU` says (the
+/// kernel tests use this).
+pub fn q4_1_q8_1_tile_available() -> Option<TileFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
+        if super::isa::detected() >= super::isa::Level::Avx512Vnni {
             return Some(tile_q4_1_q8_1_vnni);
         }
     }
     None
+}
+
+/// The tile kernel matmuls use in this process: the available one, unless
+/// `KVRUN_CPU` caps the level below it.
+pub fn q4_1_q8_1_tile() -> Option<TileFn> {
+    if super::isa::at_least(super::isa::Level::Avx512Vnni) {
+        q4_1_q8_1_tile_available()
+    } else {
+        None
+    }
 }
 
 fn check_tile(nb: usize, w: &[&[u8]; MR], ws: &TileScales, a: &[&[u8]; NT], as_: &TileScales) {

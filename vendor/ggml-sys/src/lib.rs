@@ -213,14 +213,30 @@ unsafe impl Sync for LlamaModel {}
 
 #[cfg(feature = "oracle")]
 impl LlamaModel {
-    /// Load a GGUF file with llama.cpp; `vocab_only` skips the weights.
+    /// Load a GGUF file with llama.cpp as a user gets it (its default
+    /// weight layouts: AMX / repacked buffers where the CPU has them);
+    /// `vocab_only` skips the weights.
     pub fn load(path: &str, vocab_only: bool) -> Result<LlamaModel, String> {
+        Self::load_with(path, vocab_only, true)
+    }
+
+    /// Load a GGUF file with llama.cpp's plain CPU weight buffers only: no
+    /// AMX or repacked layouts, so every matmul runs ggml's per-type
+    /// `vec_dot` (the arithmetic kvrun reproduces). This is the reference
+    /// for logit parity: the AMX kernels quantize activations and sum in
+    /// their own order, which moves logits by ~1% on this Q4_1 model.
+    pub fn load_plain(path: &str) -> Result<LlamaModel, String> {
+        Self::load_with(path, false, false)
+    }
+
+    fn load_with(path: &str, vocab_only: bool, extra_bufts: bool) -> Result<LlamaModel, String> {
         llama_init();
         let c = CString::new(path).map_err(|e| e.to_string())?;
         // SAFETY: default params is a pure function returning a struct by value.
         let mut p = unsafe { raw::llama_model_default_params() };
         p.vocab_only = vocab_only;
         p.n_gpu_layers = 0;
+        p.use_extra_bufts = extra_bufts;
         // SAFETY: c is a valid NUL-terminated path that outlives the call.
         let ptr = unsafe { raw::llama_model_load_from_file(c.as_ptr(), p) };
         if ptr.is_null() {

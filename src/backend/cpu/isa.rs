@@ -1,0 +1,138 @@
+//! Which of kvrun's own SIMD kernels this process runs.
+//!
+//! The level is read off the CPU once, at the first kernel choice, and can
+//! be capped with the environment variable `KVRUN_CPU`
+//! (`portable | avx2 | avx512 | avx512vnni | native`, default `native`):
+//! `KVRUN_CPU=portable` runs every op on the portable loops and ggml's
+//! kernels, so one machine can test (and compare) every path it is able to
+//! run. Asking for more than the CPU has is an error ([`check_env`], called
+//! by the binary at start-up); a library user who never calls it gets the
+//! cap clamped to what the CPU has.
+//!
+//! ggml's own kernels (the `vec_dot`s) are compiled for the build machine
+//! (`target-cpu=native`) and do not follow this setting.
+
+use crate::error::{Error, Result};
+use std::sync::OnceLock;
+
+/// A level of x86 SIMD support, ordered: each includes the ones below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// No kvrun SIMD kernel: portable Rust loops (and ggml's kernels).
+    Portable,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512 F/BW/VL (the attention tiles).
+    Avx512,
+    /// AVX-512 with VNNI (the Q4_1 × Q8_1 matmul tile).
+    Avx512Vnni,
+}
+
+impl Level {
+    /// Every level, lowest first.
+    pub const ALL: [Level; 4] = [
+        Level::Portable,
+        Level::Avx2,
+        Level::Avx512,
+        Level::Avx512Vnni,
+    ];
+
+    /// The name `KVRUN_CPU` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+            Level::Avx512Vnni => "avx512vnni",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Option<Level>> {
+        if s.is_empty() || s == "native" {
+            return Some(None);
+        }
+        Level::ALL.iter().find(|l| l.name() == s).map(|&l| Some(l))
+    }
+}
+
+impl std::fmt::Display for Level {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What this CPU supports, ignoring `KVRUN_CPU`.
+pub fn detected() -> Level {
+    static DETECTED: OnceLock<Level> = OnceLock::new();
+    *DETECTED.get_or_init(detect)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Level {
+    use std::arch::is_x86_feature_detected as has;
+    if !(has!("avx2") && has!("fma") && has!("f16c")) {
+        return Level::Portable;
+    }
+    if !(has!("avx512f") && has!("avx512bw") && has!("avx512vl")) {
+        return Level::Avx2;
+    }
+    if has!("avx512vnni") {
+        Level::Avx512Vnni
+    } else {
+        Level::Avx512
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Level {
+    Level::Portable
+}
+
+/// The cap `KVRUN_CPU` asks for: `Ok(None)` when unset or `native`.
+fn requested() -> Result<Option<Level>> {
+    match std::env::var("KVRUN_CPU") {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(Error::Other("KVRUN_CPU is not valid UTF-8".into()))
+        }
+        Ok(v) => Level::parse(v.trim()).ok_or_else(|| {
+            Error::Other(format!(
+                "KVRUN_CPU={v}: expected one of native, {}",
+                Level::ALL.map(Level::name).join(", ")
+            ))
+        }),
+    }
+}
+
+/// Check `KVRUN_CPU`: a one-line error when it names no level or one this
+/// CPU lacks; otherwise the level kernels will run at.
+pub fn check_env() -> Result<Level> {
+    let have = detected();
+    match requested()? {
+        Some(want) if want > have => Err(Error::Other(format!(
+            "KVRUN_CPU={want}: this CPU supports at most {have}"
+        ))),
+        Some(want) => Ok(want),
+        None => Ok(have),
+    }
+}
+
+/// The level kvrun's kernels run at in this process: what the CPU has,
+/// capped by `KVRUN_CPU` (an unreadable value counts as `native`; the
+/// binary rejects it up front through [`check_env`]).
+pub fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let have = detected();
+        match requested() {
+            Ok(Some(want)) => want.min(have),
+            _ => have,
+        }
+    })
+}
+
+/// Whether kernels of level `l` run here.
+#[inline]
+pub fn at_least(l: Level) -> bool {
+    level() >= l
+}
