@@ -8,7 +8,8 @@
 //! command layer on top, which nothing below imports):
 //!
 //! - [`error`], [`tensor`] (types), [`quant`] (scalar reference kernels),
-//!   [`format`] (the GGUF container and the memory map);
+//!   [`rng`] (the seeded generator), [`format`] (the GGUF container, the
+//!   memory map, synthetic-weight models);
 //! - [`kv`] (the ring-indexed KV cache), [`backend`] (CPU compute),
 //!   [`model`] (config, weights, the forward pass), [`sample`],
 //!   [`signals`] (what a forward step hands to the scorers), [`policy`]
@@ -38,6 +39,7 @@ pub mod load;
 pub mod model;
 pub mod policy;
 pub mod quant;
+pub mod rng;
 pub mod sample;
 pub mod signals;
 pub mod tensor;

@@ -17,7 +17,10 @@ pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// Model selection shared by every command.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model file (GGUF). Default: models/SmolLM2-135M-Instruct.Q4_1.gguf.
+    /// Model: a GGUF file, a Hugging Face directory, or
+    /// synth:HEADER.gguf[:SHAPE][:TYPE] (random weights in that header's
+    /// shapes and types, or a named shape / quantization mix, generated in
+    /// memory; see `kvrun synth`). Default: models/SmolLM2-135M-Instruct.Q4_1.gguf.
     #[arg(short = 'm', long = "model", env = "KVRUN_MODEL")]
     pub model: Option<PathBuf>,
     /// Threads (default: all cores).
@@ -343,6 +346,16 @@ pub fn normalize_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
 /// directory, the executable, or the source tree.
 pub fn resolve_model(m: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(p) = m {
+        if let Some(name) = crate::format::synth::parse_name(p) {
+            let (header, _) = name?;
+            if !header.is_file() {
+                return Err(Error::arg(
+                    "-m/--model",
+                    format!("{}: no such header file", header.display()),
+                ));
+            }
+            return Ok(p.clone());
+        }
         if !p.exists() {
             return Err(Error::arg(
                 "-m/--model",

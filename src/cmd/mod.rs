@@ -9,7 +9,7 @@
 //!
 //! - [`run`](mod@run): one-shot generation (no subcommand), [`inspect`],
 //!   [`bench`], [`chat`] (the REPL), [`eval`] (`ppl`, `sweep`, `passkey`),
-//!   [`batch`] (with [`grade`] for the answers), [`calibrate`], [`serve`].
+//!   [`batch`] (with [`grade`] for the answers), [`calibrate`], [`serve`], [`synth`].
 //! - [`args`]: the flag groups several commands share (model, KV policy,
 //!   sampling, one-shot) and their resolution; [`prompt`]: prompt tokens.
 //! - [`load_model`]: the one way every command loads its model.
@@ -25,6 +25,7 @@ pub mod inspect;
 pub mod prompt;
 pub mod run;
 pub mod serve;
+pub mod synth;
 #[cfg(feature = "train")]
 pub mod train;
 
@@ -71,6 +72,8 @@ pub enum Cmd {
     Calibrate(calibrate::CalibrateCmd),
     /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
     Serve(serve::ServeArgs),
+    /// Write a synthetic-weight model: a GGUF header's shapes and types with random weights.
+    Synth(synth::SynthArgs),
     /// Train what a policy learns (`train gates`: TRIM-KV / DBTrimKV retention gates).
     #[cfg(feature = "train")]
     #[command(subcommand)]
@@ -127,6 +130,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Eval(eval::EvalCmd::Perturbation(p))) => eval::perturb::run_perturbation(p),
         Some(Cmd::Batch(b)) => batch::run_batch(b),
         Some(Cmd::Serve(s)) => serve::run_serve(s),
+        Some(Cmd::Synth(s)) => synth::run_synth(s),
         #[cfg(feature = "train")]
         Some(Cmd::Train(t)) => train::run_train(t),
         None => run::run_generate(&cli.run),

@@ -250,7 +250,11 @@ impl<'a> Cursor<'a> {
 impl Gguf {
     /// Open and parse a GGUF file.
     pub fn open(path: &Path) -> Result<Gguf> {
-        let map = Mapped::open(path)?;
+        Self::from_mapped(path, Mapped::open(path)?)
+    }
+
+    /// Parse GGUF bytes already mapped (`path` names them in messages).
+    pub fn from_mapped(path: &Path, map: Mapped) -> Result<Gguf> {
         let parsed = Self::parse(path, map.bytes())?;
         let (version, metadata, tensors, data_offset, alignment) = parsed;
         let index = metadata

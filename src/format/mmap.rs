@@ -28,6 +28,16 @@ impl Mapped {
         Ok(Mapped { map: Some(map) })
     }
 
+    /// Bytes built in memory (an anonymous map, made read-only): a model
+    /// generated without a file (`-m synth:...`).
+    pub fn from_anon(map: memmap2::MmapMut) -> Result<Mapped> {
+        let map = map.make_read_only().map_err(|source| Error::Io {
+            path: "<anonymous map>".into(),
+            source,
+        })?;
+        Ok(Mapped { map: Some(map) })
+    }
+
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])

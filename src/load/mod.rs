@@ -45,9 +45,17 @@ fn in_file(path: &Path, e: Error) -> Error {
 }
 
 impl Checkpoint {
-    /// Open a GGUF file, or a directory holding config.json + *.safetensors.
+    /// Open a GGUF file, a directory holding config.json + *.safetensors, or
+    /// `synth:HEADER[:SHAPE][:TYPE]` (the synthetic-weight model of a GGUF header,
+    /// generated in memory: [`crate::format::synth`]).
     pub fn open(path: &Path) -> Result<Checkpoint> {
-        if path.is_dir() {
+        if let Some(name) = crate::format::synth::parse_name(path) {
+            let (header, recipe) = name?;
+            let spec = crate::format::synth::Spec::default();
+            Ok(Checkpoint::Gguf(Box::new(crate::format::synth::in_memory(
+                &header, &recipe, path, &spec,
+            )?)))
+        } else if path.is_dir() {
             Ok(Checkpoint::Hf(Box::new(safetensors::HfCheckpoint::open(
                 path,
             )?)))

@@ -860,3 +860,38 @@ fn c61_kernel_level() {
         );
     }
 }
+
+/// `kvrun synth` and `-m synth:...`: a missing header, an unknown shape or
+/// mix, a header whose tensors have no reshaping rule: one line each.
+#[test]
+fn c62_synthetic_models() {
+    let hdr = util::shared("r1-distill-qwen-7b.header.gguf");
+    let h = s(&hdr);
+    let tmp = Scratch::new("c62");
+    let out = s(&tmp.0.join("o.gguf"));
+    expect_error(
+        &["synth", "/nonexistent.gguf", "-o", &out],
+        &["no such file"],
+    );
+    expect_error(
+        &["synth", &h, "-o", &out, "--shape", "gpt5"],
+        &["--shape", "unknown shape", "r1-distill-qwen-1.5b"],
+    );
+    expect_error(
+        &["synth", &h, "-o", &out, "--type", "Q3_K_XL"],
+        &["--type", "unknown mix", "Q4_K_M"],
+    );
+    expect_error(&["synth", &h, "-o", &out, "--sigma", "-1"], &["--sigma"]);
+    expect_error(
+        &["synth", &h, "-o", "/nonexistent/dir/o.gguf"],
+        &["/nonexistent/dir"],
+    );
+    assert!(!tmp.0.join("o.gguf.tmp").exists());
+    for (m, want) in [
+        ("synth:/nonexistent.gguf".to_string(), "no such header file"),
+        (format!("synth:{h}:bogus"), "not a shape"),
+    ] {
+        expect_error(&["-m", &m, "-p", "hi", "-n", "1"], &[want]);
+    }
+    expect_error(&["synth", &h, "-o", &out, "-t", "0"], &["-t/--threads"]);
+}

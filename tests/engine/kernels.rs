@@ -259,9 +259,21 @@ fn attend_prefill_group_matches_online_kernel() {
 /// Random Q4_1 rows (n_out, n_in) and Q8_1 activations (n_tok, n_in) from
 /// ggml's own quantizers.
 fn q4_1_problem(r: &mut Rng, n_out: usize, n_in: usize, n_tok: usize) -> (Vec<u8>, Vec<u8>) {
-    let tr = ggml_sys::CpuTraits::of(DType::Q4_1.ggml_id()).unwrap();
+    quant_problem(DType::Q4_1, r, n_out, n_in, n_tok)
+}
+
+/// Random `dt` rows (n_out, n_in) and activations (n_tok, n_in) in its dot
+/// partner's format, from ggml's own quantizers.
+fn quant_problem(
+    dt: DType,
+    r: &mut Rng,
+    n_out: usize,
+    n_in: usize,
+    n_tok: usize,
+) -> (Vec<u8>, Vec<u8>) {
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
     let x: Vec<f32> = (0..n_out * n_in).map(|_| randn(r) * 0.1).collect();
-    let w = ggml_sys::quantize_ref(DType::Q4_1.ggml_id(), &x);
+    let w = ggml_sys::quantize_ref(dt.ggml_id(), &x);
     let ab = tr.act_bytes(n_in);
     let mut act = vec![0u8; n_tok * ab];
     for t in 0..n_tok {
@@ -318,18 +330,81 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
     }
 }
 
+/// The Q4_K tiles (4 tokens for prefill, 1 for decoding) and their scalar
+/// model equal ggml's `vec_dot_q4_K_q8_K` bit for bit.
+#[test]
+fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::isa::Level;
+    use kvrun::backend::cpu::qgemm_q4k::{tile_for, tile_scalar, MR as KMR};
+    let seed = 0x5eed_0412 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let dt = DType::Q4K;
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+    for &n_in in &[256usize, 768, 3584] {
+        let nb = n_in / 256;
+        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+        let (w, act) = quant_problem(dt, &mut r, KMR, n_in, 4);
+        let rows: [&[u8]; KMR] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
+        let toks: [&[u8]; 4] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
+        let scalar = tile_scalar(nb, &rows, &toks);
+        // every SIMD tile this CPU runs, for 4 tokens and for 1
+        let mut simd = Vec::new();
+        for level in [Level::Avx2, Level::Avx512Vnni] {
+            if let (Some(f4), Some(f1)) = (tile_for::<4>(level), tile_for::<1>(level)) {
+                let one: Vec<[[f32; 1]; KMR]> = (0..4).map(|t| f1(nb, &rows, &[toks[t]])).collect();
+                simd.push((level, f4(nb, &rows, &toks), one));
+            }
+        }
+        for i in 0..KMR {
+            for t in 0..4 {
+                let g = tr.dot(n_in, rows[i], toks[t]);
+                let f64_ref = kvrun::quant::dot_q_ref(dt, n_in, rows[i], toks[t]);
+                let s = scalar[i][t];
+                assert!(
+                    (s - f64_ref).abs() <= 1e-4 * (1.0 + f64_ref.abs()),
+                    "n_in {n_in} ({i},{t}): scalar {s} vs f64 ref {f64_ref}"
+                );
+                assert_eq!(
+                    s.to_bits(),
+                    g.to_bits(),
+                    "n_in {n_in} ({i},{t}): scalar {s} vs ggml {g}"
+                );
+                for (level, v4, v1) in &simd {
+                    let (v, u) = (v4[i][t], v1[t][i][0]);
+                    assert_eq!(
+                        v.to_bits(),
+                        g.to_bits(),
+                        "n_in {n_in} ({i},{t}): {level} {v} vs ggml {g}"
+                    );
+                    assert_eq!(
+                        u.to_bits(),
+                        g.to_bits(),
+                        "n_in {n_in} ({i},{t}): {level} N=1 {u} vs ggml {g}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
     let mut r = Rng::new(0x7113d);
-    let tr = ggml_sys::CpuTraits::of(DType::Q4_1.ggml_id()).unwrap();
-    for &(n_out, n_in, n_tok) in &[
-        (18usize, 64usize, 7usize),
-        (192, 576, 13),
-        (4, 32, 4),
-        (37, 96, 5),
+    for (dt, n_out, n_in, n_tok) in [
+        (DType::Q4_1, 18usize, 64usize, 7usize),
+        (DType::Q4_1, 192, 576, 13),
+        (DType::Q4_1, 4, 32, 4),
+        (DType::Q4_1, 37, 96, 5),
+        (DType::Q4K, 18, 256, 7),
+        (DType::Q4K, 37, 768, 5),
+        (DType::Q4K, 5, 512, 1),
+        (DType::Q4K, 64, 1024, 1),
+        (DType::Q4K, 4, 256, 4),
     ] {
-        let (w, act) = q4_1_problem(&mut r, n_out, n_in, n_tok);
-        let m = QMat::new(DType::Q4_1, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
+        let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
+        let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
         let ab = tr.act_bytes(n_in);
         for threads in [1, 2, 3] {
             let pool = ThreadPool::new(threads);

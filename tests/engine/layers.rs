@@ -30,6 +30,7 @@ const ENGINE: &[&str] = &[
     "signals",
     "tokenizer",
     "sample",
+    "rng",
     "chat",
     "error",
     "train",

@@ -1,4 +1,4 @@
-//! Engine-level tests: kernels and their scalar references, quantization, KV metadata, module layering, tokenizer and logits parity with llama.cpp, cache types, position modes, safetensors loading, and the identity hashes.
+//! Engine-level tests: kernels and their scalar references, quantization, KV metadata, module layering, tokenizer and logits parity with llama.cpp, cache types, position modes, safetensors loading, synthetic-weight models, and the identity hashes.
 //!
 //! One test binary per group: each binary links llama.cpp, so fewer binaries
 //! build and link faster.
@@ -15,4 +15,5 @@ mod parity;
 mod pos_mode;
 mod quant;
 mod safetensors;
+mod synth;
 mod tokenizer;

@@ -5,6 +5,7 @@
 //! kernel of `qgemm_x86` where the CPU has it.
 
 use super::pool::{split, SharedMut, ThreadPool};
+use super::qgemm_q4k;
 use super::qgemm_x86::{self, MR, NT};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
@@ -140,7 +141,18 @@ pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, a
 pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
     if n_tok >= NT && w.dtype == DType::Q4_1 {
         if let Some(tile) = qgemm_x86::q4_1_q8_1_tile() {
-            return matmul_q_tiled(pool, w, act, n_tok, out, tile);
+            return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
+        }
+    }
+    if w.dtype == DType::Q4K {
+        if n_tok >= NT {
+            if let Some(tile) = qgemm_q4k::tile::<NT>() {
+                return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4K(tile));
+            }
+        } else if n_tok == 1 {
+            if let Some(tile) = qgemm_q4k::tile::<1>() {
+                return matvec_q4k(pool, w, act, out, tile);
+            }
         }
     }
     let (n_in, n_out) = (w.n_in, w.n_out);
@@ -167,6 +179,15 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
     });
 }
 
+/// A tile microkernel and the operand formats it takes.
+#[derive(Clone, Copy)]
+enum Tile {
+    /// Q4_1 × Q8_1, with the block scales gathered per tile beforehand.
+    Q4_1(qgemm_x86::TileFn),
+    /// Q4_K × Q8_K (scales unpacked inside the kernel).
+    Q4K(qgemm_q4k::TileFn<NT>),
+}
+
 /// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
 /// thread takes ROW_TILE-row blocks; per block, token tiles stream past its
 /// MR-row micro tiles (block weights and one token tile stay in L1).
@@ -177,7 +198,7 @@ fn matmul_q_tiled(
     act: &[u8],
     n_tok: usize,
     out: &mut [f32],
-    tile: qgemm_x86::TileFn,
+    tile: Tile,
 ) {
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
@@ -192,9 +213,9 @@ fn matmul_q_tiled(
             &act[t * ab..(t + 1) * ab]
         })
     };
-    // activation scales of every token tile, gathered once              (n_tt,)
+    // activation scales of every token tile, gathered once (Q4_1 only)  (n_tt,)
     let mut a_sc = vec![qgemm_x86::TileScales::default(); n_tt];
-    {
+    if let Tile::Q4_1(_) = tile {
         let nt = pool.n_threads();
         let sc = SharedMut::new(&mut a_sc[..]);
         pool.run(|i| {
@@ -219,13 +240,18 @@ fn matmul_q_tiled(
             let mut rows = [[&[] as &[u8]; MR]; ROW_TILE / MR];
             for m in 0..n_micro {
                 rows[m] = std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)));
-                w_sc[m].q4_1(&rows[m], nb);
+                if let Tile::Q4_1(_) = tile {
+                    w_sc[m].q4_1(&rows[m], nb);
+                }
             }
             for tt in 0..n_tt {
                 let a = toks(tt);
                 let n_t = NT.min(n_tok - tt * NT);
                 for m in 0..n_micro {
-                    let res = tile(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]);
+                    let res = match tile {
+                        Tile::Q4_1(f) => f(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]),
+                        Tile::Q4K(f) => f(nb, &rows[m], &a),
+                    };
                     let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
                     for j in 0..n_t {
                         let t = tt * NT + j;
@@ -236,6 +262,38 @@ fn matmul_q_tiled(
                         }
                     }
                 }
+            }
+        }
+    });
+}
+
+/// One token through a Q4_K matrix with the 4-row tile: the rows split
+/// between threads in blocks of `MR`, the activation shared by all.
+fn matvec_q4k(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    out: &mut [f32],
+    tile: qgemm_q4k::TileFn<1>,
+) {
+    let n_out = w.n_out;
+    let nb = w.n_in / w.dtype.block_len();
+    let a = [&act[..w.act_bytes()]];
+    let n_micro = n_out.div_ceil(qgemm_q4k::MR);
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_out]);
+    pool.run(|i| {
+        let (m0, m1) = split(n_micro, i, nt);
+        for m in m0..m1 {
+            let r0 = m * qgemm_q4k::MR;
+            let rows: [&[u8]; qgemm_q4k::MR] =
+                std::array::from_fn(|k| w.row((r0 + k).min(n_out - 1)));
+            let res = tile(nb, &rows, &a);
+            let n_r = qgemm_q4k::MR.min(n_out - r0);
+            // SAFETY: rows r0..r0+n_r belong to this thread only.
+            let dst = unsafe { o.slice(r0, n_r) };
+            for (k, d) in dst.iter_mut().enumerate() {
+                *d = res[k][0];
             }
         }
     });

@@ -169,6 +169,29 @@ pub fn quantize_ref(ty: u32, x: &[f32]) -> Vec<u8> {
     out
 }
 
+/// Quantize `x` into type `ty` with ggml's reference quantizer, into `out`
+/// (exactly the bytes `x` makes); an error when the type has none.
+pub fn quantize_ref_into(ty: u32, x: &[f32], out: &mut [u8]) -> Result<(), String> {
+    cpu_init();
+    let (bl, bb) = block_geometry(ty);
+    if x.len() % bl != 0 || out.len() != x.len() / bl * bb {
+        return Err(format!(
+            "{} values do not fill {} bytes of blocks",
+            x.len(),
+            out.len()
+        ));
+    }
+    // SAFETY: ty in range (block_geometry asserted it); static table pointer.
+    let t = unsafe { &*raw::ggml_get_type_traits(ty as raw::ggml_type) };
+    let f = t
+        .from_float_ref
+        .ok_or_else(|| "ggml has no reference quantizer for this type".to_string())?;
+    // SAFETY: x holds x.len() floats, out exactly the blocks they make
+    // (checked above).
+    unsafe { f(x.as_ptr(), out.as_mut_ptr().cast(), x.len() as i64) };
+    Ok(())
+}
+
 #[cfg(feature = "oracle")]
 static LLAMA_INIT: Once = Once::new();
 

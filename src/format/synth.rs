@@ -1,0 +1,548 @@
+//! Synthetic-weight models: a GGUF whose metadata and tensor table are
+//! another GGUF's, byte for byte (a header-only file such as
+//! `../shared/data/r1-distill-qwen-7b.header.gguf`, or any model), and whose
+//! tensor data is random, finite and well scaled. Real shapes and real
+//! per-tensor quantization types without the real weights: speed is honest
+//! at the real shape, and llama.cpp reads the same file, so logits can be
+//! compared against it too.
+//!
+//! Values, per tensor:
+//! - norm weights and RoPE frequency factors: 1;
+//! - everything else (matrices, embeddings, biases): N(0, σ²), σ = 0.02 by
+//!   default (the usual initialization scale), rounded into the tensor's
+//!   type by ggml's reference quantizer, so every block is one a real
+//!   quantizer could have written.
+//!
+//! The data are a function of the seed alone: tensors are cut into fixed
+//! chunks of rows, each with its own generator seeded from (seed, tensor,
+//! chunk), and the chunks are dealt to threads in any order.
+//!
+//! The same generator fills a file ([`write_file`]) or an anonymous memory
+//! map ([`in_memory`], `-m synth:HEADER`), for a machine that cannot be sent
+//! gigabytes of weights.
+
+use crate::error::{Error, Result};
+use crate::format::gguf::{Gguf, Value};
+use crate::format::mmap::Mapped;
+use crate::rng::Rng;
+use crate::tensor::DType;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// What to generate.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec {
+    /// Seed of every value.
+    pub seed: u64,
+    /// Standard deviation of the random tensors.
+    pub sigma: f32,
+    /// Worker threads.
+    pub threads: usize,
+}
+
+impl Default for Spec {
+    fn default() -> Spec {
+        Spec {
+            seed: 0,
+            sigma: 0.02,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+/// The prefix that names an in-memory synthetic model on `-m`.
+pub const PREFIX: &str = "synth:";
+
+/// Elements generated per chunk (one generator each).
+const CHUNK_ELEMS: usize = 1 << 20;
+
+/// One tensor of the plan: where its bytes go and how to make them.
+#[derive(Debug)]
+struct Item {
+    index: usize,
+    name: String,
+    dtype: DType,
+    n_in: usize,
+    n_rows: usize,
+    /// offset from the start of the data section
+    offset: usize,
+    bytes: usize,
+}
+
+/// The tensors of `g` in data order, checked: known types, block-aligned
+/// rows, no overlaps. Returns them and the data section's length.
+fn plan(g: &Gguf) -> Result<(Vec<Item>, usize)> {
+    let bad = |msg: String| Error::Other(format!("{}: cannot synthesize: {msg}", g.path.display()));
+    let mut items = Vec::with_capacity(g.tensors.len());
+    for (index, t) in g.tensors.iter().enumerate() {
+        let dtype = DType::from_ggml_id(t.type_id).ok_or_else(|| {
+            bad(format!(
+                "tensor '{}' has ggml type {}, which kvrun does not know",
+                t.name, t.type_id
+            ))
+        })?;
+        let bytes = t.n_bytes().ok_or_else(|| {
+            bad(format!(
+                "tensor '{}' {:?} is not whole {dtype} blocks",
+                t.name, t.dims
+            ))
+        })?;
+        let n_in = t.dims[0] as usize;
+        let n_rows = (t.n_elements() / t.dims[0].max(1)) as usize;
+        items.push(Item {
+            index,
+            name: t.name.clone(),
+            dtype,
+            n_in,
+            n_rows,
+            offset: usize::try_from(t.offset).map_err(|_| bad("offset too large".into()))?,
+            bytes: usize::try_from(bytes).map_err(|_| bad("tensor too large".into()))?,
+        });
+    }
+    items.sort_by_key(|i| i.offset);
+    let mut end = 0usize;
+    for i in &items {
+        if i.offset < end {
+            return Err(bad(format!(
+                "tensor '{}' overlaps the one before it",
+                i.name
+            )));
+        }
+        end = i
+            .offset
+            .checked_add(i.bytes)
+            .ok_or_else(|| bad("data size overflows".into()))?;
+    }
+    Ok((items, end))
+}
+
+/// Total bytes of the synthetic file made from `g`'s header.
+pub fn file_len(g: &Gguf) -> Result<u64> {
+    Ok(g.data_offset + plan(g)?.1 as u64)
+}
+
+/// The value every element of tensor `name` takes, if constant.
+fn constant(name: &str, n_dims: usize) -> Option<f32> {
+    let one_d_norm = n_dims == 1 && name.contains("norm");
+    (one_d_norm || name.contains("rope_freqs")).then_some(1.0)
+}
+
+/// Write `g`'s header and random tensor data into `out` (exactly
+/// [`file_len`] bytes, zeroed).
+pub fn fill(g: &Gguf, spec: &Spec, out: &mut [u8]) -> Result<()> {
+    let (items, data_len) = plan(g)?;
+    let hdr_len = g.data_offset as usize;
+    assert_eq!(out.len(), hdr_len + data_len, "synth: output size");
+    if !(spec.sigma.is_finite() && spec.sigma > 0.0) {
+        return Err(Error::Other(format!(
+            "synth: sigma {} must be finite and positive",
+            spec.sigma
+        )));
+    }
+    let src = g.bytes();
+    let n = src.len().min(hdr_len);
+    out[..n].copy_from_slice(&src[..n]);
+    // cut the data section into disjoint chunks of whole rows
+    let mut jobs = Vec::new();
+    let mut rest = &mut out[hdr_len..];
+    let mut at = 0usize;
+    for it in &items {
+        let (_, tail) = rest.split_at_mut(it.offset - at);
+        let (mut tensor, tail) = tail.split_at_mut(it.bytes);
+        rest = tail;
+        at = it.offset + it.bytes;
+        let row_bytes = it.dtype.row_bytes(it.n_in);
+        let rows_per = (CHUNK_ELEMS / it.n_in.max(1)).max(1);
+        let mut r0 = 0;
+        let mut chunk = 0u64;
+        while r0 < it.n_rows {
+            let r1 = (r0 + rows_per).min(it.n_rows);
+            let (part, tail) = tensor.split_at_mut((r1 - r0) * row_bytes);
+            tensor = tail;
+            jobs.push((it, chunk, r1 - r0, part));
+            r0 = r1;
+            chunk += 1;
+        }
+    }
+    let n_dims = |i: usize| g.tensors[i].dims.len();
+    let jobs = Mutex::new(jobs);
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..spec.threads.max(1) {
+            s.spawn(|| {
+                let mut x = Vec::new();
+                loop {
+                    let job = jobs.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                    let Some((it, chunk, rows, part)) = job else {
+                        break;
+                    };
+                    x.clear();
+                    x.resize(rows * it.n_in, 0.0);
+                    match constant(&it.name, n_dims(it.index)) {
+                        Some(c) => x.fill(c),
+                        None => {
+                            let mut rng = Rng::new(
+                                spec.seed
+                                    ^ (it.index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                                    ^ chunk.wrapping_mul(0xD1B5_4A32_D192_ED03),
+                            );
+                            for v in x.iter_mut() {
+                                *v = rng.normal() * spec.sigma;
+                            }
+                        }
+                    }
+                    if let Err(e) = encode(it.dtype, &x, part) {
+                        *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Store f32 values `x` as `dtype` into `out` (exactly their bytes).
+fn encode(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
+    if dtype == DType::F32 {
+        for (o, v) in out.chunks_exact_mut(4).zip(x) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+        return Ok(());
+    }
+    ggml_sys::quantize_ref_into(dtype.ggml_id(), x, out)
+        .map_err(|e| Error::Other(format!("synth: {dtype}: {e}")))
+}
+
+/// Make the synthetic model of `header` at `out` (written to a temporary
+/// file beside it, then renamed). Returns its size in bytes.
+pub fn write_file(header: &Path, recipe: &Recipe, out: &Path, spec: &Spec) -> Result<u64> {
+    let g = derive(&Gguf::open(header)?, recipe)?;
+    let len = file_len(&g)?;
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| Error::Io { path, source }
+    };
+    let tmp = PathBuf::from(format!("{}.tmp", out.display()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(io(&tmp))?;
+    let done = (|| {
+        file.set_len(len).map_err(io(&tmp))?;
+        // SAFETY: the file was just created by this process and is not
+        // shared; nothing else maps or truncates it while the map lives.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io(&tmp))?;
+        fill(&g, spec, &mut map)?;
+        map.flush().map_err(io(&tmp))?;
+        drop(map);
+        std::fs::rename(&tmp, out).map_err(io(out))
+    })();
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done.map(|()| len)
+}
+
+/// The synthetic model of `header` after `recipe`, generated into memory;
+/// its path reads `label`.
+pub fn in_memory(header: &Path, recipe: &Recipe, label: &Path, spec: &Spec) -> Result<Gguf> {
+    let g = derive(&Gguf::open(header)?, recipe)?;
+    let len = usize::try_from(file_len(&g)?)
+        .map_err(|_| Error::Other("synth: model larger than the address space".into()))?;
+    let mut map = memmap2::MmapMut::map_anon(len).map_err(|source| Error::Io {
+        path: header.to_owned(),
+        source,
+    })?;
+    fill(&g, spec, &mut map)?;
+    Gguf::from_mapped(label, Mapped::from_anon(map)?)
+}
+
+/// A `synth:HEADER[:SHAPE][:TYPE]` model name: `None` if `name` is not
+/// one, else the header path and the recipe (an unknown SHAPE or TYPE is
+/// an error naming the known ones).
+pub fn parse_name(name: &Path) -> Option<Result<(PathBuf, Recipe)>> {
+    let rest = name.to_str()?.strip_prefix(PREFIX)?;
+    let mut parts = rest.split(':');
+    let header = PathBuf::from(parts.next().unwrap_or(""));
+    let mut recipe = Recipe::default();
+    for p in parts {
+        if let Some(s) = shape(p) {
+            recipe.shape = Some(s);
+        } else if let Some(m) = Mix::parse(p) {
+            recipe.mix = Some(m);
+        } else {
+            return Some(Err(Error::arg(
+                "-m/--model",
+                format!(
+                    "{p:?} in {}: not a shape ({}) or a type ({})",
+                    name.display(),
+                    SHAPES.map(|(n, _)| n).join(", "),
+                    Mix::ALL.map(|(n, _)| n).join(", ")
+                ),
+            )));
+        }
+    }
+    Some(Ok((header, recipe)))
+}
+
+/// A llama.cpp quantization mix: the per-tensor types its quantizer picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mix {
+    Q4KM,
+    Q5KM,
+    Q8_0,
+    Q4_0,
+}
+
+impl Mix {
+    /// Every mix, as `--type` names them.
+    pub const ALL: [(&'static str, Mix); 4] = [
+        ("Q4_K_M", Mix::Q4KM),
+        ("Q5_K_M", Mix::Q5KM),
+        ("Q8_0", Mix::Q8_0),
+        ("Q4_0", Mix::Q4_0),
+    ];
+
+    /// The mix named `s` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Mix> {
+        Mix::ALL
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(s))
+            .map(|&(_, m)| m)
+    }
+
+    /// llama.cpp's `general.file_type` of the mix.
+    fn file_type(self) -> u32 {
+        match self {
+            Mix::Q4_0 => 2,
+            Mix::Q8_0 => 7,
+            Mix::Q4KM => 15,
+            Mix::Q5KM => 17,
+        }
+    }
+
+    /// The type of matrix `name` (layer `layer` of `n_layers`, rows of
+    /// `n_in`): the mix's base type; Q6_K for the output head and, in the
+    /// K mixes, for attn_v / ffn_down of the layers llama.cpp gives more
+    /// bits (the first and last eighth, and every third in between); the
+    /// legacy fallback where a row is not whole K superblocks.
+    fn type_of(self, name: &str, layer: Option<usize>, n_layers: usize, n_in: u64) -> DType {
+        let more_bits = |i: usize| {
+            i < n_layers / 8
+                || i >= 7 * n_layers / 8
+                || (i >= n_layers / 8 && (i - n_layers / 8) % 3 == 2)
+        };
+        let base = match self {
+            Mix::Q4_0 => DType::Q4_0,
+            Mix::Q8_0 => DType::Q8_0,
+            Mix::Q4KM => DType::Q4K,
+            Mix::Q5KM => DType::Q5K,
+        };
+        let k_mix = matches!(self, Mix::Q4KM | Mix::Q5KM);
+        let t = if name == "output.weight" && self != Mix::Q8_0 {
+            DType::Q6K
+        } else if k_mix
+            && (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight"))
+            && layer.is_some_and(more_bits)
+        {
+            DType::Q6K
+        } else {
+            base
+        };
+        if n_in % t.block_len() as u64 == 0 {
+            return t;
+        }
+        match t {
+            DType::Q4K => DType::Q5_0,
+            DType::Q5K => DType::Q5_1,
+            DType::Q6K => DType::Q8_0,
+            other => other,
+        }
+    }
+}
+
+/// Dimensions of a decoder-only transformer (head_dim = dim / heads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub layers: usize,
+    pub dim: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+}
+
+/// Named shapes (`--shape`), applied to a header of the same architecture
+/// family (its tokenizer and vocabulary are kept): the DeepSeek-R1 Qwen
+/// distills over ../shared/data/r1-distill-qwen-7b.header.gguf, and
+/// `tiny` (two small layers) for fast tests on any header.
+pub const SHAPES: [(&str, Shape); 4] = [
+    (
+        "r1-distill-qwen-1.5b",
+        Shape {
+            layers: 28,
+            dim: 1536,
+            ffn: 8960,
+            heads: 12,
+            kv_heads: 2,
+        },
+    ),
+    (
+        "r1-distill-qwen-7b",
+        Shape {
+            layers: 28,
+            dim: 3584,
+            ffn: 18944,
+            heads: 28,
+            kv_heads: 4,
+        },
+    ),
+    (
+        "r1-distill-qwen-14b",
+        Shape {
+            layers: 48,
+            dim: 5120,
+            ffn: 13824,
+            heads: 40,
+            kv_heads: 8,
+        },
+    ),
+    (
+        "tiny",
+        Shape {
+            layers: 2,
+            dim: 256,
+            ffn: 768,
+            heads: 2,
+            kv_heads: 1,
+        },
+    ),
+];
+
+/// The shape named `s`.
+pub fn shape(s: &str) -> Option<Shape> {
+    SHAPES.iter().find(|(n, _)| *n == s).map(|&(_, sh)| sh)
+}
+
+/// How to turn a header into the synthetic model's header.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Recipe {
+    pub shape: Option<Shape>,
+    pub mix: Option<Mix>,
+}
+
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// The metadata and tensor table of `g` after `recipe`: reshaped (block
+/// count, widths, heads; tensors of dropped layers left out; every tensor's
+/// dims recomputed from its role) and retyped (the mix's choices; 1-D
+/// tensors stay as they are).
+pub fn apply(
+    g: &Gguf,
+    recipe: &Recipe,
+) -> Result<(Vec<(String, Value)>, Vec<super::gguf_write::TensorSpec>)> {
+    let bad = |m: String| Error::Other(format!("{}: cannot synthesize: {m}", g.path.display()));
+    let arch = g.get_str("general.architecture")?.to_owned();
+    let key = |k: &str| format!("{arch}.{k}");
+    let n_layers = match recipe.shape {
+        Some(s) => s.layers,
+        None => g.get_usize(&key("block_count"))?,
+    };
+    let mut meta = g.metadata.clone();
+    let mut set = |k: String, v: Value| match meta.iter_mut().find(|(n, _)| *n == k) {
+        Some(e) => e.1 = v,
+        None => meta.push((k, v)),
+    };
+    if let Some(s) = recipe.shape {
+        if s.heads == 0 || s.kv_heads == 0 || s.dim % s.heads != 0 || s.heads % s.kv_heads != 0 {
+            return Err(bad(format!("inconsistent shape {s:?}")));
+        }
+        set(key("block_count"), Value::U32(s.layers as u32));
+        set(key("embedding_length"), Value::U32(s.dim as u32));
+        set(key("feed_forward_length"), Value::U32(s.ffn as u32));
+        set(key("attention.head_count"), Value::U32(s.heads as u32));
+        set(
+            key("attention.head_count_kv"),
+            Value::U32(s.kv_heads as u32),
+        );
+        if g.get(&key("rope.dimension_count")).is_some() {
+            set(
+                key("rope.dimension_count"),
+                Value::U32((s.dim / s.heads) as u32),
+            );
+        }
+    }
+    if let Some(m) = recipe.mix {
+        set("general.file_type".into(), Value::U32(m.file_type()));
+    }
+    let mut tensors = Vec::new();
+    for t in &g.tensors {
+        let layer = layer_of(&t.name);
+        if layer.is_some_and(|l| l >= n_layers) {
+            continue;
+        }
+        let mut dims = t.dims.clone();
+        if let Some(s) = recipe.shape {
+            let hd = (s.dim / s.heads) as u64;
+            let (d, f, q, kv) = (
+                s.dim as u64,
+                s.ffn as u64,
+                s.heads as u64 * hd,
+                s.kv_heads as u64 * hd,
+            );
+            let role = t.name.rsplit_once('.').map_or("", |(stem, _)| stem);
+            let role = role.rsplit('.').next().unwrap_or("");
+            let suffix = t.name.rsplit('.').next().unwrap_or("");
+            dims = match (role, suffix) {
+                ("token_embd" | "output", "weight") => vec![d, t.dims[1]],
+                ("output_norm" | "attn_norm" | "ffn_norm", _) => vec![d],
+                ("attn_q", "weight") => vec![d, q],
+                ("attn_q", "bias") => vec![q],
+                ("attn_k" | "attn_v", "weight") => vec![d, kv],
+                ("attn_k" | "attn_v", "bias") => vec![kv],
+                ("attn_output", "weight") => vec![q, d],
+                ("ffn_gate" | "ffn_up", "weight") => vec![d, f],
+                ("ffn_down", "weight") => vec![f, d],
+                ("rope_freqs", _) => vec![hd / 2],
+                _ => return Err(bad(format!("no rule to reshape tensor '{}'", t.name))),
+            };
+        }
+        let dtype = DType::from_ggml_id(t.type_id).ok_or_else(|| {
+            bad(format!(
+                "tensor '{}' has ggml type {}, which kvrun does not know",
+                t.name, t.type_id
+            ))
+        })?;
+        let dtype = match recipe.mix {
+            Some(m) if dims.len() >= 2 => m.type_of(&t.name, layer, n_layers, dims[0]),
+            _ => dtype,
+        };
+        tensors.push(super::gguf_write::TensorSpec {
+            name: t.name.clone(),
+            dims,
+            dtype,
+        });
+    }
+    Ok((meta, tensors))
+}
+
+/// The header of `g` after `recipe`, parsed (an anonymous map holding only
+/// the header; its path reads like `g`'s).
+pub fn derive(g: &Gguf, recipe: &Recipe) -> Result<Gguf> {
+    let (meta, tensors) = apply(g, recipe)?;
+    let (bytes, _) = super::gguf_write::header(&meta, &tensors, g.alignment)?;
+    let mut map = memmap2::MmapMut::map_anon(bytes.len()).map_err(|source| Error::Io {
+        path: g.path.clone(),
+        source,
+    })?;
+    map.copy_from_slice(&bytes);
+    Gguf::from_mapped(&g.path, Mapped::from_anon(map)?)
+}
