@@ -330,16 +330,23 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
     }
 }
 
-/// The Q4_K tiles (4 tokens for prefill, 1 for decoding) and their scalar
-/// model equal ggml's `vec_dot_q4_K_q8_K` bit for bit.
-#[test]
-fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
+type KTile<const N: usize> = fn(usize, &[&[u8]; 4], &[&[u8]; N]) -> [[f32; N]; 4];
+
+/// A K-quant's tiles (4 tokens for prefill, 1 for decoding, at every SIMD
+/// level this CPU runs) and their scalar model equal ggml's `vec_dot` with
+/// Q8_K bit for bit, on fresh random data.
+fn k_tile_matches_ggml(
+    dt: DType,
+    seed: u64,
+    tile_for4: fn(kvrun::backend::cpu::isa::Level) -> Option<KTile<4>>,
+    tile_for1: fn(kvrun::backend::cpu::isa::Level) -> Option<KTile<1>>,
+    tile_scalar: KTile<4>,
+) {
     use kvrun::backend::cpu::isa::Level;
-    use kvrun::backend::cpu::qgemm_q4k::{tile_for, tile_scalar, MR as KMR};
-    let seed = 0x5eed_0412 ^ std::process::id() as u64;
-    eprintln!("seed {seed}");
+    const KMR: usize = 4;
+    let seed = seed ^ std::process::id() as u64;
+    eprintln!("{dt} seed {seed}");
     let mut r = Rng::new(seed);
-    let dt = DType::Q4K;
     let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
     for &n_in in &[256usize, 768, 3584] {
         let nb = n_in / 256;
@@ -348,10 +355,9 @@ fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
         let rows: [&[u8]; KMR] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
         let toks: [&[u8]; 4] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
         let scalar = tile_scalar(nb, &rows, &toks);
-        // every SIMD tile this CPU runs, for 4 tokens and for 1
         let mut simd = Vec::new();
         for level in [Level::Avx2, Level::Avx512Vnni] {
-            if let (Some(f4), Some(f1)) = (tile_for::<4>(level), tile_for::<1>(level)) {
+            if let (Some(f4), Some(f1)) = (tile_for4(level), tile_for1(level)) {
                 let one: Vec<[[f32; 1]; KMR]> = (0..4).map(|t| f1(nb, &rows, &[toks[t]])).collect();
                 simd.push((level, f4(nb, &rows, &toks), one));
             }
@@ -363,29 +369,53 @@ fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
                 let s = scalar[i][t];
                 assert!(
                     (s - f64_ref).abs() <= 1e-4 * (1.0 + f64_ref.abs()),
-                    "n_in {n_in} ({i},{t}): scalar {s} vs f64 ref {f64_ref}"
+                    "{dt} n_in {n_in} ({i},{t}): scalar {s} vs f64 ref {f64_ref}"
                 );
                 assert_eq!(
                     s.to_bits(),
                     g.to_bits(),
-                    "n_in {n_in} ({i},{t}): scalar {s} vs ggml {g}"
+                    "{dt} n_in {n_in} ({i},{t}): scalar {s} vs ggml {g}"
                 );
                 for (level, v4, v1) in &simd {
                     let (v, u) = (v4[i][t], v1[t][i][0]);
                     assert_eq!(
                         v.to_bits(),
                         g.to_bits(),
-                        "n_in {n_in} ({i},{t}): {level} {v} vs ggml {g}"
+                        "{dt} n_in {n_in} ({i},{t}): {level} {v} vs ggml {g}"
                     );
                     assert_eq!(
                         u.to_bits(),
                         g.to_bits(),
-                        "n_in {n_in} ({i},{t}): {level} N=1 {u} vs ggml {g}"
+                        "{dt} n_in {n_in} ({i},{t}): {level} N=1 {u} vs ggml {g}"
                     );
                 }
             }
         }
     }
+}
+
+#[test]
+fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::qgemm_q4k::{tile_for, tile_scalar};
+    k_tile_matches_ggml(
+        DType::Q4K,
+        0x5eed_0412,
+        tile_for::<4>,
+        tile_for::<1>,
+        tile_scalar::<4>,
+    );
+}
+
+#[test]
+fn q6_k_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::qgemm_q6k::{tile_for, tile_scalar};
+    k_tile_matches_ggml(
+        DType::Q6K,
+        0x5eed_0614,
+        tile_for::<4>,
+        tile_for::<1>,
+        tile_scalar::<4>,
+    );
 }
 
 #[test]
@@ -401,6 +431,9 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4K, 5, 512, 1),
         (DType::Q4K, 64, 1024, 1),
         (DType::Q4K, 4, 256, 4),
+        (DType::Q6K, 18, 256, 7),
+        (DType::Q6K, 37, 768, 5),
+        (DType::Q6K, 9, 512, 1),
     ] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);

@@ -5,8 +5,8 @@
 //! kernel of `qgemm_x86` where the CPU has it.
 
 use super::pool::{split, SharedMut, ThreadPool};
-use super::qgemm_q4k;
 use super::qgemm_x86::{self, MR, NT};
+use super::{qgemm_q4k, qgemm_q6k};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -144,16 +144,16 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
         }
     }
-    if w.dtype == DType::Q4K {
-        if n_tok >= NT {
-            if let Some(tile) = qgemm_q4k::tile::<NT>() {
-                return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4K(tile));
-            }
-        } else if n_tok == 1 {
-            if let Some(tile) = qgemm_q4k::tile::<1>() {
-                return matvec_q4k(pool, w, act, out, tile);
-            }
-        }
+    let (tile_n, tile_1) = match w.dtype {
+        DType::Q4K => (qgemm_q4k::tile::<NT>(), qgemm_q4k::tile::<1>()),
+        DType::Q6K => (qgemm_q6k::tile::<NT>(), qgemm_q6k::tile::<1>()),
+        _ => (None, None),
+    };
+    if let (true, Some(tile)) = (n_tok >= NT, tile_n) {
+        return matmul_q_tiled(pool, w, act, n_tok, out, Tile::KQuant(tile));
+    }
+    if let (1, Some(tile)) = (n_tok, tile_1) {
+        return matvec_k(pool, w, act, out, tile);
     }
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
@@ -184,8 +184,8 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
 enum Tile {
     /// Q4_1 × Q8_1, with the block scales gathered per tile beforehand.
     Q4_1(qgemm_x86::TileFn),
-    /// Q4_K × Q8_K (scales unpacked inside the kernel).
-    Q4K(qgemm_q4k::TileFn<NT>),
+    /// A K-quant × Q8_K (Q4_K, Q6_K; scales unpacked inside the kernel).
+    KQuant(qgemm_q4k::TileFn<NT>),
 }
 
 /// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
@@ -250,7 +250,7 @@ fn matmul_q_tiled(
                 for m in 0..n_micro {
                     let res = match tile {
                         Tile::Q4_1(f) => f(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]),
-                        Tile::Q4K(f) => f(nb, &rows[m], &a),
+                        Tile::KQuant(f) => f(nb, &rows[m], &a),
                     };
                     let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
                     for j in 0..n_t {
@@ -267,9 +267,9 @@ fn matmul_q_tiled(
     });
 }
 
-/// One token through a Q4_K matrix with the 4-row tile: the rows split
+/// One token through a K-quant matrix with a 4-row tile: the rows split
 /// between threads in blocks of `MR`, the activation shared by all.
-fn matvec_q4k(
+fn matvec_k(
     pool: &ThreadPool,
     w: &QMat<'_>,
     act: &[u8],
