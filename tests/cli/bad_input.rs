@@ -881,7 +881,7 @@ fn c62_synthetic_models() {
         &["synth", &h, "-o", &out, "--type", "Q3_K_XL"],
         &["--type", "unknown mix", "Q4_K_M"],
     );
-    expect_error(&["synth", &h, "-o", &out, "--sigma", "-1"], &["--sigma"]);
+    expect_error(&["synth", &h, "-o", &out, "--sigma", "0"], &["--sigma"]);
     expect_error(
         &["synth", &h, "-o", "/nonexistent/dir/o.gguf"],
         &["/nonexistent/dir"],
