@@ -12,31 +12,13 @@
 #![cfg(feature = "oracle")]
 
 use crate::util;
+use crate::util::{rel_err, top2_margin};
 
 use kvrun::format::gguf::Gguf;
 use kvrun::generate::Session;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::sample::argmax;
-
-fn top2_margin(l: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in l {
-        if x > a {
-            b = a;
-            a = x;
-        } else if x > b {
-            b = x;
-        }
-    }
-    a - b
-}
-
-/// Max |a-b| / max |b| of one row of logits.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let maxb = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / maxb
-}
 
 /// llama.cpp decoding one token at a time (its decode path), all logits.
 fn llama_sequential(lm: &ggml_sys::LlamaModel, ids: &[i32]) -> Vec<f32> {

@@ -6,6 +6,7 @@
 #![cfg(feature = "oracle")]
 
 use crate::util;
+use crate::util::{rel_err, top2_margin};
 
 use kvrun::format::gguf::Gguf;
 use kvrun::format::synth::{self, Mix, Recipe, Spec};
@@ -86,25 +87,6 @@ fn synth_is_a_function_of_the_seed_and_keeps_the_header() {
         derived.bytes()[..n] == src.bytes()[..n],
         "header not kept byte for byte"
     );
-}
-
-/// Max |a-b| / max |b| of one row of logits.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let maxb = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / maxb
-}
-
-fn top2_margin(l: &[f32]) -> f32 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in l {
-        if x > a {
-            b = a;
-            a = x;
-        } else if x > b {
-            b = x;
-        }
-    }
-    a - b
 }
 
 /// One mix of the tiny Qwen2 shape: every position of a 96-token prompt

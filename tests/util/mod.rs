@@ -90,3 +90,23 @@ pub fn rerun_at_lower_levels(name: &str) {
         eprintln!("{name}: passed at KVRUN_CPU={l} too");
     }
 }
+
+/// Max |a-b| / max |b| of two rows of logits.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let maxb = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / maxb
+}
+
+/// The gap between the two largest logits.
+pub fn top2_margin(l: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in l {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
