@@ -225,7 +225,7 @@ fn dequant_q8_0(b: &[u8], y: &mut [f32]) {
 ///   mins 4..8;
 /// * bytes 8..12: low 4 bits of scales 4..8 (low nibble) and of mins 4..8
 ///   (high nibble).
-fn k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub fn k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut mn = [0u8; 8];
     for j in 0..4 {

@@ -35,26 +35,8 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
-/// The 8 sub-block scales and 8 mins of a superblock's packed `scales[12]`
-/// (6 bits each: the first four in the low bits of bytes 0..4 / 4..8, the
-/// last four split between bytes 8..12 and the top bits of bytes 0..8).
-#[inline]
-pub fn scales_mins(q: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let mut sc = [0u8; 8];
-    let mut mn = [0u8; 8];
-    for j in 0..4 {
-        sc[j] = q[j] & 63;
-        mn[j] = q[j + 4] & 63;
-    }
-    for j in 4..8 {
-        sc[j] = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-    (sc, mn)
-}
-
 /// The packed `scales[12]` as 16 bytes, the 8 scales then the 8 mins
-/// (the same values as [`scales_mins`], by 32-bit masks and shifts on
+/// (the same values as [`crate::quant::k_scales_mins`], by 32-bit masks and shifts on
 /// little-endian words).
 ///
 /// # Safety
@@ -110,7 +92,7 @@ pub fn tile_scalar<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -
                 let yd = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
                 let d = yd * f16_at(x, 0);
                 let dmin = -yd * f16_at(x, 2);
-                let (sc, mn) = scales_mins(&x[4..16]);
+                let (sc, mn) = crate::quant::k_scales_mins(&x[4..16]);
                 let qs = &x[16..];
                 let q8 = &y[4..260];
                 let bsum = |i: usize| i16::from_le_bytes([y[260 + 2 * i], y[261 + 2 * i]]) as i32;
