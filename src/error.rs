@@ -95,6 +95,11 @@ pub enum Error {
     #[error("{path}: {what}")]
     BadCheckpoint { path: PathBuf, what: String },
 
+    /// The user pressed Ctrl-C: the command stopped early after saving and
+    /// reporting what it finished; the binary exits with status 130.
+    #[error("interrupted")]
+    Interrupted,
+
     /// Any other failure with a message.
     #[error("{0}")]
     Other(String),

@@ -25,6 +25,8 @@ fn main() -> ExitCode {
     }
     match kvrun::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // what was finished is already written and reported
+        Err(kvrun::error::Error::Interrupted) => ExitCode::from(kvrun::cmd::interrupt::EXIT_CODE),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -22,6 +22,7 @@ pub mod chat;
 pub mod eval;
 pub mod grade;
 pub mod inspect;
+pub mod interrupt;
 pub mod prompt;
 pub mod run;
 pub mod serve;

@@ -3,8 +3,8 @@
 //! streamed to stdout, timings and KV statistics on stderr.
 
 use crate::cmd::args::{check_ctx_alloc, read_text, resolve_model, resolve_threads, RunArgs};
-use crate::cmd::load_model;
 use crate::cmd::prompt::prompt_tokens;
+use crate::cmd::{interrupt, load_model};
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions};
 use crate::sample::Sampler;
@@ -89,11 +89,13 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         n_predict: a.n_predict,
         ignore_eos: a.ignore_eos,
     };
+    interrupt::install();
     let stats = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
-        // A closed pipe (e.g. `| head`) ends generation quietly.
+        // A closed pipe (e.g. `| head`) ends generation quietly, so does Ctrl-C.
         out.write_all(piece.as_bytes())
             .and_then(|_| out.flush())
             .is_ok()
+            && !interrupt::requested()
     })?;
     let _ = writeln!(out);
     if !a.no_perf {
@@ -121,5 +123,6 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
             }
         );
     }
-    Ok(())
+    // Ctrl-C: the text and the timings are out, the exit status says so
+    interrupt::check()
 }
