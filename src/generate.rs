@@ -20,7 +20,7 @@ use std::time::Instant;
 
 /// Tokens the evictor always keeps per stream (sinks + recent window).
 fn e_protected(e: &Evictor) -> usize {
-    e.n_sink + e.n_recent
+    e.n_sink.saturating_add(e.n_recent)
 }
 
 /// Watches every forward step without ranking anything (calibration,
@@ -121,13 +121,18 @@ impl<'w> Session<'w, Cpu> {
         n_batch: usize,
         n_prompt: usize,
     ) -> Result<Session<'w>> {
+        // a budget beyond the context is the context (defaults that depend
+        // on the budget, like the recent window, follow the clamped value)
+        let mut cfg = cfg.clone();
+        cfg.budget = cfg.budget.map(|b| b.min(n_ctx.max(1)));
+        let cfg = &cfg;
         let mut s = match cfg.build(seed, model)? {
             None => Session::new(w, n_ctx, n_threads, n_batch),
             Some(p) => {
                 let e = &p.evictor;
                 if e.keep_prompt_until > 0
                     && p.prompt.is_none()
-                    && n_prompt + e.n_recent >= e.budget
+                    && n_prompt.saturating_add(e.n_recent) >= e.budget
                 {
                     return Err(Error::config(
                         Field::Budget,
@@ -170,14 +175,30 @@ impl<'w, B: Backend> Session<'w, B> {
         n_batch: usize,
         policy: KvPolicy,
     ) -> Result<Session<'w, B>> {
+        let mut policy = policy;
+        // a budget beyond the context never evicts: hold the context only
+        // (the front ends say so), so no slot is allocated that can't be used
+        let cap = n_ctx.max(1);
+        policy.evictor.budget = policy.evictor.budget.min(cap);
+        if let Some(pp) = &mut policy.prompt {
+            pp.evictor.budget = pp.evictor.budget.min(cap);
+        }
         let e = &policy.evictor;
         if e.budget == 0 {
             return Err(Error::config(Field::Budget, "must be at least 1"));
         }
-        if e.n_sink + e.n_recent >= e.budget {
+        if e_protected(e) >= e.budget {
             return Err(Error::config(
                 Field::Budget,
-                format!("budget {} cannot hold the protected tokens (sinks {} + recent {}) plus one new token", e.budget, e.n_sink, e.n_recent),
+                Msg::default()
+                    .t(format!(
+                        "budget {} cannot hold the protected tokens (",
+                        e.budget
+                    ))
+                    .f(Field::Sink)
+                    .t(format!(" {} + ", e.n_sink))
+                    .f(Field::Recent)
+                    .t(format!(" {}) plus one new token", e.n_recent)),
             ));
         }
         // A prefill chunk must fit next to the protected tokens, and since
@@ -187,7 +208,6 @@ impl<'w, B: Backend> Session<'w, B> {
         let user_batch = n_batch.max(1);
         let mut n_batch = n_batch.min(room).min((e.budget / 8).max(1)).max(1);
         let budget = e.budget;
-        let mut policy = policy;
         let c = &w.config;
         let weights = BackendWeights::new(&backend, w);
         let model = ModelView::new(c, &weights);
@@ -235,7 +255,7 @@ impl<'w, B: Backend> Session<'w, B> {
         let mut mass_prompt = MassMode::None;
         if let Some(pp) = &mut policy.prompt {
             let pe = &pp.evictor;
-            if pe.budget > budget || pe.n_sink + pe.n_recent >= pe.budget {
+            if pe.budget > budget || e_protected(pe) >= pe.budget {
                 return Err(Error::config(
                     Field::PromptBudget,
                     Msg::default()
@@ -268,7 +288,7 @@ impl<'w, B: Backend> Session<'w, B> {
         // multi-token feed stays in budget-sized chunks
         let chunk = n_batch;
         let alloc_batch = if policy.compress_once {
-            user_batch.max(chunk)
+            user_batch.max(chunk).min(n_ctx.max(1))
         } else {
             chunk
         };
@@ -301,6 +321,8 @@ impl<'w, B: Backend> Session<'w, B> {
         policy: Option<KvPolicy>,
     ) -> Session<'w, B> {
         let c = &w.config;
+        // no chunk is longer than the context (a huge -b allocates nothing)
+        let n_batch = n_batch.clamp(1, n_ctx.max(1));
         let make = |sh: StoreShape| backend.kv_store(sh.ty, sh.n_rows, sh.row_vals);
         let kv = match KvCache::uniform_on(
             &make,

@@ -8,7 +8,7 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error: {info}");
     }));
-    let cli = match kvrun::cmd::parse(std::env::args()) {
+    let cli = match kvrun::cmd::parse(std::env::args_os()) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();

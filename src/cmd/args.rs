@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::generate::Session;
 use crate::sample::SamplerConfig;
 use clap::Args;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// File name of the default model (fetched by models/fetch.sh).
@@ -125,6 +126,21 @@ pub struct KvArgs {
 }
 
 impl KvArgs {
+    /// Refuse flag combinations that would silently do nothing: a budget
+    /// with `--policy full` (which keeps every token; the budget would be
+    /// reported but never applied). The server refuses the same in requests.
+    pub fn check(&self) -> Result<()> {
+        if self.policy == "full" {
+            if let Some(b) = self.kv_budget {
+                return Err(Error::arg(
+                    "--kv-budget",
+                    format!("--policy full keeps every token, so a budget of {b} would never apply; choose an eviction policy (e.g. --policy window) or drop --kv-budget"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The `--cache-type` value, checked.
     pub fn kv_type(&self) -> Result<crate::kv::KvType> {
         match self.cache_type.as_str() {
@@ -324,22 +340,44 @@ pub struct RunArgs {
 }
 
 /// Rewrite llama.cpp's multi-letter short flags to long ones clap understands.
-pub fn normalize_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
+/// Arguments stay OS strings: file names need not be UTF-8.
+pub fn normalize_args<T: Into<OsString>>(args: impl IntoIterator<Item = T>) -> Vec<OsString> {
     args.into_iter()
         .map(|a| {
-            let m = match a.as_str() {
-                "-sys" => "--system-prompt",
-                "-sysf" => "--system-prompt-file",
-                "-ngl" => "--gpu-layers",
-                "-st" => "--single-turn",
-                "-no-cnv" => "--raw",
-                "-tb" => "--threads",
-                "-np" => "--parallel",
+            let a: OsString = a.into();
+            let m = match a.to_str() {
+                Some("-sys") => "--system-prompt",
+                Some("-sysf") => "--system-prompt-file",
+                Some("-ngl") => "--gpu-layers",
+                Some("-st") => "--single-turn",
+                Some("-no-cnv") => "--raw",
+                Some("-tb") => "--threads",
+                Some("-np") => "--parallel",
                 _ => return a,
             };
-            m.to_owned()
+            m.into()
         })
         .collect()
+}
+
+/// The one-line message for a command line whose text value is not UTF-8
+/// (file names may be anything; prompts and other values must be text):
+/// names the flag it belongs to and the first bad byte.
+pub fn non_utf8_message(args: &[OsString]) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let i = args.iter().position(|a| a.to_str().is_none())?;
+    let bytes = args[i].as_bytes();
+    let at = std::str::from_utf8(bytes)
+        .err()
+        .map_or(0, |e| e.valid_up_to());
+    let whose = match i.checked_sub(1).and_then(|j| args[j].to_str()) {
+        Some(flag) if flag.starts_with('-') && i > 1 => format!("{flag}: value"),
+        _ => format!("argument {i}"),
+    };
+    Some(format!(
+        "{whose} is not valid UTF-8 (byte {at}: 0x{:02x}); text must be UTF-8, file names may be anything",
+        bytes.get(at).copied().unwrap_or(0)
+    ))
 }
 
 /// Resolve the model path: -m, else the default model next to the working
@@ -431,4 +469,21 @@ pub(crate) fn check_ctx_alloc(
         "-c/--ctx-size",
         format!("a context of {n_ctx} tokens needs {gib:.1} GiB of KV cache, which cannot be allocated (the model was trained with {})", c.n_ctx_train),
     ))
+}
+
+/// Say on stderr what the context size does to the run: a context beyond
+/// the model's training is allowed but warned about, and a KV budget larger
+/// than the context is clamped to it (it could never evict).
+pub(crate) fn context_notes(c: &crate::model::Config, n_ctx: usize, kv: &KvArgs) {
+    if n_ctx > c.n_ctx_train {
+        eprintln!(
+            "kvrun: warning: -c/--ctx-size {n_ctx} is beyond the model's trained context ({}); quality may degrade past it",
+            c.n_ctx_train
+        );
+    }
+    if let Some(b) = kv.kv_budget.filter(|&b| b > n_ctx && kv.policy != "full") {
+        eprintln!(
+            "kvrun: --kv-budget {b} is larger than the context (-c/--ctx-size {n_ctx}): clamped to {n_ctx}, so nothing is evicted"
+        );
+    }
 }

@@ -103,6 +103,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     if a.reps == 0 {
         return Err(Error::arg("-r/--repetitions", "must be at least 1"));
     }
+    a.kv.check()?;
     let model = load_model(&a.model)?;
     let w = model.weights();
     let c = &w.config;

@@ -12,7 +12,8 @@
 //! Commands: /exit, /clear, /regen, /save FILE, /stats.
 
 use crate::chat::{ChatTemplate, Message, ThinkEvent, ThinkSplit};
-use crate::cmd::args::{resolve_model, resolve_threads, RunArgs};
+use crate::cmd::args::{check_ctx_alloc, context_notes, resolve_model, resolve_threads, RunArgs};
+use crate::cmd::interrupt::{self, Mode};
 use crate::cmd::load_model;
 use crate::cmd::prompt::encode_rendered;
 use crate::error::{Error, Result};
@@ -21,6 +22,10 @@ use crate::sample::Sampler;
 use crate::tokenizer::Tokenizer;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
+
+/// The position limit of a budgeted chat: none that a conversation reaches
+/// (the budget bounds the memory).
+const UNBOUNDED_POSITIONS: usize = 1 << 40;
 
 /// Flags of `kvrun chat`.
 #[derive(Args, Debug, Clone)]
@@ -77,11 +82,105 @@ fn conversation_tokens(tok: &Tokenizer, tmpl: &ChatTemplate, msgs: &[Message]) -
     encode_rendered(tok, &tmpl.render(msgs, true)?)
 }
 
+/// One line of stdin without its line ending: `None` at end of input,
+/// `Some(Err(byte))` when it is not UTF-8 (the first bad byte).
+fn read_line(
+    input: &mut impl BufRead,
+) -> std::io::Result<Option<std::result::Result<String, usize>>> {
+    let mut buf = Vec::new();
+    if input.read_until(b'\n', &mut buf)? == 0 {
+        return Ok(None);
+    }
+    while matches!(buf.last(), Some(b'\n' | b'\r')) {
+        buf.pop();
+    }
+    Ok(Some(
+        String::from_utf8(buf).map_err(|e| e.utf8_error().valid_up_to()),
+    ))
+}
+
+/// Tokens kept free for the reply when fitting a conversation into the
+/// context: `-n` when given, else a quarter of the context (at most half).
+fn reply_reserve(n_predict: i64, n_ctx: usize) -> usize {
+    let want = if n_predict > 0 {
+        n_predict as usize
+    } else {
+        n_ctx / 4
+    };
+    want.min(n_ctx / 2)
+}
+
+/// How a conversation meets a full-cache context.
+#[derive(Debug, PartialEq)]
+pub enum Fit {
+    /// It fits as it is.
+    Whole(Vec<u32>),
+    /// It fits after dropping this many of the oldest messages (never the
+    /// system prompt, never the newest message).
+    Shifted(Vec<u32>, usize),
+    /// Even the system prompt and the newest message alone need this many
+    /// tokens, more than the context holds.
+    TooLong(usize),
+}
+
+/// Fit `msgs` into `n_ctx` tokens with `reserve` left for the reply, by
+/// dropping the oldest turns (llama.cpp's context shift, done on messages so
+/// the template stays well-formed): the system prompt and the newest
+/// message are always kept.
+pub fn fit_context(
+    tok: &Tokenizer,
+    tmpl: &ChatTemplate,
+    msgs: &mut Vec<Message>,
+    n_ctx: usize,
+    reserve: usize,
+) -> Result<Fit> {
+    let limit = n_ctx.saturating_sub(reserve).max(1);
+    let mut dropped = 0;
+    loop {
+        let ids = conversation_tokens(tok, tmpl, msgs)?;
+        if ids.len() <= limit {
+            return Ok(if dropped == 0 {
+                Fit::Whole(ids)
+            } else {
+                Fit::Shifted(ids, dropped)
+            });
+        }
+        // the oldest message that is neither the system prompt nor the newest
+        let first = msgs.iter().position(|m| m.role != "system");
+        match first {
+            Some(i) if i + 1 < msgs.len() => {
+                msgs.remove(i);
+                dropped += 1;
+                // a reply without its question reads oddly: drop it as well
+                if msgs.get(i).is_some_and(|m| m.role == "assistant") && i + 1 < msgs.len() {
+                    msgs.remove(i);
+                    dropped += 1;
+                }
+            }
+            _ => {
+                // only the system prompt and the newest message are left:
+                // fits without a full reserve, or does not fit at all
+                return Ok(if ids.len() < n_ctx {
+                    if dropped == 0 {
+                        Fit::Whole(ids)
+                    } else {
+                        Fit::Shifted(ids, dropped)
+                    }
+                } else {
+                    Fit::TooLong(ids.len())
+                });
+            }
+        }
+    }
+}
+
 /// `kvrun chat`.
 pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let r = &a.run;
     let path = resolve_model(&r.model.model)?;
     let n_threads = resolve_threads(r.model.threads)?;
+    r.kv.check()?;
+    r.sampling.check()?;
     let m = load_model(&r.model)?;
     let (w, tok) = (m.weights(), &m.tokenizer);
     let tmpl = m.chat_template()?.ok_or_else(|| {
@@ -96,11 +195,23 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         r.ctx_size as usize
     };
     let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
-    let mut sess = match r.kv.build(seed, &path)? {
-        None => Session::new(w, n_ctx, n_threads, r.batch_size.max(1)),
-        Some(p) => Session::with_policy(w, n_ctx, n_threads, r.batch_size.max(1), p)?,
+    context_notes(&w.config, n_ctx, &r.kv);
+    // With a policy the budgeted cache holds the conversation however long
+    // it grows: positions are not limited by -c, which only caps the budget.
+    // Without one, the oldest turns are dropped when the context fills
+    // (llama.cpp's context shift; see `fit_context`).
+    let mut kv = r.kv.clone();
+    kv.kv_budget = kv.kv_budget.map(|b| b.min(n_ctx.max(1)));
+    let mut sess = match kv.build(seed, &path)? {
+        None => {
+            check_ctx_alloc(&w.config, n_ctx, n_threads)?;
+            Session::new(w, n_ctx, n_threads, r.batch_size.max(1))
+        }
+        Some(p) => Session::with_policy(w, UNBOUNDED_POSITIONS, n_threads, r.batch_size.max(1), p)?,
     };
-    r.kv.configure(&mut sess)?;
+    let budgeted = sess.policy.is_some();
+    kv.configure(&mut sess)?;
+    interrupt::install();
     let mut sampler = Sampler::new(r.sampling.config(0.8, seed));
     let mut msgs: Vec<Message> = Vec::new();
     if let Some(s) = &r.system {
@@ -118,21 +229,30 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let mut gen_tokens = 0usize;
     let mut gen_ms = 0f64;
     let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut input = stdin.lock();
     let mut first = r.prompt.clone();
+    let mut shifted = false;
     loop {
         if interactive {
             let _ = write!(out, "\n> ");
             let _ = out.flush();
         }
+        // at the prompt a Ctrl-C ends the session (Ctrl-D too)
+        interrupt::set_mode(Mode::Idle);
         let line = match first.take() {
             Some(p) => p,
-            None => match lines.next() {
-                Some(Ok(l)) => l,
-                Some(Err(e)) => return Err(Error::Other(format!("stdin: {e}"))),
-                None => break,
+            None => match read_line(&mut input) {
+                Ok(Some(Ok(l))) => l,
+                Ok(Some(Err(at))) => {
+                    let _ = writeln!(out, "[input is not valid UTF-8 (byte {at}); line skipped]");
+                    continue;
+                }
+                Ok(None) => break,
+                Err(e) => return Err(Error::Other(format!("stdin: {e}"))),
             },
         };
+        interrupt::set_mode(Mode::Busy);
+        interrupt::clear();
         let cmd = line.trim();
         if cmd.is_empty() {
             continue;
@@ -201,7 +321,32 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
                 content: line.clone(),
             });
         }
-        let ids = conversation_tokens(tok, &tmpl, &msgs)?;
+        let reserve = reply_reserve(r.n_predict, n_ctx);
+        let ids = if budgeted {
+            conversation_tokens(tok, &tmpl, &msgs)?
+        } else {
+            match fit_context(tok, &tmpl, &mut msgs, n_ctx, reserve)? {
+                Fit::Whole(ids) => ids,
+                Fit::Shifted(ids, n) => {
+                    if !shifted {
+                        let _ = writeln!(
+                            out,
+                            "[context full (-c {n_ctx}): dropped the oldest {n} message(s), keeping the system prompt; this happens again as needed]"
+                        );
+                        shifted = true;
+                    }
+                    ids
+                }
+                Fit::TooLong(n) => {
+                    let _ = writeln!(
+                        out,
+                        "[message too long: the conversation needs {n} tokens but the context holds {n_ctx} (raise -c/--ctx-size or use --policy with --kv-budget); skipped]"
+                    );
+                    msgs.pop();
+                    continue;
+                }
+            }
+        };
         // keep the common prefix in the cache, feed the rest
         let common = cached
             .iter()
@@ -231,9 +376,27 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
             |piece| {
                 reply.push_str(piece);
                 filter.push(piece, &mut out);
-                true
+                // Ctrl-C stops this reply, not the session
+                !interrupt::requested()
             },
-        )?;
+        );
+        let stats = match stats {
+            Ok(s) => s,
+            Err(e) => {
+                // the turn failed (e.g. a kept prompt outgrew the budget):
+                // say so, forget the message and start the cache afresh
+                let _ = writeln!(out, "[error: {e}; message skipped]");
+                if !regen {
+                    msgs.pop();
+                }
+                sess.reset();
+                cached.clear();
+                continue;
+            }
+        };
+        if interrupt::requested() {
+            let _ = write!(out, " [stopped]");
+        }
         filter.finish(&mut out);
         let _ = writeln!(out);
         cached.extend_from_slice(&ids[common..]);

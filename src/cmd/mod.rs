@@ -105,16 +105,27 @@ pub fn policies_help() -> String {
 }
 
 /// Parse argv (llama.cpp multi-letter flags accepted) into a `Cli`.
-pub fn parse(args: impl IntoIterator<Item = String>) -> std::result::Result<Cli, clap::Error> {
+/// Arguments are OS strings: paths may be any bytes; a text value that is
+/// not UTF-8 is a one-line error naming its flag.
+pub fn parse<T: Into<std::ffi::OsString>>(
+    args: impl IntoIterator<Item = T>,
+) -> std::result::Result<Cli, clap::Error> {
     use clap::{CommandFactory, FromArgMatches};
     let help = format!(
         "{}\nWithout a subcommand kvrun generates from -p/-f (one-shot, like llama-completion).\n\
          Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv, -np.",
         policies_help()
     );
+    let args = normalize_args(args);
     let m = Cli::command()
         .after_help(help)
-        .try_get_matches_from(normalize_args(args))?;
+        .try_get_matches_from(args.clone())
+        .map_err(|e| match (e.kind(), args::non_utf8_message(&args)) {
+            (clap::error::ErrorKind::InvalidUtf8, Some(msg)) => {
+                clap::Error::raw(clap::error::ErrorKind::InvalidUtf8, msg + "\n")
+            }
+            _ => e,
+        })?;
     Cli::from_arg_matches(&m)
 }
 

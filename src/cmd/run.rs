@@ -2,7 +2,9 @@
 //! llama-completion): prompt from -p/-f, chat template unless --raw, tokens
 //! streamed to stdout, timings and KV statistics on stderr.
 
-use crate::cmd::args::{check_ctx_alloc, read_text, resolve_model, resolve_threads, RunArgs};
+use crate::cmd::args::{
+    check_ctx_alloc, context_notes, read_text, resolve_model, resolve_threads, RunArgs,
+};
 use crate::cmd::prompt::prompt_tokens;
 use crate::cmd::{interrupt, load_model};
 use crate::error::{Error, Result};
@@ -30,6 +32,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
     a.sampling.check()?;
+    a.kv.check()?;
     let prompt = match (&a.prompt, &a.file) {
         (Some(p), None) => p.clone(),
         (None, Some(f)) => read_text(f, "-f/--file")?,
@@ -69,6 +72,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         });
     }
     check_ctx_alloc(&w.config, n_ctx, n_threads)?;
+    context_notes(&w.config, n_ctx, &a.kv);
     let seed = if a.seed < 0 {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -105,8 +109,9 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
             "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak){}",
             a.kv.policy,
             sess.kv.ty,
-            a.kv.kv_budget
-                .map(|b| b.to_string())
+            sess.policy
+                .as_ref()
+                .map(|p| p.evictor.budget.to_string())
                 .unwrap_or_else(|| "none".into()),
             sess.n_evicted,
             sess.kv.resident_tokens(),

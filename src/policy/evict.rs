@@ -54,12 +54,14 @@ impl Evictor {
     pub fn protected(&self, pos: i64, newest: i64) -> bool {
         (pos as usize) < self.n_sink
             || (pos as usize) < self.keep_prompt_until
-            || pos > newest - self.n_recent as i64
+            || pos > newest.saturating_sub(i64::try_from(self.n_recent).unwrap_or(i64::MAX))
     }
 
     /// How many protected tokens there can be at most (for feasibility checks).
     pub fn max_protected(&self) -> usize {
-        self.n_sink.max(self.keep_prompt_until) + self.n_recent
+        self.n_sink
+            .max(self.keep_prompt_until)
+            .saturating_add(self.n_recent)
     }
 
     /// The selection routine of every layout: of a group of `len` streams

@@ -184,6 +184,7 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
 
 /// `kvrun eval passkey` printing.
 pub fn run_passkey(a: &PasskeyArgs) -> Result<()> {
+    a.kv.check()?;
     let rs = eval_passkey(a)?;
     if a.json {
         println!(

@@ -67,6 +67,7 @@ pub fn eval_ppl(a: &PplArgs) -> Result<PplReport> {
 
 /// `kvrun eval ppl` printing.
 pub fn run_ppl(a: &PplArgs) -> Result<()> {
+    a.kv.check()?;
     let r = eval_ppl(a)?;
     if a.json {
         println!(
