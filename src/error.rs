@@ -88,7 +88,7 @@ pub enum Error {
     Config(ConfigError),
 
     /// The prompt does not fit into the context window.
-    #[error("-c/--ctx-size: prompt has {n_prompt} tokens but the context holds {n_ctx}")]
+    #[error("-c/--ctx-size: prompt has {n_prompt} tokens but the context holds {n_ctx} (raise it, e.g. -c {})", n_prompt.saturating_add(256).next_power_of_two())]
     ContextTooSmall { n_prompt: usize, n_ctx: usize },
 
     /// A safetensors / Hugging Face directory problem.

@@ -10,13 +10,15 @@ fn main() -> ExitCode {
     }));
     let cli = match kvrun::cmd::parse(std::env::args_os()) {
         Ok(c) => c,
+        Err(e) if e.use_stderr() => {
+            // bad input: one line, as for every other error
+            eprintln!("{}", kvrun::cmd::one_line(&e));
+            return ExitCode::from(2);
+        }
         Err(e) => {
+            // --help, --version
             let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
+            return ExitCode::SUCCESS;
         }
     };
     if let Err(e) = kvrun::backend::cpu::isa::check_env() {

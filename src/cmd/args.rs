@@ -360,6 +360,62 @@ pub fn normalize_args<T: Into<OsString>>(args: impl IntoIterator<Item = T>) -> V
         .collect()
 }
 
+/// Subcommands, and those whose first word may be a subcommand of their own.
+const SUBCOMMANDS: &[&str] = &[
+    "inspect",
+    "bench",
+    "chat",
+    "eval",
+    "batch",
+    "calibrate",
+    "serve",
+    "synth",
+    "train",
+];
+const NESTED: &[&str] = &["eval", "calibrate", "train", "batch"];
+
+/// Move the model flags typed before a subcommand (`kvrun -m M -t 2 batch
+/// ...`, as llama.cpp users write them) after it, where the subcommand's own
+/// parser reads them. Only -m/--model, -t/--threads and --device move, and
+/// only when nothing else comes before the subcommand.
+pub fn hoist_global_flags(args: Vec<OsString>) -> Vec<OsString> {
+    const GLOBAL: &[&str] = &["-m", "--model", "-t", "--threads", "--device"];
+    let mut i = 1;
+    while i < args.len() {
+        let Some(a) = args[i].to_str() else { break };
+        if GLOBAL.contains(&a) && i + 1 < args.len() {
+            i += 2;
+        } else if GLOBAL
+            .iter()
+            .any(|g| g.starts_with("--") && a.starts_with(&format!("{g}=")))
+        {
+            i += 1;
+        } else {
+            break;
+        }
+    }
+    let sub = args.get(i).and_then(|a| a.to_str());
+    let Some(sub) = sub.filter(|s| i > 1 && SUBCOMMANDS.contains(s)) else {
+        return args;
+    };
+    // nested subcommand (`eval ppl`, `batch merge`): the flags go after it
+    let mut at = i + 1;
+    if NESTED.contains(&sub)
+        && args
+            .get(at)
+            .and_then(|a| a.to_str())
+            .is_some_and(|a| !a.starts_with('-'))
+    {
+        at += 1;
+    }
+    let mut out = Vec::with_capacity(args.len());
+    out.push(args[0].clone());
+    out.extend_from_slice(&args[i..at]);
+    out.extend_from_slice(&args[1..i]);
+    out.extend_from_slice(&args[at..]);
+    out
+}
+
 /// The one-line message for a command line whose text value is not UTF-8
 /// (file names may be anything; prompts and other values must be text):
 /// names the flag it belongs to and the first bad byte.

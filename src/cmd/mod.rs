@@ -56,8 +56,11 @@ pub struct Cli {
 pub enum Cmd {
     /// Print a model's architecture, shapes, tensor types, tokenizer and template.
     Inspect {
-        /// GGUF file (a header-only file works too).
-        model: PathBuf,
+        /// GGUF file (a header-only file works too; default: the default model).
+        model: Option<PathBuf>,
+        /// The same as the positional file (for `kvrun -m FILE inspect`).
+        #[arg(short = 'm', long = "model", conflicts_with = "model")]
+        model_flag: Option<PathBuf>,
     },
     /// llama-bench-style table: kvrun vs llama.cpp (same file, same threads).
     Bench(bench::BenchArgs),
@@ -116,23 +119,81 @@ pub fn parse<T: Into<std::ffi::OsString>>(
          Multi-letter llama.cpp flags are accepted: -sys, -sysf, -ngl, -tb, -st, -no-cnv, -np.",
         policies_help()
     );
-    let args = normalize_args(args);
-    let m = Cli::command()
-        .after_help(help)
+    let args = args::hoist_global_flags(normalize_args(args));
+    let m = allow_negative_values(Cli::command().after_help(help))
         .try_get_matches_from(args.clone())
         .map_err(|e| match (e.kind(), args::non_utf8_message(&args)) {
             (clap::error::ErrorKind::InvalidUtf8, Some(msg)) => {
                 clap::Error::raw(clap::error::ErrorKind::InvalidUtf8, msg + "\n")
             }
-            _ => e,
+            _ => negative_value_error(&e).unwrap_or(e),
         })?;
     Cli::from_arg_matches(&m)
+}
+
+/// Let every flag that takes a value take a negative number (`-c -1`), so
+/// that the value reaches its parser and the error names the flag and its
+/// range instead of clap's "unexpected argument '-1'".
+fn allow_negative_values(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        if a.get_action().takes_values() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(allow_negative_values)
+}
+
+/// A negative number given to an unsigned flag, as a one-line error naming
+/// the flag and the allowed range.
+fn negative_value_error(e: &clap::Error) -> Option<clap::Error> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        e.kind(),
+        ErrorKind::ValueValidation | ErrorKind::InvalidValue
+    ) {
+        return None;
+    }
+    let text = |k| match e.get(k) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        _ => None,
+    };
+    let value = text(ContextKind::InvalidValue)?;
+    value.parse::<f64>().ok().filter(|v| *v < 0.0)?;
+    let flag = text(ContextKind::InvalidArg)?;
+    let flag = flag.split_whitespace().next().unwrap_or(&flag).to_owned();
+    Some(clap::Error::raw(
+        ErrorKind::ValueValidation,
+        format!("{flag}: must be a whole number ≥ 0, got {value}\n"),
+    ))
+}
+
+/// A clap error as the one line kvrun prints for bad input: its first
+/// paragraph joined, plus clap's tip when it has one (help and version
+/// output are not errors and are printed whole by the caller).
+pub fn one_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut paras = text.split("\n\n").map(|p| {
+        p.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
+    });
+    let mut line = paras.next().unwrap_or_default();
+    if let Some(tip) = paras.find(|p| p.starts_with("tip:")) {
+        line = format!("{line} ({tip})");
+    }
+    line
 }
 
 /// Entry point used by main: parse already-normalized args and run.
 pub fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
-        Some(Cmd::Inspect { model }) => inspect::run_inspect(model),
+        Some(Cmd::Inspect { model, model_flag }) => {
+            inspect::run_inspect(&resolve_model(&model.clone().or(model_flag.clone()))?)
+        }
         Some(Cmd::Bench(b)) => bench::run_bench(b),
         Some(Cmd::Chat(c)) => chat::run_chat(c),
         Some(Cmd::Calibrate(c)) => calibrate::run_calibrate(c),

@@ -33,9 +33,27 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     }
     a.sampling.check()?;
     a.kv.check()?;
+    if a.raw && (a.system.is_some() || a.system_file.is_some()) {
+        return Err(Error::arg(
+            "-sys/--system-prompt",
+            "a system prompt goes through the chat template, which --raw turns off (drop one of them)",
+        ));
+    }
     let prompt = match (&a.prompt, &a.file) {
+        (Some(p), None) if p.trim().is_empty() => {
+            return Err(Error::arg("-p/--prompt", "the prompt is empty"))
+        }
         (Some(p), None) => p.clone(),
-        (None, Some(f)) => read_text(f, "-f/--file")?,
+        (None, Some(f)) => {
+            let text = read_text(f, "-f/--file")?;
+            if text.trim().is_empty() {
+                return Err(Error::arg(
+                    "-f/--file",
+                    format!("{}: the prompt file is empty", f.display()),
+                ));
+            }
+            text
+        }
         (Some(_), Some(_)) => {
             return Err(Error::arg(
                 "-p/-f",
@@ -102,6 +120,12 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
             && !interrupt::requested()
     })?;
     let _ = writeln!(out);
+    if stats.stop == crate::generate::StopReason::ContextFull {
+        eprintln!(
+            "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size{} for longer output",
+            if sess.policy.is_some() { "" } else { " or use --policy with --kv-budget" }
+        );
+    }
     if !a.no_perf {
         eprintln!("kvrun: load time = {load_ms:10.2} ms");
         eprint!("{}", stats.timing_lines("kvrun"));

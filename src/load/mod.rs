@@ -56,6 +56,12 @@ impl Checkpoint {
                 &header, &recipe, path, &spec,
             )?)))
         } else if path.is_dir() {
+            if !path.join("config.json").is_file() {
+                return Err(Error::BadCheckpoint {
+                    path: path.to_owned(),
+                    what: "a directory, but not a Hugging Face model directory (no config.json); give a GGUF file or a directory with config.json, *.safetensors and tokenizer.json".into(),
+                });
+            }
             Ok(Checkpoint::Hf(Box::new(safetensors::HfCheckpoint::open(
                 path,
             )?)))

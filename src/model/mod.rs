@@ -141,9 +141,13 @@ impl Config {
                 Some("none") | None => {}
                 Some("linear") => {
                     let f = g.get_f32_opt(&k("rope.scaling.factor"))?.unwrap_or(1.0);
-                    if f > 0.0 {
-                        rope_pos_scale = 1.0 / f;
+                    if !(f.is_finite() && f > 0.0) {
+                        return Err(bad(
+                            k("rope.scaling.factor"),
+                            format!("{f} is not a usable scaling factor (finite, above 0)"),
+                        ));
                     }
+                    rope_pos_scale = 1.0 / f;
                 }
                 Some(other) => {
                     return Err(bad(
@@ -152,6 +156,24 @@ impl Config {
                     ))
                 }
             }
+        }
+        // numbers the math divides by or exponentiates: finite and in range,
+        // or the file is corrupt (never silent NaN logits)
+        let norm_eps = g
+            .get_f32_opt(&k("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5);
+        if !(norm_eps.is_finite() && (0.0..1.0).contains(&norm_eps)) {
+            return Err(bad(
+                k("attention.layer_norm_rms_epsilon"),
+                format!("{norm_eps} is not a usable epsilon (finite, in [0, 1))"),
+            ));
+        }
+        let rope_base = g.get_f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0);
+        if !(rope_base.is_finite() && rope_base > 1.0) {
+            return Err(bad(
+                k("rope.freq_base"),
+                format!("{rope_base} is not a usable RoPE base (finite, above 1)"),
+            ));
         }
         let vocab = g
             .info("token_embd.weight")
@@ -170,10 +192,8 @@ impl Config {
             head_dim,
             vocab,
             n_ctx_train: g.get_usize(&k("context_length")).unwrap_or(2048),
-            norm_eps: g
-                .get_f32_opt(&k("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-5),
-            rope_base: g.get_f32_opt(&k("rope.freq_base"))?.unwrap_or(10000.0),
+            norm_eps,
+            rope_base,
             n_rot,
             rope_style: match arch {
                 Arch::Llama => RopeStyle::Normal,

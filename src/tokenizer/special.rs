@@ -214,11 +214,23 @@ impl SpecialIds {
                 *slot = id_key(old_key, *slot)?;
             }
         }
+        // The ids generation starts and stops on must name a token: an id
+        // past the vocabulary is a corrupt file, not a default (llama.cpp
+        // only warns, then never stops or starts from the wrong token).
+        let strict = |key: &str, default: Option<u32>| -> Result<Option<u32>> {
+            match meta.int_opt(key)? {
+                None => Ok(default),
+                Some(id) if (0..n as i64).contains(&id) => Ok(Some(id as u32)),
+                Some(id) => Err(super::tok_err(format!(
+                    "metadata key '{key}': token id {id} is outside the vocabulary of {n} tokens"
+                ))),
+            }
+        };
         Ok(SpecialIds {
-            bos: id_key("tokenizer.ggml.bos_token_id", def_bos)?,
-            eos: id_key("tokenizer.ggml.eos_token_id", def_eos)?,
-            eot: id_key("tokenizer.ggml.eot_token_id", None)?,
-            eom: id_key("tokenizer.ggml.eom_token_id", None)?,
+            bos: strict("tokenizer.ggml.bos_token_id", def_bos)?,
+            eos: strict("tokenizer.ggml.eos_token_id", def_eos)?,
+            eot: strict("tokenizer.ggml.eot_token_id", None)?,
+            eom: strict("tokenizer.ggml.eom_token_id", None)?,
             fim,
         })
     }

@@ -180,12 +180,13 @@ impl EpikvLayers {
 
     /// Check every layer exists in a model of `n_layers` layers.
     pub fn validate(&self, n_layers: usize) -> Result<()> {
-        let bad = |what: &str| {
+        let bad_in = |field: Field, what: &str| {
             Error::config(
-                Field::EpikvLayers,
+                field,
                 format!("{what} (the model has {n_layers} layers, 0-based)"),
             )
         };
+        let bad = |what: &str| bad_in(Field::EpikvLayers, what);
         if self.layer_a >= n_layers || self.layer_b >= n_layers {
             return Err(bad(&format!(
                 "layers {},{} out of range",
@@ -194,7 +195,10 @@ impl EpikvLayers {
         }
         for (a, b) in [self.band_a, self.band_b] {
             if a > b || b >= n_layers {
-                return Err(bad(&format!("band {a}-{b} is empty or out of range")));
+                return Err(bad_in(
+                    Field::EpikvBands,
+                    &format!("band {a}-{b} is empty or out of range"),
+                ));
             }
         }
         if self.window == 0 {
