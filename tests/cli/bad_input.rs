@@ -631,6 +631,48 @@ fn c19_partial_block_at_huge_offset() {
 // ---------------------------------------------------------------- KV cache flags
 
 /// An unknown `--cache-type` is one line naming the flag and the choices.
+/// Metadata values the math depends on are checked at load, naming the
+/// key: a −inf epsilon, a NaN RoPE base, a zero scaling factor, BOS/EOS ids
+/// past the vocabulary (each was silent garbage or a wrong stop before).
+#[test]
+fn c20_corrupt_metadata_values() {
+    let tmp = Scratch::new("c20");
+    let n = vocab().len() as u32;
+    let cases: Vec<(&str, V, &[&str])> = vec![
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            V::F32(f32::NEG_INFINITY),
+            &["layer_norm_rms_epsilon", "-inf"],
+        ),
+        (
+            "llama.rope.freq_base",
+            V::F32(f32::NAN),
+            &["rope.freq_base", "NaN"],
+        ),
+        (
+            "tokenizer.ggml.bos_token_id",
+            V::U32(n),
+            &["bos_token_id", "outside the vocabulary"],
+        ),
+        (
+            "tokenizer.ggml.eos_token_id",
+            V::U32(n + 1000),
+            &["eos_token_id", "outside the vocabulary"],
+        ),
+    ];
+    for (i, (key, v, want)) in cases.into_iter().enumerate() {
+        let mut w = tiny_llama();
+        w.kv(key, v);
+        let m = s(&w.write(&tmp, &format!("meta{i}.gguf")));
+        expect_error(&gen_args(&m), want);
+    }
+    let mut w = tiny_llama();
+    w.kv("llama.rope.scaling.type", V::Str("linear"))
+        .kv("llama.rope.scaling.factor", V::F32(0.0));
+    let m = s(&w.write(&tmp, "scale.gguf"));
+    expect_error(&gen_args(&m), &["rope.scaling.factor"]);
+}
+
 #[test]
 fn c40_unknown_cache_type() {
     let m = model();

@@ -1,0 +1,505 @@
+//! Robustness of the foreground commands, through the binary as users hit
+//! them: arguments that are not UTF-8, sizes that would overflow or exhaust
+//! memory, Ctrl-C in one-shot generation and in chat, chat conversations that
+//! outgrow the context, and the flag labels of error messages. Each case is
+//! the reproduction of a reported failure.
+
+use crate::util;
+
+use std::ffi::{OsStr, OsString};
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStringExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn model() -> String {
+    util::default_model().to_string_lossy().into_owned()
+}
+
+fn kvrun() -> Command {
+    let mut c = Command::new(util::kvrun_bin());
+    c.env_remove("KVRUN_MODEL").env_remove("RUST_BACKTRACE");
+    c
+}
+
+fn run<S: AsRef<OsStr>>(args: &[S]) -> Output {
+    kvrun()
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn kvrun")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A clean one-line failure (no panic, no backtrace) whose line has `want`.
+fn one_line_error<S: AsRef<OsStr> + std::fmt::Debug>(args: &[S], want: &[&str]) {
+    let out = run(args);
+    let err = text(&out.stderr);
+    let ctx = format!("kvrun {args:?}\nstatus {:?}\nstderr:\n{err}", out.status);
+    assert!(!out.status.success(), "expected a failure: {ctx}");
+    assert!(out.status.code().is_some(), "killed by a signal: {ctx}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{ctx}"
+    );
+    let lines: Vec<&str> = err.trim().lines().collect();
+    assert_eq!(lines.len(), 1, "expected one stderr line: {ctx}");
+    assert!(lines[0].starts_with("error: "), "{ctx}");
+    for w in want {
+        assert!(lines[0].contains(w), "error line lacks {w:?}: {ctx}");
+    }
+}
+
+/// A run that succeeds; returns (stdout, stderr).
+fn ok<S: AsRef<OsStr> + std::fmt::Debug>(args: &[S]) -> (String, String) {
+    let out = run(args);
+    let (o, e) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "kvrun {args:?} failed: {e}");
+    assert!(!e.contains("panicked"), "{e}");
+    (o, e)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvrun-robust-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn os(b: &[u8]) -> OsString {
+    OsString::from_vec(b.to_vec())
+}
+
+fn sigint(child: &Child) {
+    // SAFETY: kill(2) with a pid this test spawned and has not reaped.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(rc, 0, "kill failed");
+}
+
+/// Read from `r` until `done(all bytes so far)` or the deadline.
+fn read_until(r: &mut impl Read, all: &mut Vec<u8>, done: impl Fn(&[u8]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut buf = [0u8; 256];
+    while !done(all) {
+        assert!(Instant::now() < deadline, "timed out; got:\n{}", text(all));
+        match r.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => all.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+}
+
+// ------------------------------------------------------------ 1: non-UTF-8
+
+/// Arguments are OS strings: file names may be any bytes (`-f`, `-m`),
+/// prompt text that is not UTF-8 is a one-line error naming its flag
+/// (both panicked in `std::env::args`).
+#[test]
+fn r01_non_utf8_arguments() {
+    let m = model();
+    for flag in ["-p", "-sys", "--system-prompt"] {
+        let mut args: Vec<OsString> = vec!["-m".into(), m.clone().into(), "-n".into(), "2".into()];
+        if flag != "-p" {
+            args.extend(["-p".into(), "hi".into()]);
+        }
+        args.push(flag.into());
+        args.push(os(b"hi \xff\xfe"));
+        one_line_error(&args, &[flag, "not valid UTF-8"]);
+    }
+    let dir = scratch("r01");
+    let mut prompt = dir.clone().into_os_string();
+    prompt.push(os(b"/prompt-\xff.txt"));
+    std::fs::write(&prompt, "Say hello.").unwrap();
+    let mut link = dir.clone().into_os_string();
+    link.push(os(b"/model-\xfe.gguf"));
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(util::default_model(), &link).unwrap();
+    let args: Vec<OsString> = vec![
+        "-m".into(),
+        link,
+        "-f".into(),
+        prompt,
+        "-n".into(),
+        "3".into(),
+        "--temp".into(),
+        "0".into(),
+        "--no-perf".into(),
+    ];
+    let (out, _) = ok(&args);
+    assert!(!out.trim().is_empty(), "no text generated");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ------------------------------------------------------------ 2-4: sizes
+
+/// Sizes that overflowed or exhausted memory: a budget of 2^64−1 or 2^40 is
+/// clamped to the context (said on stderr, reported as the budget), a huge
+/// `-b` is clamped, and sinks/recent that wrap the protection sum are
+/// refused naming the flags.
+#[test]
+fn r02_huge_sizes_are_clamped_or_refused() {
+    let m = model();
+    for b in ["18446744073709551615", "1099511627776"] {
+        let (_, err) = ok(&[
+            "-m",
+            &m,
+            "-p",
+            "hi",
+            "-n",
+            "2",
+            "-c",
+            "256",
+            "--policy",
+            "window",
+            "--kv-budget",
+            b,
+        ]);
+        assert!(err.contains("clamped to 256"), "{err}");
+        assert!(err.contains("budget=256"), "{err}");
+    }
+    ok(&[
+        "-m",
+        &m,
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "-b",
+        "18446744073709551615",
+    ]);
+    // chat takes the same flags
+    let mut child = kvrun()
+        .args(["chat", "-m", &m, "-n", "4", "-c", "256", "--temp", "0"])
+        .args(["--policy", "window", "--kv-budget", "18446744073709551615"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"hi\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // the budget becomes the context: defaults follow the clamped value
+    ok(&[
+        "-m",
+        &m,
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "-c",
+        "64",
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "100000",
+    ]);
+    for (flag, want) in [("--kv-recent", "--kv-recent"), ("--kv-sink", "--kv-sink")] {
+        one_line_error(
+            &[
+                "-m",
+                &m,
+                "-p",
+                "hi",
+                "-n",
+                "2",
+                "--policy",
+                "window",
+                "--kv-budget",
+                "32",
+                flag,
+                "18446744073709551615",
+            ],
+            &["--kv-budget", want, "protected"],
+        );
+    }
+}
+
+/// `-c` beyond the trained context is allowed with a warning; a budget with
+/// `--policy full` is refused rather than reported and ignored.
+#[test]
+fn r03_context_and_full_budget() {
+    let m = model();
+    let (_, err) = ok(&["-m", &m, "-p", "hi", "-n", "1", "-c", "9000"]);
+    assert!(err.contains("beyond the model's trained context"), "{err}");
+    one_line_error(
+        &[
+            "-m",
+            &m,
+            "-p",
+            "hi",
+            "--policy",
+            "full",
+            "--kv-budget",
+            "48",
+        ],
+        &["--kv-budget", "--policy full"],
+    );
+}
+
+// ------------------------------------------------------------ 5: Ctrl-C
+
+/// One-shot generation: Ctrl-C stops at the next token, the text so far and
+/// the timing and kv lines are printed, the exit status is 130.
+#[test]
+fn r05_ctrl_c_one_shot() {
+    let mut child = kvrun()
+        .args([
+            "-m",
+            &model(),
+            "-p",
+            "Write a very long story about a dragon.",
+        ])
+        .args([
+            "-n",
+            "2000",
+            "--ignore-eos",
+            "-c",
+            "4096",
+            "--temp",
+            "0",
+            "-t",
+            "2",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut so = child.stdout.take().unwrap();
+    let mut got = Vec::new();
+    read_until(&mut so, &mut got, |b| b.len() >= 40);
+    sigint(&child);
+    so.read_to_end(&mut got).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "stderr:\n{err}");
+    assert!(err.contains("eval time"), "no timing lines:\n{err}");
+    assert!(err.contains("kv: policy="), "no kv line:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // it stopped early, not at -n
+    let n: usize = err
+        .lines()
+        .find(|l| l.contains("eval time") && !l.contains("prompt"))
+        .and_then(|l| l.split('/').nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("eval runs");
+    assert!(n < 1990, "generation was not stopped ({n} runs)");
+}
+
+/// Chat: the first Ctrl-C stops the reply and the session goes on (the next
+/// line is answered); a Ctrl-C at the prompt ends the process with 130.
+#[test]
+fn r05_ctrl_c_chat() {
+    let mut child = kvrun()
+        .args([
+            "chat",
+            "-m",
+            &model(),
+            "-n",
+            "3000",
+            "--temp",
+            "0",
+            "-t",
+            "2",
+        ])
+        .args(["-c", "4096", "--ignore-eos"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut si = child.stdin.take().unwrap();
+    let mut so = child.stdout.take().unwrap();
+    si.write_all(b"Write a very long story about a dragon.\n")
+        .unwrap();
+    si.flush().unwrap();
+    let mut got = Vec::new();
+    read_until(&mut so, &mut got, |b| b.len() >= 40);
+    sigint(&child);
+    read_until(&mut so, &mut got, |b| text(b).contains("[stopped]"));
+    si.write_all(b"/stats\n").unwrap();
+    si.flush().unwrap();
+    read_until(&mut so, &mut got, |b| text(b).contains("[kv:"));
+    // now idle at the prompt: Ctrl-C exits
+    std::thread::sleep(Duration::from_millis(200));
+    sigint(&child);
+    drop(si);
+    so.read_to_end(&mut got).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "stdout:\n{}\nstderr:\n{}",
+        text(&got),
+        text(&out.stderr)
+    );
+}
+
+// ------------------------------------------------------------ 6-7: chat
+
+fn chat(args: &[&str], input: &[u8]) -> (String, String, bool) {
+    let mut child = kvrun()
+        .args(["chat", "-m", &model(), "--temp", "0", "-t", "2"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (text(&out.stdout), text(&out.stderr), out.status.success())
+}
+
+/// A conversation that outgrows `-c` goes on: with a policy the budgeted
+/// cache holds it (no shift, three answers); without one the oldest turns
+/// are dropped once, said once, and every question is answered.
+#[test]
+fn r06_chat_outgrows_the_context() {
+    let input = b"Tell me about cats.\nTell me about dogs.\nTell me about birds.\n";
+    let (out, err, okay) = chat(
+        &[
+            "-n",
+            "32",
+            "-c",
+            "120",
+            "--policy",
+            "window",
+            "--kv-budget",
+            "64",
+        ],
+        input,
+    );
+    assert!(okay, "budgeted chat failed: {err}\n{out}");
+    assert_eq!(
+        out.lines().filter(|l| !l.trim().is_empty()).count(),
+        3,
+        "{out}"
+    );
+    assert!(!out.contains("context full"), "{out}");
+    let (out, err, okay) = chat(&["-n", "32", "-c", "120"], input);
+    assert!(okay, "full-cache chat failed: {err}\n{out}");
+    assert_eq!(out.matches("[context full").count(), 1, "{out}");
+    let answers = out
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('['))
+        .count();
+    assert_eq!(answers, 3, "{out}");
+}
+
+/// An over-long message and a non-UTF-8 line are reported and skipped; the
+/// next line is answered and the exit status is 0.
+#[test]
+fn r07_chat_skips_bad_lines() {
+    let mut input = b"\xff\xfe not text\n".to_vec();
+    input.extend("word ".repeat(400).as_bytes());
+    input.extend(b"\nSay hello.\n");
+    let (out, err, okay) = chat(&["-n", "8", "-c", "128"], &input);
+    assert!(okay, "chat failed: {err}\n{out}");
+    assert!(out.contains("not valid UTF-8"), "{out}");
+    assert!(out.contains("[message too long"), "{out}");
+    let last = out.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
+    assert!(
+        !last.starts_with('['),
+        "the last line was not answered:\n{out}"
+    );
+}
+
+// ------------------------------------------------------------ 16: labels
+
+/// Error messages name the right flag and say what to do; negative numbers
+/// name their flag; global flags may precede the subcommand; `inspect`
+/// without a file inspects the default model.
+#[test]
+fn r16_flags_and_labels() {
+    let m = model();
+    let dir = scratch("r16");
+    one_line_error(
+        &[
+            "-m",
+            &m,
+            "-p",
+            "hi",
+            "--policy",
+            "epikv-band",
+            "--kv-budget",
+            "64",
+        ]
+        .into_iter()
+        .chain(["--epikv-bands", "3-2,9-1"])
+        .collect::<Vec<_>>(),
+        &["--epikv-bands"],
+    );
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    one_line_error(&["-m", &m, "-f", empty.to_str().unwrap()], &["-f", "empty"]);
+    one_line_error(
+        &["-m", dir.to_str().unwrap(), "-p", "hi"],
+        &["not a Hugging Face model directory"],
+    );
+    one_line_error(
+        &[
+            "-m",
+            &m,
+            "-c",
+            "8",
+            "-p",
+            "hello there, how are you doing today?",
+        ],
+        &["-c/--ctx-size", "raise it, e.g. -c "],
+    );
+    one_line_error(
+        &["-m", &m, "-p", "hi", "-sys", "be brief", "--raw"],
+        &["--raw"],
+    );
+    for (flag, v) in [
+        ("-c", "-1"),
+        ("--kv-budget", "-1"),
+        ("-b", "-5"),
+        ("-n", "-2"),
+    ] {
+        let long = match flag {
+            "-c" => "ctx-size",
+            "-b" => "batch-size",
+            "-n" => "n-predict",
+            f => f.trim_start_matches('-'),
+        };
+        one_line_error(&["-m", &m, "-p", "hi", flag, v], &[long, v]);
+    }
+    one_line_error(&["-m", &m, "--polcy", "x"], &["--polcy", "--policy"]);
+    let (_, err) = ok(&[
+        "-m",
+        &m,
+        "-p",
+        "Count from one to one hundred.",
+        "-c",
+        "40",
+        "-n",
+        "100",
+        "--ignore-eos",
+    ]);
+    assert!(err.contains("the context is full (40 tokens)"), "{err}");
+    let (out, _) = ok(&["inspect"]);
+    assert!(out.contains("general.architecture"), "{out}");
+    let (out, _) = ok(&["-m", &m, "inspect"]);
+    assert!(out.contains("general.architecture"), "{out}");
+    let (out, _) = ok(&["-m", &m, "-t", "1", "eval", "ppl", "--help"]);
+    assert!(out.contains("Usage: kvrun eval ppl"), "{out}");
+    let mut child = kvrun()
+        .args(["-m", &m, "-t", "1", "chat", "-n", "2", "--temp", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"hi\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(dir);
+}
