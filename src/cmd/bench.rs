@@ -133,6 +133,8 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     for p in &policies {
         let kv = KvArgs {
             policy: (*p).to_owned(),
+            // a budget beyond the context holds the context
+            kv_budget: a.kv.kv_budget.map(|b| b.min(n_ctx_ours)),
             ..a.kv.clone()
         };
         let mut s = match kv.build(0, &path)? {
