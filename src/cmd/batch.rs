@@ -504,6 +504,9 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         return Err(Error::arg("--resume", "needs an output file, not stdout"));
     }
     check_distinct(input, output)?;
+    // from here on Ctrl-C asks the loop to stop (while the model loads too)
+    interrupt::install();
+    interrupt::set_mode(interrupt::Mode::Busy);
     if a.batch_size == 0 {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
@@ -588,8 +591,6 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         todo.push((idx, item));
     }
 
-    interrupt::install();
-    interrupt::set_mode(interrupt::Mode::Busy);
     let progress = std::io::stderr().is_terminal();
     let kv_budget = a.kv.kv_budget;
     let mut run = Totals::default();

@@ -179,7 +179,14 @@ fn check_default_policy<'w>(
             ));
         }
     }
-    drop(a.kv.session(w, 0, path, n_ctx, 1, a.batch_size, 0)?);
+    // a budgeted cache is the budget's size; the full cache has nothing to
+    // check but its type and positions, so a short one does
+    let n = if cfg.budget.is_some() {
+        n_ctx
+    } else {
+        n_ctx.min(256)
+    };
+    drop(a.kv.session(w, 0, path, n, 1, a.batch_size, 0)?);
     Ok(())
 }
 
