@@ -20,6 +20,16 @@
 //!   client goes away the handler (or the SSE body) is dropped, the channel's
 //!   send fails and the worker stops at the next token.
 //! - Every error is an OpenAI-shaped body `{"error":{"message","type","param","code"}}`.
+//! - Start-up builds one session with the server's own KV flags, so a
+//!   default no request could run with is a one-line error at once.
+//! - Connections are served by our own hyper loop: `--timeout` bounds the
+//!   wait for a request's headers (idle keep-alive time included) and then
+//!   for its body. SIGINT / SIGTERM close the listener, give requests in
+//!   flight `--shutdown-timeout` seconds, then stop the remaining
+//!   generations at their next token (streams still end with a final chunk
+//!   and `data: [DONE]`), and the process exits 0.
+//! - Chat message contents are tokenized as plain text: control-token text
+//!   a client typed stays text unless `--parse-special`.
 //!
 //! Files: `routes` (router, handlers, auth), `api` (request parsing,
 //! response JSON, errors), `slots` (worker threads and job running), `sse`
