@@ -82,7 +82,7 @@ pub enum Error {
     #[error("{flag}: {what}")]
     BadArg { flag: String, what: String },
 
-    /// A KV-policy setting is out of range or inconsistent; each front end
+    /// A KV-policy or sampling setting is out of range or inconsistent; each front end
     /// names the fields its own way (flags here, JSON fields in the server).
     #[error("{0}")]
     Config(ConfigError),
@@ -123,9 +123,14 @@ impl Error {
     }
 }
 
-/// A KV-policy setting, whatever front end set it.
+/// A KV-policy or sampling setting, whatever front end set it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Field {
+    Temp,
+    TopK,
+    TopP,
+    MinP,
+    RepeatPenalty,
     Policy,
     Budget,
     Sink,
@@ -157,6 +162,11 @@ impl Field {
     /// The command-line flag.
     pub fn flag(self) -> &'static str {
         match self {
+            Field::Temp => "--temp",
+            Field::TopK => "--top-k",
+            Field::TopP => "--top-p",
+            Field::MinP => "--min-p",
+            Field::RepeatPenalty => "--repeat-penalty",
             Field::Policy => "--policy",
             Field::Budget => "--kv-budget",
             Field::Sink => "--kv-sink",
@@ -189,6 +199,11 @@ impl Field {
     /// may override (the others come from the server's flags).
     pub fn json(self) -> Option<&'static str> {
         Some(match self {
+            Field::Temp => "temperature",
+            Field::TopK => "top_k",
+            Field::TopP => "top_p",
+            Field::MinP => "min_p",
+            Field::RepeatPenalty => "repeat_penalty",
             Field::Policy => "policy",
             Field::Budget => "kv_budget",
             Field::Sink => "kv_sink",

@@ -5,6 +5,8 @@
 //! lowest id). The random generator is our own seeded xoshiro256**, so the
 //! same seed gives the same output on every machine.
 
+use crate::error::{Error, Field, Result};
+
 /// Sampling parameters (llama.cpp defaults).
 #[derive(Clone, Debug)]
 pub struct SamplerConfig {
@@ -33,6 +35,36 @@ impl Default for SamplerConfig {
             repeat_last_n: 64,
             seed: 0,
         }
+    }
+}
+
+impl SamplerConfig {
+    /// The one range check of the sampling settings, shared by the command
+    /// line and the server: temperature finite (≤ 0 is greedy), top-p and
+    /// min-p in [0, 1], repeat penalty finite and above 0 (it divides
+    /// logits). The error names the setting the way each front end does.
+    pub fn validate(&self) -> Result<()> {
+        if !self.temp.is_finite() {
+            return Err(Error::config(
+                Field::Temp,
+                format!("must be a finite number, got {}", self.temp),
+            ));
+        }
+        for (f, v) in [(Field::TopP, self.top_p), (Field::MinP, self.min_p)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(Error::config(
+                    f,
+                    format!("must be between 0 and 1, got {v}"),
+                ));
+            }
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            return Err(Error::config(
+                Field::RepeatPenalty,
+                format!("must be above 0 (1 = off), got {}", self.repeat_penalty),
+            ));
+        }
+        Ok(())
     }
 }
 

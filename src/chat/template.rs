@@ -142,6 +142,64 @@ impl ChatTemplate {
         .map_err(tmpl_err)
     }
 
+    /// Render a conversation and say where each message's content landed:
+    /// the byte ranges (in order) of the rendered text that came from
+    /// message contents, not from the template. Found by rendering once more
+    /// with a marker in place of each content; None when the template
+    /// rewrites contents beyond trimming them (the markers then do not map
+    /// back onto the real rendering).
+    pub fn render_with_content_spans(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<(String, Option<Vec<std::ops::Range<usize>>>)> {
+        let real = self.render(messages, add_generation_prompt)?;
+        // private-use characters: no template emits them on its own
+        let (open, close) = ('\u{F8F0}', '\u{F8F1}');
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message::new(m.role.clone(), format!("{open}{i}{close}")))
+            .collect();
+        let Ok(marked) = self.render(&marked, add_generation_prompt) else {
+            return Ok((real, None));
+        };
+        for trim in [false, true] {
+            let mut out = String::with_capacity(real.len());
+            let mut spans = Vec::new();
+            let mut rest = marked.as_str();
+            let mut ok = true;
+            while let Some(p) = rest.find(open) {
+                out.push_str(&rest[..p]);
+                let after = &rest[p + open.len_utf8()..];
+                let Some(q) = after.find(close) else {
+                    ok = false;
+                    break;
+                };
+                let Some(m) = after[..q]
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|i| messages.get(i))
+                else {
+                    ok = false;
+                    break;
+                };
+                let c = if trim { m.content.trim() } else { &m.content };
+                let start = out.len();
+                out.push_str(c);
+                if !c.is_empty() {
+                    spans.push(start..out.len());
+                }
+                rest = &after[q + close.len_utf8()..];
+            }
+            out.push_str(rest);
+            if ok && out == real {
+                return Ok((real, Some(spans)));
+            }
+        }
+        Ok((real, None))
+    }
+
     /// The template's Jinja source.
     pub fn source(&self) -> &str {
         &self.source

@@ -258,19 +258,9 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    /// Reject values that are not numbers.
+    /// Reject values out of range (the library's check, the server's too).
     pub fn check(&self) -> Result<()> {
-        if self.temp.is_some_and(|t| !t.is_finite())
-            || self.top_p.is_nan()
-            || self.min_p.is_nan()
-            || self.repeat_penalty.is_nan()
-        {
-            return Err(Error::arg(
-                "--temp/--top-p/--min-p/--repeat-penalty",
-                "must be numbers",
-            ));
-        }
-        Ok(())
+        self.config(0.0, 0).validate()
     }
     /// The sampler settings, with `default_temp` when --temp is absent.
     pub fn config(&self, default_temp: f32, seed: u64) -> SamplerConfig {

@@ -4,7 +4,7 @@
 //! ```text
 //! kvrun batch -i IN.jsonl|- -o OUT.jsonl|- [model, KV, sampling flags]
 //!             [--template plain|boxed|r1] [--grade auto|math|gsm8k|aime|none]
-//!             [--resume] [--limit N] [--shard i/n] [--summary FILE]
+//!             [--resume] [--limit N] [--shard i/n] [--summary FILE] [--allow-errors]
 //! kvrun batch merge OUT1 OUT2 ... -o MERGED
 //! ```
 //!
@@ -18,30 +18,40 @@
 //!   value (auto: `id`, `unique_id`), else the line number.
 //! - A malformed line (bad JSON, no prompt field, a prompt that does not fit
 //!   the context) is reported on stderr as `line N: …`, NO record is written
-//!   for it, and the rest of the batch runs. The exit code is 0 unless
-//!   there were lines to process and none of them could be processed.
+//!   for it, and the rest of the batch runs. The exit code is then 1 (after
+//!   the rest ran) unless `--allow-errors` is given.
 //! - Blank lines are skipped silently (they still count for line numbers).
 //! - `--shard i/n` keeps the lines whose 0-based line index % n == i.
 //!   `--limit N` processes at most N lines (after sharding and resume).
 //! - Each record gets a fresh session and a sampler seeded with
 //!   seed + line index, so a record's output does not depend on which
 //!   other records run, or in which shard (greedy is the default).
-//! - `--resume` reads the ids already in the output file and appends only
-//!   the missing records.
+//! - Records are keyed by (line number, id): two input lines that share an
+//!   id are both run (with a warning). `--resume` reads the keys already in
+//!   the output file and appends only the missing records. A last line
+//!   without its newline (a crash mid-write) is reported and cut off first,
+//!   so the file is whole JSONL lines again. Each record is one write of a
+//!   whole line, flushed at once.
+//! - `-i X -o X` (the same file, after resolving links) is refused.
+//! - Ctrl-C stops the record being generated at the next token; that record
+//!   is not written, the summary (and `--summary`) covers what was done, and
+//!   the exit status is 130. `--resume` continues with that record.
 //! - Progress goes to stderr only when stderr is a terminal; a summary line
-//!   always goes to stderr, and `--summary FILE` writes it as JSON.
+//!   always goes to stderr, and `--summary FILE` writes it as JSON. After
+//!   `--resume` the summary's totals cover the whole output file;
+//!   `processed` counts the records of this run.
 
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::cmd::grade::{extract_answer, grade, Kind};
-use crate::cmd::load_model;
 use crate::cmd::prompt::prompt_tokens;
+use crate::cmd::{interrupt, load_model};
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, StopReason};
 use crate::sample::Sampler;
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -66,7 +76,7 @@ pub struct BatchCmd {
 /// Subcommands of `kvrun batch`.
 #[derive(Subcommand, Debug)]
 pub enum BatchSub {
-    /// Combine shard outputs, ordered by line number, dropping duplicate ids.
+    /// Combine shard outputs, ordered by line number, dropping duplicate (line, id) records.
     Merge(MergeArgs),
 }
 
@@ -160,9 +170,12 @@ pub struct BatchArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long = "ignore-eos")]
     pub ignore_eos: bool,
-    /// Skip ids already in the output file and append the rest.
+    /// Skip records (line number + id) already in the output file and append the rest.
     #[arg(long = "resume")]
     pub resume: bool,
+    /// Exit 0 even when some lines failed (they are still reported).
+    #[arg(long = "allow-errors")]
+    pub allow_errors: bool,
     /// Process at most N lines.
     #[arg(long = "limit")]
     pub limit: Option<usize>,
@@ -337,23 +350,145 @@ fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<Item
     })
 }
 
-/// Ids already present in an output file (unparseable lines are ignored),
-/// and whether the file ends without a newline.
-fn done_ids(path: &str) -> Result<(HashSet<String>, bool)> {
+/// What one batch run (or an earlier run's output file) adds up to.
+#[derive(Debug, Default, Clone, Copy)]
+struct Totals {
+    records: usize,
+    graded: usize,
+    correct: usize,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    time_s: f64,
+    gen_s: f64,
+    peak_kv: usize,
+    evicted: usize,
+}
+
+impl Totals {
+    fn add(&mut self, o: &Totals) {
+        self.records += o.records;
+        self.graded += o.graded;
+        self.correct += o.correct;
+        self.prompt_tokens += o.prompt_tokens;
+        self.gen_tokens += o.gen_tokens;
+        self.time_s += o.time_s;
+        self.gen_s += o.gen_s;
+        self.peak_kv = self.peak_kv.max(o.peak_kv);
+        self.evicted += o.evicted;
+    }
+}
+
+/// The key a record is known by: its 1-based input line and its id.
+type Key = (usize, String);
+
+/// An existing output file, as `--resume` finds it.
+#[derive(Debug, Default)]
+struct Existing {
+    /// Keys of the records already written.
+    keys: HashSet<Key>,
+    /// Their totals (for a summary over the whole file).
+    totals: Totals,
+    /// Length of the whole lines; bytes after it are a torn last line.
+    whole_len: u64,
+    /// Length of the file.
+    file_len: u64,
+}
+
+/// Read an output file for `--resume`: the keys and totals of its records.
+/// Complete lines that are not records are reported and ignored; an
+/// unterminated last line is left for [`cut_torn_tail`] to remove.
+fn scan_output(path: &str) -> Result<Existing> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((HashSet::new(), false)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Existing::default()),
         Err(e) => return Err(io_err(path, e)),
     };
-    let mut ids = HashSet::new();
-    for l in bytes.split(|&b| b == b'\n') {
-        if let Ok(v) = serde_json::from_slice::<Value>(l) {
-            if let Some(id) = v.get("id") {
-                ids.insert(id_key(id));
-            }
+    let whole_len = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let mut ex = Existing {
+        whole_len: whole_len as u64,
+        file_len: bytes.len() as u64,
+        ..Existing::default()
+    };
+    for (i, l) in bytes[..whole_len].split(|&b| b == b'\n').enumerate() {
+        if l.iter().all(|b| b.is_ascii_whitespace()) {
+            continue;
         }
+        let rec = serde_json::from_slice::<Value>(l).ok();
+        let key = rec.as_ref().and_then(|v| {
+            let line = v.get("line")?.as_u64()? as usize;
+            Some((line, id_key(v.get("id")?)))
+        });
+        let (Some(v), Some(key)) = (rec, key) else {
+            eprintln!(
+                "kvrun batch: {path}: line {} is not a batch record (ignored)",
+                i + 1
+            );
+            continue;
+        };
+        let t = &mut ex.totals;
+        let num = |f: &str| v.get(f).and_then(Value::as_f64).unwrap_or(0.0);
+        t.records += 1;
+        if let Some(c) = v.get("correct").and_then(Value::as_bool) {
+            t.graded += 1;
+            t.correct += c as usize;
+        }
+        t.prompt_tokens += num("prompt_tokens") as usize;
+        t.gen_tokens += num("gen_tokens") as usize;
+        t.time_s += num("time_s");
+        let tok_s = num("tok_s");
+        if tok_s > 0.0 {
+            t.gen_s += num("gen_tokens") / tok_s;
+        }
+        t.peak_kv = t.peak_kv.max(num("peak_kv_bytes") as usize);
+        t.evicted += num("evicted") as usize;
+        ex.keys.insert(key);
     }
-    Ok((ids, !bytes.is_empty() && bytes.last() != Some(&b'\n')))
+    Ok(ex)
+}
+
+/// Cut an unterminated last line (a write torn by a crash) off the output,
+/// so the file is whole JSONL lines before records are appended.
+fn cut_torn_tail(path: &str, ex: &Existing) -> Result<()> {
+    if ex.file_len == ex.whole_len {
+        return Ok(());
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| io_err(path, e))?;
+    f.set_len(ex.whole_len).map_err(|e| io_err(path, e))?;
+    eprintln!(
+        "kvrun batch: {path}: removed a truncated last line ({} bytes, an interrupted write); its record runs again",
+        ex.file_len - ex.whole_len
+    );
+    Ok(())
+}
+
+/// Refuse `-i X -o X`: the output would overwrite (or append to) the input.
+fn check_distinct(input: &str, output: &str) -> Result<()> {
+    if input == "-" || output == "-" {
+        return Ok(());
+    }
+    let (Ok(i), Ok(o)) = (std::fs::canonicalize(input), std::fs::canonicalize(output)) else {
+        // a missing output cannot be the input; a missing input fails later
+        return Ok(());
+    };
+    if i == o {
+        return Err(Error::arg(
+            "-o/--output",
+            format!("{output} is the input file; write the records to another file"),
+        ));
+    }
+    Ok(())
+}
+
+/// "3, 7, 9" (at most 10 numbers, then "…").
+fn line_list(lines: &[usize]) -> String {
+    let mut s: Vec<String> = lines.iter().take(10).map(|l| l.to_string()).collect();
+    if lines.len() > 10 {
+        s.push("…".into());
+    }
+    s.join(", ")
 }
 
 fn run_records(a: &BatchArgs) -> Result<()> {
@@ -368,6 +503,10 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     if a.resume && output == "-" {
         return Err(Error::arg("--resume", "needs an output file, not stdout"));
     }
+    check_distinct(input, output)?;
+    // from here on Ctrl-C asks the loop to stop (while the model loads too)
+    interrupt::install();
+    interrupt::set_mode(interrupt::Mode::Busy);
     if a.batch_size == 0 {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
@@ -386,10 +525,10 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
     a.kv.build(seed, &path)?;
     let lines = read_lines(input)?;
-    let (done, needs_nl) = if a.resume {
-        done_ids(output)?
+    let existing = if a.resume {
+        scan_output(output)?
     } else {
-        (HashSet::new(), false)
+        Existing::default()
     };
 
     let t_wall = Instant::now();
@@ -405,6 +544,9 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     let mut out: Box<dyn Write> = if output == "-" {
         Box::new(std::io::stdout())
     } else {
+        if a.resume {
+            cut_torn_tail(output, &existing)?;
+        }
         let f = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -414,13 +556,11 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             .map_err(|e| io_err(output, e))?;
         Box::new(f)
     };
-    if needs_nl {
-        out.write_all(b"\n").map_err(|e| io_err(output, e))?;
-    }
 
     // select the lines: shard, blank, resume, limit (parse errors are counted when reached)
     let mut todo: Vec<(usize, std::result::Result<Item, String>)> = Vec::new();
     let mut n_resumed = 0usize;
+    let mut first_line_of: HashMap<String, usize> = HashMap::new();
     for (idx, raw) in lines.iter().enumerate() {
         if shard.is_some_and(|(i, n)| idx % n != i) {
             continue;
@@ -430,28 +570,38 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         }
         let item = parse_item(a, idx, raw);
         if let Ok(it) = &item {
-            if done.contains(&id_key(&it.id)) {
+            let id = id_key(&it.id);
+            match first_line_of.get(&id) {
+                Some(first) => eprintln!(
+                    "line {}: warning: id {id:?} is also on line {first}; records are kept apart by line number",
+                    idx + 1
+                ),
+                None => {
+                    first_line_of.insert(id.clone(), idx + 1);
+                }
+            }
+            if existing.keys.contains(&(idx + 1, id)) {
                 n_resumed += 1;
                 continue;
             }
         }
         if a.limit.is_some_and(|l| todo.len() >= l) {
-            break;
+            continue;
         }
         todo.push((idx, item));
     }
 
     let progress = std::io::stderr().is_terminal();
     let kv_budget = a.kv.kv_budget;
-    let mut n_ok = 0usize;
+    let mut run = Totals::default();
     let mut err_lines: Vec<usize> = Vec::new();
-    let (mut n_graded, mut n_correct) = (0usize, 0usize);
-    let (mut tot_prompt, mut tot_gen) = (0usize, 0usize);
-    let (mut tot_ms, mut tot_gen_ms) = (0.0f64, 0.0f64);
-    let mut peak_kv = 0usize;
-    let mut tot_evicted = 0usize;
+    let mut interrupted = false;
     let n_todo = todo.len();
     for (k, (idx, item)) in todo.into_iter().enumerate() {
+        if interrupt::requested() {
+            interrupted = true;
+            break;
+        }
         let line_no = idx + 1;
         let item = match item {
             Ok(it) => it,
@@ -505,10 +655,13 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 n_predict: a.max_tokens as i64,
                 ignore_eos: a.ignore_eos,
             };
+            // Ctrl-C stops this record at the next token
             let st = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
                 text.push_str(piece);
-                true
+                !interrupt::requested()
             })?;
+            // a record cut short by Ctrl-C is not written: --resume reruns it
+            interrupt::check()?;
             let kind = match (a.grade, item.gold.as_deref()) {
                 (GradeMode::None, _) | (_, None) => None,
                 (GradeMode::Auto, Some(g)) => Some(auto_kind(g)),
@@ -534,17 +687,6 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             } else {
                 0.0
             };
-            n_ok += 1;
-            if let Some(c) = correct {
-                n_graded += 1;
-                n_correct += c as usize;
-            }
-            tot_prompt += st.n_prompt;
-            tot_gen += st.n_gen;
-            tot_ms += st.total_ms;
-            tot_gen_ms += st.gen_ms;
-            peak_kv = peak_kv.max(peak);
-            tot_evicted += sess.n_evicted;
             Ok(Record {
                 id: item.id.clone(),
                 line: line_no,
@@ -565,11 +707,30 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         })();
         match res {
             Ok(rec) => {
+                // one write of the whole line, flushed: a crash leaves at
+                // most one torn last line, which --resume cuts off
                 let mut s = serde_json::to_string(&rec).map_err(|e| Error::Other(e.to_string()))?;
                 s.push('\n');
                 out.write_all(s.as_bytes())
                     .and_then(|_| out.flush())
                     .map_err(|e| io_err(output, e))?;
+                run.records += 1;
+                if let Some(c) = rec.correct {
+                    run.graded += 1;
+                    run.correct += c as usize;
+                }
+                run.prompt_tokens += rec.prompt_tokens;
+                run.gen_tokens += rec.gen_tokens;
+                run.time_s += rec.time_s;
+                if rec.tok_s > 0.0 {
+                    run.gen_s += rec.gen_tokens as f64 / rec.tok_s;
+                }
+                run.peak_kv = run.peak_kv.max(rec.peak_kv_bytes);
+                run.evicted += rec.evicted;
+            }
+            Err(Error::Interrupted) => {
+                interrupted = true;
+                break;
             }
             Err(e) => {
                 if progress {
@@ -583,22 +744,34 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     if progress {
         eprint!("\r\x1b[K");
     }
+    // the summary covers the whole output file: earlier runs and this one
+    let mut all = existing.totals;
+    all.add(&run);
     let wall_s = t_wall.elapsed().as_secs_f64();
-    let tok_s = if tot_gen_ms > 0.0 {
-        tot_gen as f64 * 1e3 / tot_gen_ms
+    let tok_s = if all.gen_s > 0.0 {
+        all.gen_tokens as f64 / all.gen_s
     } else {
         0.0
     };
-    let acc = if n_graded > 0 {
-        n_correct as f64 / n_graded as f64
+    let acc = if all.graded > 0 {
+        all.correct as f64 / all.graded as f64
     } else {
         0.0
     };
     eprintln!(
-        "kvrun batch: {n_ok} done, {} errors, {n_resumed} skipped (resume) | accuracy {n_correct}/{n_graded} ({:.1}%) | tokens {tot_prompt} prompt + {tot_gen} gen | time {:.2} s (wall {wall_s:.2} s) | {tok_s:.2} tok/s | peak KV {peak_kv} bytes | evicted {tot_evicted} | policy {} budget {}",
+        "kvrun batch: {} done, {} errors, {n_resumed} skipped (resume){} | output {} records | accuracy {}/{} ({:.1}%) | tokens {} prompt + {} gen | time {:.2} s (wall {wall_s:.2} s) | {tok_s:.2} tok/s | peak KV {} bytes | evicted {} | policy {} budget {}",
+        run.records,
         err_lines.len(),
+        if interrupted { " | interrupted" } else { "" },
+        all.records,
+        all.correct,
+        all.graded,
         100.0 * acc,
-        tot_ms / 1e3,
+        all.prompt_tokens,
+        all.gen_tokens,
+        all.time_s,
+        all.peak_kv,
+        all.evicted,
         a.kv.policy,
         kv_budget.map_or_else(|| "none".to_string(), |b| b.to_string()),
     );
@@ -606,20 +779,22 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         let s = json!({
             "input": input,
             "output": output,
-            "processed": n_ok,
+            "processed": run.records,
             "errors": err_lines.len(),
             "error_lines": err_lines,
             "skipped_resume": n_resumed,
-            "graded": n_graded,
-            "correct": n_correct,
+            "interrupted": interrupted,
+            "records": all.records,
+            "graded": all.graded,
+            "correct": all.correct,
             "accuracy": acc,
-            "prompt_tokens": tot_prompt,
-            "gen_tokens": tot_gen,
-            "time_s": tot_ms / 1e3,
+            "prompt_tokens": all.prompt_tokens,
+            "gen_tokens": all.gen_tokens,
+            "time_s": all.time_s,
             "wall_s": wall_s,
             "tok_s": tok_s,
-            "peak_kv_bytes": peak_kv,
-            "evicted": tot_evicted,
+            "peak_kv_bytes": all.peak_kv,
+            "evicted": all.evicted,
             "policy": a.kv.policy,
             "budget": kv_budget,
             "peak_rss_bytes": crate::cmd::bench::peak_rss_bytes(),
@@ -631,17 +806,22 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             source,
         })?;
     }
-    if n_ok == 0 && !err_lines.is_empty() {
+    if interrupted {
+        return Err(Error::Interrupted);
+    }
+    if !err_lines.is_empty() && !a.allow_errors {
         return Err(Error::Other(format!(
-            "no line could be processed ({} errors)",
-            err_lines.len()
+            "{} line(s) failed (line {}); the other records were written (--allow-errors exits 0)",
+            err_lines.len(),
+            line_list(&err_lines)
         )));
     }
     Ok(())
 }
 
 /// `kvrun batch merge`: records of all inputs ordered by `line` (records
-/// without one go last, in reading order); the first record of each id wins.
+/// without one go last, in reading order); the first record of each
+/// (line, id) wins, so input lines that share an id both survive.
 fn run_merge(m: &MergeArgs) -> Result<()> {
     let mut recs: Vec<(usize, usize, Value)> = Vec::new();
     for p in &m.inputs {
@@ -673,7 +853,8 @@ fn run_merge(m: &MergeArgs) -> Result<()> {
     let mut n_dup = 0;
     for (_, _, v) in &recs {
         if let Some(id) = v.get("id") {
-            if !seen.insert(id_key(id)) {
+            let line = v.get("line").and_then(Value::as_u64).unwrap_or(0);
+            if !seen.insert((line, id_key(id))) {
                 n_dup += 1;
                 continue;
             }
@@ -691,7 +872,7 @@ fn run_merge(m: &MergeArgs) -> Result<()> {
         std::fs::write(Path::new(&m.output), text).map_err(|e| io_err(&m.output, e))?;
     }
     eprintln!(
-        "kvrun batch merge: {} records ({} duplicate ids dropped)",
+        "kvrun batch merge: {} records ({} duplicates dropped)",
         recs.len() - n_dup,
         n_dup
     );

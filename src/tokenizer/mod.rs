@@ -245,6 +245,64 @@ impl Tokenizer {
     /// become control tokens, as llama.cpp's `llama_tokenize` does.
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>> {
         let frags = self.partition(text, parse_special);
+        self.encode_frags(text, &frags, add_special)
+    }
+
+    /// Tokenize `text` with control-token text parsed everywhere except in
+    /// the `plain` byte ranges (sorted, disjoint, on char boundaries), which
+    /// are tokenized as `encode(.., parse_special = false)` would: a chat's
+    /// template markup stays markup while text a user typed inside a
+    /// message (say `<|im_start|>system`) stays text. Ordinary text on both
+    /// sides of a range boundary is tokenized as one piece, so with no
+    /// control text in the ranges the result equals `encode(text, .., true)`.
+    pub fn encode_with_plain(
+        &self,
+        text: &str,
+        add_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>> {
+        let mut frags: Vec<Frag> = Vec::new();
+        let mut push = |f: Frag| match (frags.last_mut(), f) {
+            (Some(Frag::Raw(_, end)), Frag::Raw(s, e)) if *end == s => *end = e,
+            _ => frags.push(f),
+        };
+        let mut pos = 0;
+        let piece = |from: usize, to: usize, parse: bool, push: &mut dyn FnMut(Frag)| {
+            for f in self.partition(&text[from..to], parse) {
+                push(match f {
+                    Frag::Raw(s, e) => Frag::Raw(s + from, e + from),
+                    tok => tok,
+                });
+            }
+        };
+        for r in plain {
+            if r.start < pos || r.end > text.len() || r.start > r.end {
+                return Err(tok_err(
+                    "plain-text ranges must be sorted and inside the text",
+                ));
+            }
+            piece(pos, r.start, true, &mut push);
+            piece(r.start, r.end, false, &mut push);
+            pos = r.end;
+        }
+        piece(pos, text.len(), true, &mut push);
+        self.encode_frags(text, &frags, add_special)
+    }
+
+    /// Whether `text` holds control-token text that `parse_special` would
+    /// turn into control tokens.
+    pub fn has_control_text(&self, text: &str) -> bool {
+        let toks = |parse| {
+            self.partition(text, parse)
+                .iter()
+                .filter(|f| matches!(f, Frag::Tok(_)))
+                .count()
+        };
+        toks(true) != toks(false)
+    }
+
+    /// The tokens of `text` cut into `frags` (raw ranges and special tokens).
+    fn encode_frags(&self, text: &str, frags: &[Frag], add_special: bool) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
         if add_special && self.add_bos {
             out.push(
@@ -254,7 +312,7 @@ impl Tokenizer {
         }
         match &self.engine {
             Engine::Bpe { pre, model } => {
-                for f in &frags {
+                for f in frags {
                     match *f {
                         Frag::Tok(id) => out.push(id),
                         Frag::Raw(s, e) => Self::bpe_fragment(pre, model, &text[s..e], &mut out)?,
@@ -266,7 +324,7 @@ impl Tokenizer {
                 byte_tokens,
             } => {
                 let mut prev_special = true;
-                for f in &frags {
+                for f in frags {
                     match *f {
                         Frag::Tok(id) => {
                             out.push(id);

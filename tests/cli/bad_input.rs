@@ -937,3 +937,62 @@ fn c62_synthetic_models() {
     }
     expect_error(&["synth", &h, "-o", &out, "-t", "0"], &["-t/--threads"]);
 }
+
+/// Sampling values the server rejects are one-line errors on the command
+/// line too (one check in the library), for run, batch and serve.
+#[test]
+fn c70_sampling_out_of_range() {
+    let m = model();
+    let cases: [(&str, &str); 4] = [
+        ("--top-p=5", "--top-p: must be between 0 and 1, got 5"),
+        ("--min-p=-1", "--min-p: must be between 0 and 1, got -1"),
+        ("--repeat-penalty=0", "--repeat-penalty: must be above 0"),
+        ("--temp=inf", "--temp: must be a finite number"),
+    ];
+    for (flag, want) in cases {
+        expect_error(&["-m", &m, "-p", "hi", "-n", "1", flag], &[want]);
+        expect_error(&["batch", "-m", &m, "-i", "-", "-o", "-", flag], &[want]);
+        expect_error(&["serve", "-m", &m, "--port", "0", flag], &[want]);
+    }
+}
+
+/// `serve` checks its own KV flags at start-up: a default policy no request
+/// could run with is a one-line error, not a server that fails every request.
+#[test]
+fn c71_serve_default_policy_checked_at_start() {
+    let m = model();
+    expect_error(
+        &[
+            "serve",
+            "-m",
+            &m,
+            "--port",
+            "0",
+            "--policy",
+            "h2o",
+            "--kv-budget",
+            "1",
+        ],
+        &["--kv-budget", "cannot hold the protected tokens"],
+    );
+    expect_error(
+        &[
+            "serve",
+            "-m",
+            &m,
+            "--port",
+            "0",
+            "-c",
+            "256",
+            "--policy",
+            "window",
+            "--kv-budget",
+            "512",
+        ],
+        &["--kv-budget", "larger than the context"],
+    );
+    expect_error(
+        &["serve", "-m", &m, "--port", "0", "--timeout", "0"],
+        &["--timeout"],
+    );
+}

@@ -88,7 +88,16 @@ fn malformed_line_resume_shards_merge() {
     std::fs::write(&input, INPUT).unwrap();
     let inp = input.to_str().unwrap();
 
-    // full run: 3 results in order, the bad line named, exit 0
+    // without --allow-errors the bad line makes the exit status 1, after
+    // the other records were written
+    let strict = d.join("strict.jsonl");
+    let o = kvrun(&["-i", inp, "-o", strict.to_str().unwrap()], None);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("1 line(s) failed (line 3)"), "{err}");
+    assert_eq!(read_records(&strict).len(), 3);
+
+    // full run with --allow-errors: 3 results in order, the bad line named, exit 0
     let full = d.join("full.jsonl");
     let summary = d.join("summary.json");
     let o = kvrun(
@@ -99,6 +108,7 @@ fn malformed_line_resume_shards_merge() {
             full.to_str().unwrap(),
             "--summary",
             summary.to_str().unwrap(),
+            "--allow-errors",
         ],
         None,
     );
@@ -164,6 +174,7 @@ fn malformed_line_resume_shards_merge() {
             "--resume",
             "--summary",
             s2.to_str().unwrap(),
+            "--allow-errors",
         ],
         None,
     );
@@ -175,12 +186,30 @@ fn malformed_line_resume_shards_merge() {
     );
     assert_eq!(s["skipped_resume"], 1);
     assert_eq!(key(&read_records(&part)), key(&recs));
+    // the totals cover the whole output file, not only this run's records
+    let whole = read_records(&part);
+    assert_eq!(s["records"], 3, "{s}");
+    let gen: u64 = whole
+        .iter()
+        .map(|r| r["gen_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(s["gen_tokens"].as_u64().unwrap(), gen, "{s}");
+    let graded = whole.iter().filter(|r| r["correct"].is_boolean()).count();
+    assert_eq!(s["graded"].as_u64().unwrap(), graded as u64, "{s}");
 
     // shards 0/2 and 1/2, merged, equal the unsharded run
     let s0 = d.join("s0.jsonl");
     let s1 = d.join("s1.jsonl");
     let o = kvrun(
-        &["-i", inp, "-o", s0.to_str().unwrap(), "--shard", "0/2"],
+        &[
+            "-i",
+            inp,
+            "-o",
+            s0.to_str().unwrap(),
+            "--shard",
+            "0/2",
+            "--allow-errors",
+        ],
         None,
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -229,7 +258,7 @@ fn malformed_line_resume_shards_merge() {
 
 #[test]
 fn stdin_input_and_stdout_output() {
-    let o = kvrun(&["-i", "-", "-o", "-"], Some(INPUT));
+    let o = kvrun(&["-i", "-", "-o", "-", "--allow-errors"], Some(INPUT));
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("line 3:"), "{err}");
@@ -255,4 +284,195 @@ fn nothing_processable_fails() {
     );
     assert!(err.contains("line 1:") && err.contains("line 2:"), "{err}");
     assert!(o.stdout.is_empty());
+}
+
+/// Two input lines sharing an id: a warning, and `--resume` after `--limit 1`
+/// runs the second one (records are keyed by line number and id); merge
+/// keeps both.
+#[test]
+fn duplicate_ids_are_kept_apart_by_line() {
+    let d = tmpdir("dup");
+    let input = d.join("in.jsonl");
+    std::fs::write(
+        &input,
+        concat!(
+            r#"{"id": "dup", "question": "What is 2+3?"}"#,
+            "\n",
+            r#"{"id": "dup", "question": "What is 4+4?"}"#,
+            "\n",
+            r#"{"id": "z", "question": "Say hi."}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let inp = input.to_str().unwrap();
+    let out = d.join("out.jsonl");
+    let outp = out.to_str().unwrap();
+    let o = kvrun(&["-i", inp, "-o", outp, "--limit", "1"], None);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("line 2: warning: id \"dup\" is also on line 1"),
+        "{err}"
+    );
+    assert_eq!(read_records(&out).len(), 1);
+    let o = kvrun(&["-i", inp, "-o", outp, "--resume"], None);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("2 done, 0 errors, 1 skipped"), "{err}");
+    let recs = read_records(&out);
+    let got: Vec<(String, u64)> = key(&recs).into_iter().map(|k| (k.0, k.1)).collect();
+    assert_eq!(got, [("dup".into(), 1), ("dup".into(), 2), ("z".into(), 3)]);
+    // merging the file with itself keeps both "dup" records once
+    let merged = d.join("merged.jsonl");
+    let o = Command::new(util::kvrun_bin())
+        .args(["batch", "merge", outp, outp, "-o", merged.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(key(&read_records(&merged)), key(&recs));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A torn last line (a crash in the middle of a write) is reported and cut
+/// off by `--resume`, which then reruns that record: whole lines, each once.
+#[test]
+fn resume_cuts_a_torn_last_line() {
+    let d = tmpdir("torn");
+    let input = d.join("in.jsonl");
+    std::fs::write(
+        &input,
+        concat!(
+            r#"{"id": "a", "question": "What is 2+3?"}"#,
+            "\n",
+            r#"{"id": "b", "question": "Say hi."}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let inp = input.to_str().unwrap();
+    let out = d.join("out.jsonl");
+    let outp = out.to_str().unwrap();
+    let o = kvrun(&["-i", inp, "-o", outp], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let full = std::fs::read_to_string(&out).unwrap();
+    let want = key(&records(&full));
+    let cut = full.find('\n').unwrap() + 1 + 25;
+    std::fs::write(&out, &full.as_bytes()[..cut]).unwrap();
+    let o = kvrun(&["-i", inp, "-o", outp, "--resume"], None);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("removed a truncated last line (25 bytes"),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.ends_with('\n'));
+    assert_eq!(key(&records(&text)), want);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `-i X -o X`, also through a symlink, is refused before anything is
+/// written; the input is untouched.
+#[test]
+fn same_input_and_output_is_refused() {
+    let d = tmpdir("same");
+    let input = d.join("in.jsonl");
+    std::fs::write(&input, INPUT).unwrap();
+    let link = d.join("link.jsonl");
+    std::os::unix::fs::symlink(&input, &link).unwrap();
+    for out in [&input, &link] {
+        for extra in [&[][..], &["--resume"][..]] {
+            let mut args = vec!["-i", input.to_str().unwrap(), "-o", out.to_str().unwrap()];
+            args.extend_from_slice(extra);
+            let o = kvrun(&args, None);
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+            assert!(err.contains("is the input file"), "{err}");
+        }
+    }
+    assert_eq!(std::fs::read_to_string(&input).unwrap(), INPUT);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Ctrl-C (SIGINT) while a batch runs: exit 130, the output is whole JSONL
+/// lines, the summary file says what was done; `--resume` finishes and every
+/// record appears exactly once.
+#[test]
+fn ctrl_c_stops_cleanly_and_resume_finishes() {
+    let d = tmpdir("sigint");
+    let input = d.join("in.jsonl");
+    let n = 8;
+    let text: String = (0..n)
+        .map(|i| {
+            format!(
+                "{{\"id\": \"q{i}\", \"question\": \"Count from {i} to {}.\"}}\n",
+                i + 50
+            )
+        })
+        .collect();
+    std::fs::write(&input, &text).unwrap();
+    let out = d.join("out.jsonl");
+    let summary = d.join("summary.json");
+    let model = util::default_model();
+    let args = |extra: &[&str]| {
+        let mut c = Command::new(util::kvrun_bin());
+        c.arg("batch")
+            .args(["-m", model.to_str().unwrap(), "-t", "2"])
+            .args(["--max-tokens", "48", "--ignore-eos"])
+            .args(["-i", input.to_str().unwrap(), "-o", out.to_str().unwrap()])
+            .args(["--summary", summary.to_str().unwrap()])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        c
+    };
+    let child = args(&[]).spawn().unwrap();
+    // wait for the first record, then press Ctrl-C
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&out)
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+        == 0
+    {
+        assert!(t0.elapsed().as_secs() < 120, "no record written");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(rc, 0);
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+    let part = std::fs::read_to_string(&out).unwrap();
+    assert!(part.ends_with('\n'), "torn output: {part:?}");
+    let done = records(&part);
+    assert!(
+        !done.is_empty() && done.len() < n,
+        "{} records after Ctrl-C",
+        done.len()
+    );
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(s["interrupted"], true, "{s}");
+    assert_eq!(s["processed"].as_u64().unwrap(), done.len() as u64, "{s}");
+    assert_eq!(s["errors"], 0, "{s}");
+    // every written record is whole (the interrupted one was not written)
+    for r in &done {
+        assert_eq!(r["gen_tokens"], 48, "{r}");
+    }
+
+    let o = args(&["--resume"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let all = read_records(&out);
+    let keys: Vec<(String, u64)> = key(&all).into_iter().map(|k| (k.0, k.1)).collect();
+    let want: Vec<(String, u64)> = (0..n).map(|i| (format!("q{i}"), i as u64 + 1)).collect();
+    assert_eq!(keys, want);
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(s["records"], n, "{s}");
+    assert_eq!(s["skipped_resume"].as_u64().unwrap(), done.len() as u64);
+    assert_eq!(s["interrupted"], false);
+    let _ = std::fs::remove_dir_all(&d);
 }

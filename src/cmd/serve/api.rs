@@ -318,8 +318,11 @@ pub(super) fn parse_job(
         opt_i64(v, "max_tokens")?,
     ) {
         (Some(n), _) | (None, Some(n)) => {
-            if n < 0 {
-                return Err(ApiError::bad(format!("'max_tokens' must be ≥ 0, got {n}")));
+            // -1: until end of generation or a full context, as -n -1
+            if n < -1 {
+                return Err(ApiError::bad(format!(
+                    "'max_tokens' must be -1 (until done or the context is full) or ≥ 0, got {n}"
+                )));
             }
             n
         }
@@ -327,17 +330,7 @@ pub(super) fn parse_job(
     };
     let temp = opt_f32(v, "temperature")?.unwrap_or(d.sampling.temp.unwrap_or(0.8));
     let top_p = opt_f32(v, "top_p")?.unwrap_or(d.sampling.top_p);
-    if !(0.0..=1.0).contains(&top_p) {
-        return Err(ApiError::bad(format!(
-            "'top_p' must be between 0 and 1, got {top_p}"
-        )));
-    }
     let min_p = opt_f32(v, "min_p")?.unwrap_or(d.sampling.min_p);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::bad(format!(
-            "'min_p' must be between 0 and 1, got {min_p}"
-        )));
-    }
     let top_k = opt_usize(v, "top_k", usize::MAX >> 1)?.unwrap_or(d.sampling.top_k);
     let repeat_penalty = opt_f32(v, "repeat_penalty")?.unwrap_or(d.sampling.repeat_penalty);
     let seed = match opt_i64(v, "seed")?.unwrap_or(d.seed) {
@@ -373,7 +366,17 @@ pub(super) fn parse_job(
     if let Some(p) = opt_str(v, "policy")? {
         kv.policy = p.to_owned();
     }
-    let budget = opt_usize(v, "kv_budget", app.n_ctx)?;
+    // a budget of 0 holds nothing: the accepted range starts at 1
+    let budget = match opt_i64(v, "kv_budget")? {
+        None => None,
+        Some(b) if b >= 1 && (b as u64) <= app.n_ctx as u64 => Some(b as usize),
+        Some(b) => {
+            return Err(ApiError::bad(format!(
+                "'kv_budget' must be between 1 and the context size {}, got {b}",
+                app.n_ctx
+            )))
+        }
+    };
     if budget.is_some() {
         kv.budget = budget;
     }
@@ -405,18 +408,21 @@ pub(super) fn parse_job(
     }
     // unknown policy names and missing budgets fail here, before queueing
     kv.build(0, &app.model_path).map_err(ApiError::from)?;
+    let sampler = SamplerConfig {
+        temp,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty,
+        repeat_last_n: d.sampling.repeat_last_n,
+        seed,
+    };
+    // the same range check as the command line's
+    sampler.validate()?;
     let job = Job {
         input,
         max_tokens,
-        sampler: SamplerConfig {
-            temp,
-            top_k,
-            top_p,
-            min_p,
-            repeat_penalty,
-            repeat_last_n: d.sampling.repeat_last_n,
-            seed,
-        },
+        sampler,
         stop,
         ignore_eos,
         kv,

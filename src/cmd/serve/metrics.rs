@@ -21,12 +21,19 @@ pub(super) struct Metrics {
     pub(super) cancelled: u64,
 }
 
-/// What a slot's KV cache holds now (updated by its worker).
+/// What a slot's KV cache holds now (updated by its worker), in two units:
+/// tokens, and entries, one per (layer, KV head, token) row kept. With a
+/// token-uniform cache they are the same number; with per-head streams
+/// (snapkv, adakv, …) a token is several entries and tokens are entries /
+/// streams, rounded up.
 #[derive(Debug, Default)]
 pub(super) struct SlotKv {
-    pub(super) live: AtomicUsize,
-    pub(super) capacity: AtomicUsize,
-    pub(super) peak: AtomicUsize,
+    pub(super) live_tokens: AtomicUsize,
+    pub(super) live_entries: AtomicUsize,
+    pub(super) capacity_tokens: AtomicUsize,
+    pub(super) capacity_entries: AtomicUsize,
+    pub(super) peak_tokens: AtomicUsize,
+    pub(super) peak_entries: AtomicUsize,
 }
 
 pub(super) async fn metrics(State(app): State<Arc<App>>) -> Response {
@@ -114,24 +121,46 @@ pub(super) async fn metrics(State(app): State<Arc<App>>) -> Response {
             .map(|(i, s)| (format!("{{slot=\"{i}\"}}"), f(s).to_string()))
             .collect()
     };
-    metric(
-        "kvrun_kv_occupancy_tokens",
-        "gauge",
-        "Tokens resident in each slot's KV cache.",
-        per_slot(&|s| s.live.load(Ordering::Relaxed)),
-    );
-    metric(
-        "kvrun_kv_capacity_tokens",
-        "gauge",
-        "KV cache slots allocated per slot (the budget, or the context).",
-        per_slot(&|s| s.capacity.load(Ordering::Relaxed)),
-    );
-    metric(
-        "kvrun_kv_peak_tokens",
-        "gauge",
-        "Most tokens resident at once in each slot's KV cache.",
-        per_slot(&|s| s.peak.load(Ordering::Relaxed)),
-    );
+    let gauges: [(&str, &str, fn(&SlotKv) -> &AtomicUsize); 6] = [
+        (
+            "kvrun_kv_occupancy_tokens",
+            "Tokens resident in each slot's KV cache after its last request (per-head streams: entries / streams, rounded up).",
+            |s| &s.live_tokens,
+        ),
+        (
+            "kvrun_kv_occupancy_entries",
+            "(layer, KV head, token) entries resident in each slot's KV cache after its last request (token-uniform caches: equal to tokens).",
+            |s| &s.live_entries,
+        ),
+        (
+            "kvrun_kv_capacity_tokens",
+            "KV cache size of each slot in tokens (the budget, or the context).",
+            |s| &s.capacity_tokens,
+        ),
+        (
+            "kvrun_kv_capacity_entries",
+            "KV cache size of each slot in (layer, KV head, token) entries (token-uniform caches: equal to tokens).",
+            |s| &s.capacity_entries,
+        ),
+        (
+            "kvrun_kv_peak_tokens",
+            "Most tokens resident at once in each slot's KV cache (per-head streams: entries / streams, rounded up).",
+            |s| &s.peak_tokens,
+        ),
+        (
+            "kvrun_kv_peak_entries",
+            "Most (layer, KV head, token) entries resident at once in each slot's KV cache.",
+            |s| &s.peak_entries,
+        ),
+    ];
+    for (name, help, field) in gauges {
+        metric(
+            name,
+            "gauge",
+            help,
+            per_slot(&|s| field(s).load(Ordering::Relaxed)),
+        );
+    }
     metric(
         "kvrun_requests_processing",
         "gauge",

@@ -20,6 +20,16 @@
 //!   client goes away the handler (or the SSE body) is dropped, the channel's
 //!   send fails and the worker stops at the next token.
 //! - Every error is an OpenAI-shaped body `{"error":{"message","type","param","code"}}`.
+//! - Start-up builds one session with the server's own KV flags, so a
+//!   default no request could run with is a one-line error at once.
+//! - Connections are served by our own hyper loop: `--timeout` bounds the
+//!   wait for a request's headers (idle keep-alive time included) and then
+//!   for its body. SIGINT / SIGTERM close the listener, give requests in
+//!   flight `--shutdown-timeout` seconds, then stop the remaining
+//!   generations at their next token (streams still end with a final chunk
+//!   and `data: [DONE]`), and the process exits 0.
+//! - Chat message contents are tokenized as plain text: control-token text
+//!   a client typed stays text unless `--parse-special`.
 //!
 //! Files: `routes` (router, handlers, auth), `api` (request parsing,
 //! response JSON, errors), `slots` (worker threads and job running), `sse`
@@ -45,10 +55,10 @@ use api::Job;
 use clap::{Args, ValueEnum};
 use metrics::{Metrics, SlotKv};
 use slots::{worker, Engine};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// How `<think>…</think>` is returned.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +115,19 @@ pub struct ServeArgs {
     /// Log one line per request on stderr.
     #[arg(short = 'v', long = "verbose")]
     pub verbose: bool,
+    /// Seconds a connection may take to send a request's headers, idle
+    /// keep-alive time included, and then its body; slower ones are closed.
+    #[arg(long = "timeout", default_value_t = 30)]
+    pub timeout: u64,
+    /// On SIGINT / SIGTERM: seconds in-flight requests may take to finish
+    /// before their generations are cut short (streams still end properly).
+    #[arg(long = "shutdown-timeout", default_value_t = 10)]
+    pub shutdown_timeout: u64,
+    /// Let control-token text inside chat messages (e.g. `<|im_start|>`)
+    /// become control tokens; by default it is tokenized as plain text, so a
+    /// user cannot open a system turn.
+    #[arg(long = "parse-special")]
+    pub parse_special: bool,
 }
 
 /// Everything the handlers share.
@@ -124,6 +147,9 @@ struct App {
     metrics: Mutex<Metrics>,
     slots: Vec<SlotKv>,
     next_id: AtomicU64,
+    /// Set when the shutdown grace period is over: generations stop at the
+    /// next token and queued jobs are turned away.
+    stopping: AtomicBool,
 }
 
 impl App {
@@ -144,6 +170,36 @@ fn now_s() -> u64 {
         .unwrap_or(0)
 }
 
+/// The server's own KV flags are what every request starts from: build one
+/// session with them now, so a setting no request could run with (say
+/// `--policy h2o --kv-budget 1`) stops the server at start-up with the same
+/// one-line error a request would get, instead of failing every request.
+fn check_default_policy<'w>(
+    a: &ServeArgs,
+    w: &'w crate::model::Weights<'w>,
+    path: &std::path::Path,
+    n_ctx: usize,
+) -> Result<()> {
+    let cfg = a.kv.config()?;
+    if let Some(b) = cfg.budget {
+        if cfg.def()?.budgeted() && b > n_ctx {
+            return Err(Error::config(
+                crate::error::Field::Budget,
+                format!("{b} is larger than the context ({n_ctx} tokens, -c/--ctx-size)"),
+            ));
+        }
+    }
+    // a budgeted cache is the budget's size; the full cache has nothing to
+    // check but its type and positions, so a short one does
+    let n = if cfg.budget.is_some() {
+        n_ctx
+    } else {
+        n_ctx.min(256)
+    };
+    drop(a.kv.session(w, 0, path, n, 1, a.batch_size, 0)?);
+    Ok(())
+}
+
 /// `kvrun serve`.
 pub fn run_serve(a: &ServeArgs) -> Result<()> {
     if a.parallel == 0 || a.parallel > 256 {
@@ -159,6 +215,9 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
         ));
     }
     a.sampling.check()?;
+    if a.timeout == 0 {
+        return Err(Error::arg("--timeout", "must be at least 1 second"));
+    }
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         return Err(Error::arg("--api-key", "must not be empty"));
     }
@@ -180,6 +239,7 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
         n_ctx.saturating_mul(a.parallel),
         per_slot_threads,
     )?;
+    check_default_policy(a, w, &path, n_ctx)?;
     let model_id = a.alias.clone().unwrap_or_else(|| {
         path.file_name()
             .map(|s| s.to_string_lossy().trim_end_matches(".gguf").to_owned())
@@ -200,6 +260,7 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
         metrics: Mutex::new(Metrics::default()),
         slots: (0..a.parallel).map(|_| SlotKv::default()).collect(),
         next_id: AtomicU64::new(0),
+        stopping: AtomicBool::new(false),
     });
     let eng = Arc::new(Engine {
         model: model.clone(),
@@ -208,6 +269,7 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
         n_batch: a.batch_size,
         n_threads: per_slot_threads,
         reasoning: a.reasoning_format,
+        parse_special: a.parse_special,
     });
     let rx = Arc::new(Mutex::new(rx));
     for i in 0..a.parallel {
@@ -223,21 +285,120 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .map_err(|e| Error::Other(format!("cannot start the async runtime: {e}")))?;
-    rt.block_on(async move {
-        let addr = format!("{}:{}", a.host, a.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|e| Error::arg("--host/--port", format!("cannot listen on {addr}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::Other(format!("listener: {e}")))?;
-        eprintln!(
-            "kvrun serve: {} on http://{local} ({} slot(s) × {per_slot_threads} thread(s), context {n_ctx}, queue {}, policy {})",
-            app.model_id, a.parallel, a.queue, a.kv.policy
-        );
+    let res = rt.block_on(serve_until_signal(a, app, router, per_slot_threads, n_ctx));
+    // connections still open after the grace period are dropped here
+    rt.shutdown_timeout(Duration::from_secs(1));
+    res
+}
+
+/// A future that resolves on SIGINT or SIGTERM. The handlers are in place
+/// when this returns (before the start-up line is printed), so a signal
+/// sent right after start-up is never the default, fatal one.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let sig = |k: SignalKind| {
+        signal(k).map_err(|e| Error::Other(format!("cannot watch for signals: {e}")))
+    };
+    let (mut int, mut term) = (sig(SignalKind::interrupt())?, sig(SignalKind::terminate())?);
+    Ok(async move {
         tokio::select! {
-            r = axum::serve(listener, router) => r.map_err(|e| Error::Other(format!("server: {e}"))),
-            _ = tokio::signal::ctrl_c() => Ok(()),
+            _ = int.recv() => {}
+            _ = term.recv() => {}
         }
     })
+}
+
+/// Accept connections until SIGINT / SIGTERM, then shut down gracefully:
+/// stop accepting, let in-flight requests finish for `--shutdown-timeout`
+/// seconds, then cut the remaining generations short (each stream still
+/// gets its final chunk with `finish_reason` and `data: [DONE]`).
+async fn serve_until_signal(
+    a: &ServeArgs,
+    app: Arc<App>,
+    router: axum::Router,
+    per_slot_threads: usize,
+    n_ctx: usize,
+) -> Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let addr = format!("{}:{}", a.host, a.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| Error::arg("--host/--port", format!("cannot listen on {addr}: {e}")))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::Other(format!("listener: {e}")))?;
+    let signal = shutdown_signal()?;
+    tokio::pin!(signal);
+    eprintln!(
+        "kvrun serve: {} on http://{local} ({} slot(s) × {per_slot_threads} thread(s), context {n_ctx}, queue {}, policy {})",
+        app.model_id, a.parallel, a.queue, a.kv.policy
+    );
+    let mut http = hyper::server::conn::http1::Builder::new();
+    // the header timer runs from the moment a connection waits for a
+    // request, so it closes idle keep-alive connections too
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(a.timeout))
+        .keep_alive(true);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            acc = listener.accept() => {
+                let stream = match acc {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        // e.g. out of file descriptors: keep serving the open ones
+                        eprintln!("kvrun serve: accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let conn = http.serve_connection(
+                    TokioIo::new(stream),
+                    TowerToHyperService::new(router.clone()),
+                );
+                let mut stop = stop_rx.clone();
+                conns.spawn(async move {
+                    let mut conn = std::pin::pin!(conn);
+                    tokio::select! {
+                        _ = conn.as_mut() => return,
+                        _ = stop.changed() => conn.as_mut().graceful_shutdown(),
+                    }
+                    let _ = conn.await;
+                });
+            }
+            _ = &mut signal => break,
+            // reap finished connections so the set stays small
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    drop(listener);
+    let busy = app.processing.load(Ordering::SeqCst) + app.queued.load(Ordering::SeqCst);
+    eprintln!(
+        "kvrun serve: shutting down: no new connections; {busy} request(s) in flight, up to {} s to finish (--shutdown-timeout)",
+        a.shutdown_timeout
+    );
+    // idle connections close now, busy ones after their response
+    let _ = stop_tx.send(true);
+    let grace = Duration::from_secs(a.shutdown_timeout);
+    let drained = tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} })
+        .await
+        .is_ok();
+    if !drained {
+        // cut the rest short: workers stop at the next token and each
+        // response ends normally (finish_reason "length", then [DONE])
+        app.stopping.store(true, Ordering::SeqCst);
+        eprintln!(
+            "kvrun serve: grace period over: stopping {} open connection(s)",
+            conns.len()
+        );
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            while conns.join_next().await.is_some() {}
+        })
+        .await;
+        conns.abort_all();
+    }
+    eprintln!("kvrun serve: stopped");
+    Ok(())
 }

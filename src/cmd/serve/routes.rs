@@ -11,7 +11,7 @@ use super::sse::stream_response;
 use super::{now_s, App};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Request, State};
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -41,25 +41,34 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-async fn chat(
-    State(app): State<Arc<App>>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    handle(app, body, Endpoint::Chat).await
+async fn chat(State(app): State<Arc<App>>, req: Request) -> Response {
+    handle(app, req, Endpoint::Chat).await
 }
 
-async fn completions(
-    State(app): State<Arc<App>>,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
-    handle(app, body, Endpoint::Completion).await
+async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
+    handle(app, req, Endpoint::Completion).await
 }
 
-async fn handle(
-    app: Arc<App>,
-    body: std::result::Result<Bytes, BytesRejection>,
-    ep: Endpoint,
-) -> Response {
+async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Response {
+    // a client that sends its headers and then stalls on the body is cut
+    // off after --timeout seconds, like one that stalls on its headers
+    let secs = app.defaults.timeout;
+    let body = match tokio::time::timeout(
+        std::time::Duration::from_secs(secs),
+        Bytes::from_request(req, &()),
+    )
+    .await
+    {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                format!("the request body did not arrive within {secs} s (--timeout)"),
+            )
+            .into_response()
+        }
+    };
     match handle_inner(app, body, ep).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -183,6 +192,13 @@ fn key_matches(got: &[u8], want: &[u8]) -> bool {
     got.len() == want.len() && got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
+/// The credentials of an `Authorization: Bearer KEY` header. The scheme is
+/// case-insensitive (RFC 9110 §11.1), so `bearer KEY` works too.
+fn bearer_token(h: &str) -> Option<&str> {
+    let (scheme, key) = h.trim_start().split_once(|c: char| c == ' ' || c == '\t')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+}
+
 async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
         if req.uri().path() != "/health" {
@@ -190,8 +206,7 @@ async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|h| h.to_str().ok())
-                .and_then(|h| h.strip_prefix("Bearer "))
-                .map(str::trim);
+                .and_then(bearer_token);
             let ok = got.is_some_and(|g| key_matches(g.as_bytes(), key.as_bytes()));
             if !ok {
                 let msg = if got.is_none() {

@@ -7,7 +7,7 @@
 use super::api::{ApiError, Done, Ev, Input, Job};
 use super::{App, ReasoningFormat};
 use crate::chat::{ChatTemplate, StopMatch, ThinkEvent, ThinkSplit};
-use crate::cmd::prompt::encode_rendered;
+use crate::cmd::prompt::encode_chat;
 use crate::error::Error;
 use crate::generate::{generate, GenOptions, Session, StopReason};
 use crate::load::Loaded;
@@ -28,6 +28,8 @@ pub(super) struct Engine {
     pub(super) n_batch: usize,
     pub(super) n_threads: usize,
     pub(super) reasoning: ReasoningFormat,
+    /// Parse control-token text inside chat messages (`--parse-special`).
+    pub(super) parse_special: bool,
 }
 
 /// What identifies a reusable session: the whole policy configuration.
@@ -47,6 +49,15 @@ pub(super) fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<
             }
         };
         app.queued.fetch_sub(1, Ordering::SeqCst);
+        if app.stopping.load(Ordering::SeqCst) {
+            // the shutdown grace period is over: queued work is turned away
+            let _ = job.tx.send(Ev::Error(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the server is shutting down",
+            )));
+            continue;
+        }
         if job.tx.is_closed() {
             // the client left while the request was queued
             if let Ok(mut m) = app.metrics.lock() {
@@ -92,12 +103,13 @@ fn run_job<'e>(
             let tmpl = eng.tmpl.as_ref().ok_or_else(|| {
                 ApiError::bad("the model has no chat template; use /v1/completions")
             })?;
-            let text = tmpl.render(msgs, true)?;
+            // message contents are plain text unless --parse-special
+            let (text, ids) = encode_chat(tok, tmpl, msgs, eng.parse_special)?;
             if eng.reasoning == ReasoningFormat::Deepseek {
                 // a template that opens the think block itself starts in reasoning
                 think = ThinkSplit::new(text.trim_end().ends_with("<think>")).trim_after_tags();
             }
-            encode_rendered(tok, &text)?
+            ids
         }
         Input::Text(p) => tok.encode(p, true, true)?,
         Input::Tokens(t) => t.clone(),
@@ -144,8 +156,10 @@ fn run_job<'e>(
         }
     }
     let slot = &app.slots[idx];
-    slot.capacity
-        .store(sess.kv.cells.n_slots(), Ordering::Relaxed);
+    let (n_slots, n_streams) = (sess.kv.cells.n_slots(), sess.kv.n_streams());
+    slot.capacity_entries.store(n_slots, Ordering::Relaxed);
+    slot.capacity_tokens
+        .store(n_slots.div_ceil(n_streams), Ordering::Relaxed);
     if job.tx.send(Ev::Started).is_err() {
         // the client left while its prompt was being prepared: a cancellation
         if let Ok(mut m) = app.metrics.lock() {
@@ -173,6 +187,7 @@ fn run_job<'e>(
         }
         true
     };
+    let mut shut = false;
     let stats = generate(sess, tok, &mut sampler, &ids, &opts, |piece| {
         let (text, hit) = stop.push(piece);
         think.push(&text, &mut out);
@@ -184,7 +199,9 @@ fn run_job<'e>(
             gone = true;
             return false;
         }
-        !hit
+        // the server's shutdown grace period is over: end this response
+        shut = !hit && app.stopping.load(Ordering::SeqCst);
+        !hit && !shut
     })?;
     if !hit_stop && !gone {
         let rest = stop.finish();
@@ -192,12 +209,19 @@ fn run_job<'e>(
         think.finish(&mut out);
         gone = !send_all(&mut out);
     }
-    let live = sess.kv.cells.n_live();
-    slot.live.store(live, Ordering::Relaxed);
-    slot.peak.fetch_max(sess.kv.peak_live, Ordering::Relaxed);
+    slot.live_tokens
+        .store(sess.kv.resident_tokens(), Ordering::Relaxed);
+    slot.live_entries
+        .store(sess.kv.cells.n_live(), Ordering::Relaxed);
+    slot.peak_tokens
+        .fetch_max(sess.kv.peak_live, Ordering::Relaxed);
+    slot.peak_entries
+        .fetch_max(sess.kv.peak_entries, Ordering::Relaxed);
     let finish = match stats.stop {
         StopReason::Eog => "stop",
         StopReason::Cancelled if hit_stop => "stop",
+        // cut short by the shutdown: truncated output, as with max_tokens
+        StopReason::Cancelled if shut => "length",
         StopReason::Cancelled => "cancelled",
         StopReason::Length | StopReason::ContextFull => "length",
     };
