@@ -40,14 +40,17 @@ impl Default for SamplerConfig {
 
 impl SamplerConfig {
     /// The one range check of the sampling settings, shared by the command
-    /// line and the server: temperature finite (≤ 0 is greedy), top-p and
+    /// line and the server: temperature finite and ≥ 0 (0 is greedy), top-p and
     /// min-p in [0, 1], repeat penalty finite and above 0 (it divides
     /// logits). The error names the setting the way each front end does.
     pub fn validate(&self) -> Result<()> {
-        if !self.temp.is_finite() {
+        if !(self.temp.is_finite() && self.temp >= 0.0) {
             return Err(Error::config(
                 Field::Temp,
-                format!("must be a finite number, got {}", self.temp),
+                format!(
+                    "must be a finite number ≥ 0 (0 = greedy), got {}",
+                    self.temp
+                ),
             ));
         }
         for (f, v) in [(Field::TopP, self.top_p), (Field::MinP, self.min_p)] {

@@ -88,7 +88,7 @@ pub struct MergeArgs {
     pub inputs: Vec<PathBuf>,
     /// Merged output (`-` = stdout).
     #[arg(short = 'o', long = "output", default_value = "-")]
-    pub output: String,
+    pub output: PathBuf,
 }
 
 /// Prompt wrapping.
@@ -119,10 +119,10 @@ pub enum GradeMode {
 pub struct BatchArgs {
     /// Input JSONL (`-` = stdin).
     #[arg(short = 'i', long = "input")]
-    pub input: Option<String>,
+    pub input: Option<PathBuf>,
     /// Output JSONL (`-` = stdout).
     #[arg(short = 'o', long = "output")]
-    pub output: Option<String>,
+    pub output: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -195,9 +195,9 @@ pub fn run_batch(cmd: &BatchCmd) -> Result<()> {
     }
 }
 
-fn io_err(path: &str, source: std::io::Error) -> Error {
+fn io_err(path: impl AsRef<Path>, source: std::io::Error) -> Error {
     Error::Io {
-        path: PathBuf::from(path),
+        path: path.as_ref().to_path_buf(),
         source,
     }
 }
@@ -251,9 +251,14 @@ fn stop_name(s: StopReason) -> &'static str {
 }
 
 /// Read all of a file (or stdin for `-`) as raw lines.
-fn read_lines(path: &str) -> Result<Vec<Vec<u8>>> {
+/// `-`: stdin or stdout rather than a file.
+fn is_std(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+fn read_lines(path: &Path) -> Result<Vec<Vec<u8>>> {
     let mut buf = Vec::new();
-    if path == "-" {
+    if is_std(path) {
         std::io::stdin()
             .lock()
             .read_to_end(&mut buf)
@@ -397,7 +402,7 @@ struct Existing {
 /// Read an output file for `--resume`: the keys and totals of its records.
 /// Complete lines that are not records are reported and ignored; an
 /// unterminated last line is left for [`cut_torn_tail`] to remove.
-fn scan_output(path: &str) -> Result<Existing> {
+fn scan_output(path: &Path) -> Result<Existing> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Existing::default()),
@@ -420,7 +425,8 @@ fn scan_output(path: &str) -> Result<Existing> {
         });
         let (Some(v), Some(key)) = (rec, key) else {
             eprintln!(
-                "kvrun batch: {path}: line {} is not a batch record (ignored)",
+                "kvrun batch: {}: line {} is not a batch record (ignored)",
+                path.display(),
                 i + 1
             );
             continue;
@@ -448,7 +454,7 @@ fn scan_output(path: &str) -> Result<Existing> {
 
 /// Cut an unterminated last line (a write torn by a crash) off the output,
 /// so the file is whole JSONL lines before records are appended.
-fn cut_torn_tail(path: &str, ex: &Existing) -> Result<()> {
+fn cut_torn_tail(path: &Path, ex: &Existing) -> Result<()> {
     if ex.file_len == ex.whole_len {
         return Ok(());
     }
@@ -458,15 +464,16 @@ fn cut_torn_tail(path: &str, ex: &Existing) -> Result<()> {
         .map_err(|e| io_err(path, e))?;
     f.set_len(ex.whole_len).map_err(|e| io_err(path, e))?;
     eprintln!(
-        "kvrun batch: {path}: removed a truncated last line ({} bytes, an interrupted write); its record runs again",
+        "kvrun batch: {}: removed a truncated last line ({} bytes, an interrupted write); its record runs again",
+        path.display(),
         ex.file_len - ex.whole_len
     );
     Ok(())
 }
 
 /// Refuse `-i X -o X`: the output would overwrite (or append to) the input.
-fn check_distinct(input: &str, output: &str) -> Result<()> {
-    if input == "-" || output == "-" {
+fn check_distinct(input: &Path, output: &Path) -> Result<()> {
+    if is_std(input) || is_std(output) {
         return Ok(());
     }
     let (Ok(i), Ok(o)) = (std::fs::canonicalize(input), std::fs::canonicalize(output)) else {
@@ -476,7 +483,10 @@ fn check_distinct(input: &str, output: &str) -> Result<()> {
     if i == o {
         return Err(Error::arg(
             "-o/--output",
-            format!("{output} is the input file; write the records to another file"),
+            format!(
+                "{} is the input file; write the records to another file",
+                output.display()
+            ),
         ));
     }
     Ok(())
@@ -500,7 +510,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         .output
         .as_deref()
         .ok_or_else(|| Error::arg("-o/--output", "no output given (-o FILE.jsonl or -o -)"))?;
-    if a.resume && output == "-" {
+    if a.resume && is_std(output) {
         return Err(Error::arg("--resume", "needs an output file, not stdout"));
     }
     check_distinct(input, output)?;
@@ -511,6 +521,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
     a.sampling.check()?;
+    a.kv.check()?;
     let shard = a.shard.as_deref().map(parse_shard).transpose()?;
     let n_threads = resolve_threads(a.model.threads)?;
     let seed = if a.seed < 0 {
@@ -540,8 +551,10 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     } else {
         a.ctx_size
     };
+    crate::cmd::args::check_ctx_alloc(&w.config, n_ctx, n_threads)?;
+    crate::cmd::args::context_notes(&w.config, n_ctx, &a.kv);
 
-    let mut out: Box<dyn Write> = if output == "-" {
+    let mut out: Box<dyn Write> = if is_std(output) {
         Box::new(std::io::stdout())
     } else {
         if a.resume {
@@ -592,7 +605,8 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     }
 
     let progress = std::io::stderr().is_terminal();
-    let kv_budget = a.kv.kv_budget;
+    // reported as applied: a budget beyond the context is the context
+    let kv_budget = a.kv.kv_budget.map(|b| b.min(n_ctx.max(1)));
     let mut run = Totals::default();
     let mut err_lines: Vec<usize> = Vec::new();
     let mut interrupted = false;
@@ -862,14 +876,14 @@ fn run_merge(m: &MergeArgs) -> Result<()> {
         text.push_str(&serde_json::to_string(v).map_err(|e| Error::Other(e.to_string()))?);
         text.push('\n');
     }
-    if m.output == "-" {
+    if is_std(&m.output) {
         let so = std::io::stdout();
         let mut o = so.lock();
         o.write_all(text.as_bytes())
             .and_then(|_| o.flush())
             .map_err(|e| io_err("<stdout>", e))?;
     } else {
-        std::fs::write(Path::new(&m.output), text).map_err(|e| io_err(&m.output, e))?;
+        std::fs::write(&m.output, text).map_err(|e| io_err(&m.output, e))?;
     }
     eprintln!(
         "kvrun batch merge: {} records ({} duplicates dropped)",

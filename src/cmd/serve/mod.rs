@@ -180,6 +180,7 @@ fn check_default_policy<'w>(
     path: &std::path::Path,
     n_ctx: usize,
 ) -> Result<()> {
+    a.kv.check()?;
     let cfg = a.kv.config()?;
     if let Some(b) = cfg.budget {
         if cfg.def()?.budgeted() && b > n_ctx {
