@@ -9,6 +9,11 @@
 //! context. A template that fails to parse is reported when it is loaded; one
 //! that fails while rendering (including `raise_exception`) becomes
 //! `Error::Template` with minijinja's message.
+//!
+//! A template comes from the model file, i.e. from whoever made it, so a
+//! render is bounded: at most [`FUEL`] minijinja instructions (an endless or
+//! quadratic template fails instead of hanging) and [`MAX_RENDER`] bytes of
+//! output (a template that repeats text fails instead of exhausting memory).
 
 use crate::error::{Error, Result};
 use crate::format::gguf::Gguf;
@@ -18,6 +23,32 @@ use std::fmt;
 
 /// Template name inside the environment.
 const NAME: &str = "chat";
+
+/// Instructions one render may execute. Real templates spend a few hundred
+/// per message, so this holds conversations of tens of thousands of turns.
+pub const FUEL: u64 = 20_000_000;
+
+/// Bytes one render may produce (far beyond any context window's text).
+pub const MAX_RENDER: usize = 64 << 20;
+
+/// A `String` sink that refuses to grow past [`MAX_RENDER`].
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDER {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt exceeds {} MiB",
+                MAX_RENDER >> 20
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// One chat turn.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -104,6 +135,7 @@ impl ChatTemplate {
     /// sees as `bos_token` / `eos_token`.
     pub fn from_source(src: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
         let mut env = Environment::new();
+        env.set_fuel(Some(FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -133,13 +165,19 @@ impl ChatTemplate {
     /// appends the opening of the assistant's turn.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         let tmpl = self.env.get_template(NAME).map_err(tmpl_err)?;
-        tmpl.render(context! {
-            messages => messages,
-            bos_token => &self.bos,
-            eos_token => &self.eos,
-            add_generation_prompt => add_generation_prompt,
-        })
-        .map_err(tmpl_err)
+        let mut out = Capped(Vec::new());
+        tmpl.render_captured_to(
+            context! {
+                messages => messages,
+                bos_token => &self.bos,
+                eos_token => &self.eos,
+                add_generation_prompt => add_generation_prompt,
+            },
+            &mut out,
+        )
+        .map_err(tmpl_err)?;
+        // minijinja writes whole UTF-8 strings, so the bytes are text
+        String::from_utf8(out.0).map_err(|e| Error::Template(e.to_string()))
     }
 
     /// Render a conversation and say where each message's content landed:

@@ -131,6 +131,24 @@ fn r01_non_utf8_arguments() {
     ];
     let (out, _) = ok(&args);
     assert!(!out.trim().is_empty(), "no text generated");
+    // batch: input and output files with non-UTF-8 names, a huge budget
+    let mut input = dir.clone().into_os_string();
+    input.push(os(b"/in-\xff.jsonl"));
+    std::fs::write(&input, "{\"id\":\"a\",\"prompt\":\"hi\"}\n").unwrap();
+    let mut output = dir.clone().into_os_string();
+    output.push(os(b"/out-\xff.jsonl"));
+    let args: Vec<OsString> = [
+        "batch", "-m", &m, "--max-tokens", "3", "-c", "256", "--policy", "window",
+        "--kv-budget", "18446744073709551615", "-b", "18446744073709551615", "-i",
+    ]
+    .iter()
+    .map(OsString::from)
+    .chain([input, "-o".into(), output.clone()])
+    .collect();
+    let (_, err) = ok(&args);
+    assert!(err.contains("clamped to 256"), "{err}");
+    let rec = std::fs::read_to_string(&output).unwrap();
+    assert!(rec.contains("\"budget\":256"), "{rec}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -463,6 +481,7 @@ fn r16_flags_and_labels() {
         ("--kv-budget", "-1"),
         ("-b", "-5"),
         ("-n", "-2"),
+        ("--temp", "-1"),
     ] {
         let long = match flag {
             "-c" => "ctx-size",
