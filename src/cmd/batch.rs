@@ -307,14 +307,21 @@ pub struct Record {
 }
 
 /// One parsed input record.
-struct Item {
-    idx: usize,
-    id: Value,
-    prompt: String,
-    gold: Option<String>,
+#[derive(Debug)]
+pub struct Item {
+    /// Input line, 0-based.
+    pub idx: usize,
+    /// The record's id (the line number when it has none).
+    pub id: Value,
+    /// The prompt text.
+    pub prompt: String,
+    /// The reference answer, when the record has one.
+    pub gold: Option<String>,
 }
 
-fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<Item, String> {
+/// Parse one input line (its bytes, `idx` 0-based) into a record, or say in
+/// a few words why it is not one (the line is then reported and skipped).
+pub fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<Item, String> {
     let text = std::str::from_utf8(raw)
         .map_err(|e| format!("not valid UTF-8 (byte {})", e.valid_up_to()))?;
     let v: Value = serde_json::from_str(text).map_err(|e| format!("bad JSON: {e}"))?;

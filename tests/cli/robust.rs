@@ -138,8 +138,20 @@ fn r01_non_utf8_arguments() {
     let mut output = dir.clone().into_os_string();
     output.push(os(b"/out-\xff.jsonl"));
     let args: Vec<OsString> = [
-        "batch", "-m", &m, "--max-tokens", "3", "-c", "256", "--policy", "window",
-        "--kv-budget", "18446744073709551615", "-b", "18446744073709551615", "-i",
+        "batch",
+        "-m",
+        &m,
+        "--max-tokens",
+        "3",
+        "-c",
+        "256",
+        "--policy",
+        "window",
+        "--kv-budget",
+        "18446744073709551615",
+        "-b",
+        "18446744073709551615",
+        "-i",
     ]
     .iter()
     .map(OsString::from)
