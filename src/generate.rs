@@ -19,6 +19,10 @@ use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
 /// Tokens the evictor always keeps per stream (sinks + recent window).
+/// How far beyond the context a budget that is split unevenly across
+/// streams (per-layer, pyramid, global) may go.
+const UNEVEN_BUDGET_LIMIT: usize = 16;
+
 fn e_protected(e: &Evictor) -> usize {
     e.n_sink.saturating_add(e.n_recent)
 }
@@ -123,10 +127,15 @@ impl<'w> Session<'w, Cpu> {
     ) -> Result<Session<'w>> {
         // a budget beyond the context is the context (defaults that depend
         // on the budget, like the recent window, follow the clamped value)
-        let mut cfg = cfg.clone();
-        cfg.budget = cfg.budget.map(|b| b.min(n_ctx.max(1)));
-        let cfg = &cfg;
-        let mut s = match cfg.build(seed, model)? {
+        // (only where the budget caps each stream: a pyramid's or a shared
+        // group's budget is a parameter of its split, kept as given)
+        let mut clamped = cfg.clone();
+        clamped.budget = cfg.budget.map(|b| b.min(n_ctx.max(1)));
+        let mut built = clamped.build(seed, model)?;
+        if built.as_ref().is_some_and(|p| !p.rule.caps_each_stream()) {
+            built = cfg.build(seed, model)?;
+        }
+        let mut s = match built {
             None => Session::new(w, n_ctx, n_threads, n_batch),
             Some(p) => {
                 let e = &p.evictor;
@@ -178,10 +187,22 @@ impl<'w, B: Backend> Session<'w, B> {
         let mut policy = policy;
         // a budget beyond the context never evicts: hold the context only
         // (the front ends say so), so no slot is allocated that can't be used
-        let cap = n_ctx.max(1);
-        policy.evictor.budget = policy.evictor.budget.min(cap);
-        if let Some(pp) = &mut policy.prompt {
-            pp.evictor.budget = pp.evictor.budget.min(cap);
+        if policy.rule.caps_each_stream() {
+            let cap = n_ctx.max(1);
+            policy.evictor.budget = policy.evictor.budget.min(cap);
+            if let Some(pp) = &mut policy.prompt {
+                pp.evictor.budget = pp.evictor.budget.min(cap);
+            }
+        } else if policy.evictor.budget > n_ctx.max(1).saturating_mul(UNEVEN_BUDGET_LIMIT) {
+            // an uneven split cannot be clamped, only bounded (its rows are
+            // allocated up front)
+            return Err(Error::config(
+                Field::Budget,
+                format!(
+                    "{}: budget {} is far beyond the context of {n_ctx} tokens (this policy splits its budget unevenly, so it may be up to {UNEVEN_BUDGET_LIMIT}× the context)",
+                    policy.name, policy.evictor.budget
+                ),
+            ));
         }
         let e = &policy.evictor;
         if e.budget == 0 {

@@ -46,6 +46,14 @@ pub enum BudgetRule {
 }
 
 impl BudgetRule {
+    /// Whether the budget is the most any one stream (or the token-uniform
+    /// cache) holds, so that a budget beyond the context can be clamped to
+    /// it without changing what is kept. Per-layer, pyramid and global
+    /// budgets are split unevenly and are kept as given.
+    pub fn caps_each_stream(&self) -> bool {
+        matches!(self, BudgetRule::Tokens | BudgetRule::PerStream)
+    }
+
     /// Whether the rule keeps per-(layer, KV-head) streams.
     pub fn streams(&self) -> bool {
         *self != BudgetRule::Tokens

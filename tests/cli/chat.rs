@@ -201,19 +201,29 @@ fn message_serde_roundtrip() {
 #[test]
 fn chat_template_renders_are_bounded() {
     let msgs = vec![msg("user", "hi")];
-    let spin = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}";
+    let spin =
+        "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}";
     let t = ChatTemplate::from_source(spin, "<s>", "</s>").unwrap();
     let t0 = std::time::Instant::now();
-    let e = t.render(&msgs, true).expect_err("an endless template must fail");
+    let e = t
+        .render(&msgs, true)
+        .expect_err("an endless template must fail");
     assert!(matches!(e, Error::Template(_)), "{e}");
     assert!(t0.elapsed().as_secs() < 60, "fuel did not stop the render");
     let big = "{% for a in range(100000) %}{{ messages[0]['content'] }}{% endfor %}";
     let t = ChatTemplate::from_source(big, "<s>", "</s>").unwrap();
     let huge = vec![msg("user", &"x".repeat(1 << 12))];
-    let e = t.render(&huge, true).expect_err("a 400 MiB render must fail");
+    let e = t
+        .render(&huge, true)
+        .expect_err("a 400 MiB render must fail");
     assert!(e.to_string().contains("MiB"), "{e}");
     let long: Vec<Message> = (0..2000)
-        .map(|i| msg(if i % 2 == 0 { "user" } else { "assistant" }, "a fairly ordinary message"))
+        .map(|i| {
+            msg(
+                if i % 2 == 0 { "user" } else { "assistant" },
+                "a fairly ordinary message",
+            )
+        })
         .collect();
     let t = ChatTemplate::from_gguf(&smollm()).unwrap().unwrap();
     assert!(t.render(&long, true).unwrap().len() > 2000 * 20);
