@@ -9,14 +9,17 @@ use crate::tokenizer::Tokenizer;
 /// the model wants one and the template did not already emit it.
 pub fn encode_rendered(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     let mut ids = tok.encode(text, false, true)?;
-    if tok.add_bos() {
-        if let Some(b) = tok.bos() {
-            if ids.first() != Some(&b) {
-                ids.insert(0, b);
-            }
+    add_bos_once(tok, &mut ids);
+    Ok(ids)
+}
+
+/// Put BOS first when the model wants one and the template did not emit it.
+fn add_bos_once(tok: &Tokenizer, ids: &mut Vec<u32>) {
+    if let Some(b) = tok.bos().filter(|_| tok.add_bos()) {
+        if ids.first() != Some(&b) {
+            ids.insert(0, b);
         }
     }
-    Ok(ids)
 }
 
 /// Render and tokenize a chat for a client that may not inject control
@@ -41,13 +44,7 @@ pub fn encode_chat(
         Error::Template("a message holds control-token text and the template rewrites message contents, so it cannot be kept as plain text (remove it, or start the server with --parse-special)".into())
     })?;
     let mut ids = tok.encode_with_plain(&text, false, &spans)?;
-    if tok.add_bos() {
-        if let Some(b) = tok.bos() {
-            if ids.first() != Some(&b) {
-                ids.insert(0, b);
-            }
-        }
-    }
+    add_bos_once(tok, &mut ids);
     Ok((text, ids))
 }
 
