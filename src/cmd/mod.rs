@@ -23,6 +23,7 @@ pub mod eval;
 pub mod grade;
 pub mod inspect;
 pub mod interrupt;
+pub mod plot;
 pub mod prompt;
 pub mod run;
 pub mod serve;

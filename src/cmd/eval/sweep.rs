@@ -20,6 +20,7 @@ use crate::cmd::eval::fidelity::{
     eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs,
 };
 use crate::cmd::load_model;
+use crate::cmd::plot::{Line, LinePlot, PALETTE};
 use crate::error::{Error, Result};
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
@@ -353,343 +354,70 @@ pub fn to_markdown(rs: &[PplReport]) -> String {
     s
 }
 
-fn xml_escape(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => o.push_str("&amp;"),
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&apos;"),
-            _ => o.push(c),
-        }
-    }
-    o
-}
-
-/// "Nice" axis ticks (1-2-5 steps) covering [lo, hi].
-fn nice_ticks(lo: f64, hi: f64, target: usize) -> (f64, f64, f64) {
-    let span = (hi - lo).max(1e-12);
-    let raw = span / target.max(1) as f64;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
-        .iter()
-        .map(|m| m * mag)
-        .find(|&s| s >= raw)
-        .unwrap_or(10.0 * mag);
-    ((lo / step).floor() * step, (hi / step).ceil() * step, step)
-}
-
-fn fmt_tick(v: f64, step: f64) -> String {
-    let dec = if step >= 1.0 {
-        0
-    } else {
-        (-step.log10()).ceil().max(0.0) as usize + 1
-    };
-    let s = format!("{v:.dec$}");
-    let s = if s.contains('.') {
-        s.trim_end_matches('0').trim_end_matches('.').to_owned()
-    } else {
-        s
-    };
-    if s == "-0" {
-        "0".into()
-    } else {
-        s
-    }
-}
-
-const PALETTE: &[&str] = &[
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-    "#7f7f7f", "#bcbd22",
-];
-
 /// The SVG line plot: x = budget (log2), y = `metric`, one line per policy,
 /// dashed lines for the segment when present; `text_len` (tokens of a single
 /// text) is marked with a dotted vertical line when inside the budget range.
 pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<usize>) -> String {
-    let (w, h) = (900.0f64, 520.0f64);
-    let (l, r, t, b) = (80.0, 700.0, 60.0, 450.0); // plot area
     let mut policies: Vec<&str> = Vec::new();
     for x in rs {
         if !policies.contains(&x.policy.as_str()) {
             policies.push(&x.policy);
         }
     }
-    let mut budgets: Vec<usize> = rs
-        .iter()
-        .filter_map(|x| x.budget)
-        .filter(|&b| b > 0)
-        .collect();
-    budgets.sort_unstable();
-    budgets.dedup();
     let has_seg = rs.iter().any(|x| x.segment.is_some());
-    // y range
-    let mut ys: Vec<f64> = Vec::new();
-    for x in rs {
-        ys.push(metric.of(&x.all));
-        if let Some(g) = &x.segment {
-            ys.push(metric.of(g));
-        }
-    }
-    ys.retain(|v| v.is_finite());
-    let (mut ylo, mut yhi) = ys
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
-            (a.min(v), b.max(v))
-        });
-    if !ylo.is_finite() {
-        (ylo, yhi) = (0.0, 1.0);
-    }
-    match metric {
-        Metric::Kl | Metric::DeltaNll => {
-            ylo = ylo.min(0.0);
-            yhi = yhi.max(0.0);
-        }
-        Metric::Top1 => yhi = yhi.max(1.0),
-        Metric::Ppl => {}
-    }
-    if yhi - ylo < 1e-9 {
-        let pad = if yhi.abs() > 1e-9 {
-            yhi.abs() * 0.1
-        } else {
-            0.1
+    let mut lines = Vec::new();
+    for (i, p) in policies.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let of = |seg: bool| -> Vec<(usize, f64)> {
+            rs.iter()
+                .filter(|x| x.policy == *p)
+                .filter_map(|x| {
+                    let f = if seg { x.segment.as_ref()? } else { &x.all };
+                    x.budget.map(|bud| (bud, metric.of(f)))
+                })
+                .collect()
         };
-        ylo -= pad;
-        yhi += pad;
+        lines.push(Line {
+            label: p.to_string(),
+            group: p.to_string(),
+            color,
+            dashed: false,
+            pts: of(false),
+        });
+        let seg = of(true);
+        if seg.iter().any(|q| q.1.is_finite()) {
+            lines.push(Line {
+                label: format!("{p} (segment)"),
+                group: p.to_string(),
+                color,
+                dashed: true,
+                pts: seg,
+            });
+        }
     }
-    let (ylo, yhi, ystep) = nice_ticks(ylo, yhi, 6);
-    // x range (log2)
-    let (xlo, xhi) = match (budgets.first(), budgets.last()) {
-        (Some(&a), Some(&z)) if z > a => ((a as f64).log2(), (z as f64).log2()),
-        (Some(&a), _) => ((a as f64).log2() - 1.0, (a as f64).log2() + 1.0),
-        _ => (0.0, 1.0),
-    };
-    let xpad = 0.05 * (xhi - xlo);
-    let (xlo, xhi) = (xlo - xpad, xhi + xpad);
-    let px = |bud: usize| l + ((bud as f64).log2() - xlo) / (xhi - xlo) * (r - l);
-    let py = |v: f64| b - (v - ylo) / (yhi - ylo) * (b - t);
-
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>"#
-    );
-    let title = format!("{} vs KV budget — {}", metric.short(), source);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="28" text-anchor="middle" font-size="16" font-weight="bold">{}</text>"#,
-        (l + r) / 2.0,
-        xml_escape(&title)
-    );
-    if let Some(x) = rs.first() {
+    let subtitle = rs.first().map(|x| {
         let mut sub = format!("{} tokens", x.n_tokens);
         if let (true, Some(st)) = (has_seg, x.segment_start) {
             let _ = write!(sub, "; segment from token {st} dashed");
         } else if has_seg {
             sub.push_str("; segment dashed");
         }
-        let _ = writeln!(
-            s,
-            r##"<text x="{}" y="46" text-anchor="middle" fill="#555">{}</text>"##,
-            (l + r) / 2.0,
-            xml_escape(&sub)
-        );
+        sub
+    });
+    LinePlot {
+        title: format!("{} vs KV budget — {}", metric.short(), source),
+        subtitle,
+        y_label: metric.label().into(),
+        y_short: metric.short().into(),
+        y_include: match metric {
+            Metric::Kl | Metric::DeltaNll => vec![0.0],
+            Metric::Top1 => vec![1.0],
+            Metric::Ppl => vec![],
+        },
+        x_marker: text_len.map(|n| (n, format!("text length {n}"))),
+        lines,
     }
-    // grid + y ticks
-    let n_yt = ((yhi - ylo) / ystep).round() as usize;
-    for i in 0..=n_yt {
-        let v = ylo + i as f64 * ystep;
-        let y = py(v);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{l}" y1="{y:.2}" x2="{r}" y2="{y:.2}" stroke="#e5e5e5"/>"##
-        );
-        let _ = writeln!(
-            s,
-            r#"<line x1="{}" y1="{y:.2}" x2="{l}" y2="{y:.2}" stroke="black"/>"#,
-            l - 5.0
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{:.2}" text-anchor="end">{}</text>"#,
-            l - 8.0,
-            y + 4.0,
-            fmt_tick(v, ystep)
-        );
-    }
-    // x ticks at each budget
-    for &bud in &budgets {
-        let x = px(bud);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#e5e5e5"/>"##
-        );
-        let _ = writeln!(
-            s,
-            r#"<line x1="{x:.2}" y1="{b}" x2="{x:.2}" y2="{}" stroke="black"/>"#,
-            b + 5.0
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{x:.2}" y="{}" text-anchor="middle">{bud}</text>"#,
-            b + 20.0
-        );
-    }
-    // text length marker: budgets at or above it evict nothing
-    if let Some(n) = text_len {
-        let lx = (n as f64).log2();
-        if n > 0 && lx > xlo && lx < xhi {
-            let x = l + (lx - xlo) / (xhi - xlo) * (r - l);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{x:.2}" y1="{t}" x2="{x:.2}" y2="{b}" stroke="#999" stroke-dasharray="2,3"/>"##
-            );
-            let _ = writeln!(
-                s,
-                r##"<text x="{:.2}" y="{}" fill="#777" font-size="10">text length {n}</text>"##,
-                x + 3.0,
-                t + 12.0
-            );
-        }
-    }
-    // axes
-    let _ = writeln!(
-        s,
-        r#"<line x1="{l}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/>"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<line x1="{l}" y1="{t}" x2="{l}" y2="{b}" stroke="black"/>"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle" font-size="13">KV budget (tokens, log2 scale)</text>"#,
-        (l + r) / 2.0,
-        b + 42.0
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="22" y="{}" text-anchor="middle" font-size="13" transform="rotate(-90 22 {})">{}</text>"#,
-        (t + b) / 2.0,
-        (t + b) / 2.0,
-        xml_escape(metric.label())
-    );
-    // lines
-    let mut legend: Vec<(String, &str, bool)> = Vec::new();
-    for (i, p) in policies.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
-        let mut pts: Vec<(usize, f64, Option<f64>)> = rs
-            .iter()
-            .filter(|x| x.policy == *p)
-            .filter_map(|x| {
-                x.budget.filter(|&b| b > 0).map(|bud| {
-                    (
-                        bud,
-                        metric.of(&x.all),
-                        x.segment.as_ref().map(|g| metric.of(g)),
-                    )
-                })
-            })
-            .collect();
-        pts.sort_by_key(|q| q.0);
-        let _ = writeln!(s, r#"<g class="policy" data-policy="{}">"#, xml_escape(p));
-        let main: Vec<String> = pts
-            .iter()
-            .filter(|q| q.1.is_finite())
-            .map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1)))
-            .collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
-            main.join(" ")
-        );
-        for q in pts.iter().filter(|q| q.1.is_finite()) {
-            let _ = writeln!(
-                s,
-                r#"<circle cx="{:.2}" cy="{:.2}" r="3.5" fill="{color}"><title>{} {}: {} = {}</title></circle>"#,
-                px(q.0),
-                py(q.1),
-                xml_escape(p),
-                q.0,
-                xml_escape(metric.short()),
-                q.1
-            );
-        }
-        legend.push((p.to_string(), color, false));
-        let seg: Vec<(usize, f64)> = pts
-            .iter()
-            .filter_map(|q| q.2.filter(|v| v.is_finite()).map(|v| (q.0, v)))
-            .collect();
-        if !seg.is_empty() {
-            let sp: Vec<String> = seg
-                .iter()
-                .map(|q| format!("{:.2},{:.2}", px(q.0), py(q.1)))
-                .collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="6,4" points="{}"/>"#,
-                sp.join(" ")
-            );
-            for q in &seg {
-                let _ = writeln!(
-                    s,
-                    r#"<circle cx="{:.2}" cy="{:.2}" r="3" fill="white" stroke="{color}" stroke-width="1.5"><title>{} (segment) {}: {} = {}</title></circle>"#,
-                    px(q.0),
-                    py(q.1),
-                    xml_escape(p),
-                    q.0,
-                    xml_escape(metric.short()),
-                    q.1
-                );
-            }
-            legend.push((format!("{p} (segment)"), color, true));
-        }
-        s.push_str("</g>\n");
-    }
-    // legend
-    let lx = r + 20.0;
-    let _ = writeln!(
-        s,
-        r##"<rect x="{}" y="{}" width="{}" height="{}" fill="white" stroke="#ccc"/>"##,
-        lx - 8.0,
-        t - 8.0,
-        w - lx - 4.0,
-        legend.len() as f64 * 20.0 + 10.0
-    );
-    for (i, (name, color, dashed)) in legend.iter().enumerate() {
-        let y = t + 8.0 + i as f64 * 20.0;
-        let dash = if *dashed {
-            r#" stroke-dasharray="6,4""#
-        } else {
-            ""
-        };
-        let _ = writeln!(
-            s,
-            r#"<line x1="{lx}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="2"{dash}/>"#,
-            lx + 28.0
-        );
-        let fill = if *dashed { "white" } else { color };
-        let _ = writeln!(
-            s,
-            r#"<circle cx="{}" cy="{y}" r="3" fill="{fill}" stroke="{color}"/>"#,
-            lx + 14.0
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}">{}</text>"#,
-            lx + 36.0,
-            y + 4.0,
-            xml_escape(name)
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+    .svg()
 }
 
 fn with_ext(prefix: &Path, ext: &str) -> PathBuf {

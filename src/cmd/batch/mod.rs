@@ -1,11 +1,14 @@
 //! `kvrun batch`: run a JSONL file of problems through the model and grade
-//! the answers; `kvrun batch merge`: combine shard outputs.
+//! the answers; `kvrun batch merge`: combine shard outputs; `kvrun batch
+//! report`: merge and tabulate accuracy per (policy, budget) point.
 //!
 //! ```text
 //! kvrun batch -i IN.jsonl|- -o OUT.jsonl|- [model, KV, sampling flags]
-//!             [--template plain|boxed|r1] [--grade auto|math|gsm8k|aime|none]
-//!             [--resume] [--limit N] [--shard i/n] [--summary FILE] [--allow-errors]
+//!             [--policies a,b --budgets x,y] [--template plain|boxed|r1]
+//!             [--grade auto|math|gsm8k|aime|none] [--resume] [--limit N]
+//!             [--shard i/n|auto [--shards N]] [--summary FILE] [--allow-errors]
 //! kvrun batch merge OUT1 OUT2 ... -o MERGED
+//! kvrun batch report OUT1 OUT2 ... [--out PREFIX] [--merged FILE]
 //! ```
 //!
 //! - One output record per processed input line, in input order, each
@@ -21,14 +24,21 @@
 //!   for it, and the rest of the batch runs. The exit code is then 1 (after
 //!   the rest ran) unless `--allow-errors` is given.
 //! - Blank lines are skipped silently (they still count for line numbers).
-//! - `--shard i/n` keeps the lines whose 0-based line index % n == i.
+//! - `--policies a,b --budgets x,y` runs every (policy, budget) point of
+//!   the grid on every line (`full` once, without a budget); a missing list
+//!   is `--policy` / `--kv-budget`. Each record carries its point (`policy`,
+//!   `budget`); the lines are the outer loop, so an interrupted grid has
+//!   every point on the same problems.
+//! - `--shard i/n` keeps the lines whose 0-based line index % n == i;
+//!   `--shard auto` reads i and n from Slurm, Kubernetes or GNU parallel
+//!   (`shard.rs`). `{shard}` in `-o` / `--summary` becomes the index.
 //!   `--limit N` processes at most N lines (after sharding and resume).
 //! - Each record gets a fresh session and a sampler seeded with
 //!   seed + line index, so a record's output does not depend on which
 //!   other records run, or in which shard (greedy is the default).
-//! - Records are keyed by (line number, id): two input lines that share an
-//!   id are both run (with a warning). `--resume` reads the keys already in
-//!   the output file and appends only the missing records. A last line
+//! - Records are keyed by (line number, id, policy, budget): two input lines
+//!   that share an id are both run (with a warning). `--resume` reads the
+//!   keys already in the output file and appends only the missing records. A last line
 //!   without its newline (a crash mid-write) is reported and cut off first,
 //!   so the file is whole JSONL lines again. Each record is one write of a
 //!   whole line, flushed at once.
@@ -40,6 +50,9 @@
 //!   always goes to stderr, and `--summary FILE` writes it as JSON. After
 //!   `--resume` the summary's totals cover the whole output file;
 //!   `processed` counts the records of this run.
+
+pub mod report;
+pub mod shard;
 
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::cmd::grade::{extract_answer, grade, Kind};
@@ -76,19 +89,11 @@ pub struct BatchCmd {
 /// Subcommands of `kvrun batch`.
 #[derive(Subcommand, Debug)]
 pub enum BatchSub {
-    /// Combine shard outputs, ordered by line number, dropping duplicate (line, id) records.
-    Merge(MergeArgs),
-}
-
-/// Flags of `kvrun batch merge`.
-#[derive(Args, Debug, Clone)]
-pub struct MergeArgs {
-    /// Output files of `kvrun batch` (e.g. one per shard).
-    #[arg(required = true)]
-    pub inputs: Vec<PathBuf>,
-    /// Merged output (`-` = stdout).
-    #[arg(short = 'o', long = "output", default_value = "-")]
-    pub output: PathBuf,
+    /// Combine shard outputs, ordered by line number, dropping duplicate records.
+    Merge(report::MergeArgs),
+    /// Merge shard outputs and tabulate accuracy per (policy, budget) point
+    /// (Markdown on stdout; --out PREFIX also writes .md, .csv and .svg).
+    Report(report::ReportArgs),
 }
 
 /// Prompt wrapping.
@@ -143,7 +148,12 @@ pub struct BatchArgs {
     #[arg(long = "grade", value_enum, default_value_t = GradeMode::Auto)]
     pub grade: GradeMode,
     /// Tokens to generate per record at most.
-    #[arg(long = "max-tokens", alias = "n-predict", default_value_t = 1024)]
+    #[arg(
+        short = 'n',
+        long = "max-tokens",
+        alias = "n-predict",
+        default_value_t = 1024
+    )]
     pub max_tokens: usize,
     /// Context size in tokens (0 = the model's training context).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
@@ -179,9 +189,20 @@ pub struct BatchArgs {
     /// Process at most N lines.
     #[arg(long = "limit")]
     pub limit: Option<usize>,
-    /// Process only lines with index % n == i (`i/n`).
-    #[arg(long = "shard")]
+    /// Process only lines with index % n == i: `i/n`, or `auto` (from
+    /// Slurm array, Kubernetes Indexed Job or GNU parallel variables).
+    #[arg(long = "shard", value_name = "i/n|auto")]
     pub shard: Option<String>,
+    /// Shard count for --shard auto where the scheduler does not give it
+    /// (Kubernetes, GNU parallel; env KVRUN_SHARDS); alone, implies --shard auto.
+    #[arg(long = "shards", value_name = "N")]
+    pub shards: Option<usize>,
+    /// Run a grid: every policy of this list (comma-separated) at every budget of --budgets.
+    #[arg(long = "policies", value_delimiter = ',', conflicts_with = "policy")]
+    pub policies: Vec<String>,
+    /// Run a grid: every budget of this list (comma-separated) for every policy of --policies.
+    #[arg(long = "budgets", value_delimiter = ',', conflicts_with = "kv_budget")]
+    pub budgets: Vec<usize>,
     /// Write the summary as JSON to this file.
     #[arg(long = "summary")]
     pub summary: Option<PathBuf>,
@@ -190,7 +211,8 @@ pub struct BatchArgs {
 /// Run `kvrun batch` (or its `merge`).
 pub fn run_batch(cmd: &BatchCmd) -> Result<()> {
     match &cmd.sub {
-        Some(BatchSub::Merge(m)) => run_merge(m),
+        Some(BatchSub::Merge(m)) => report::run_merge(m),
+        Some(BatchSub::Report(r)) => report::run_report(r),
         None => run_records(&cmd.run),
     }
 }
@@ -200,25 +222,6 @@ fn io_err(path: impl AsRef<Path>, source: std::io::Error) -> Error {
         path: path.as_ref().to_path_buf(),
         source,
     }
-}
-
-/// Parse `i/n`.
-pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
-    let bad = || {
-        Error::arg(
-            "--shard",
-            format!("expected i/n with 0 <= i < n, got {s:?}"),
-        )
-    };
-    let (i, n) = s.split_once('/').ok_or_else(bad)?;
-    let (i, n): (usize, usize) = (
-        i.trim().parse().map_err(|_| bad())?,
-        n.trim().parse().map_err(|_| bad())?,
-    );
-    if n == 0 || i >= n {
-        return Err(bad());
-    }
-    Ok((i, n))
 }
 
 /// The id of a record as a comparable key (strings as is, other JSON as text).
@@ -390,16 +393,41 @@ impl Totals {
     }
 }
 
-/// The key a record is known by: its 1-based input line and its id.
-type Key = (usize, String);
+/// A (policy, budget) point of a run; the budget as applied (None: `full`).
+pub type PointKey = (String, Option<usize>);
+
+/// The key a record is known by: its 1-based input line, its id and its point.
+pub type Key = (usize, String, PointKey);
+
+/// The key of an output record (None when it lacks `line` or `id`); a
+/// record without `policy` / `budget` (an older file) is `full` / none.
+pub fn record_key(v: &Value) -> Option<Key> {
+    let line = v.get("line")?.as_u64()? as usize;
+    let id = id_key(v.get("id")?);
+    let policy = v
+        .get("policy")
+        .and_then(Value::as_str)
+        .unwrap_or("full")
+        .to_owned();
+    let budget = v.get("budget").and_then(Value::as_u64).map(|b| b as usize);
+    Some((line, id, (policy, budget)))
+}
+
+/// "snapkv@512", or "full".
+pub fn point_name(p: &PointKey) -> String {
+    match p.1 {
+        Some(b) => format!("{}@{b}", p.0),
+        None => p.0.clone(),
+    }
+}
 
 /// An existing output file, as `--resume` finds it.
 #[derive(Debug, Default)]
 struct Existing {
     /// Keys of the records already written.
     keys: HashSet<Key>,
-    /// Their totals (for a summary over the whole file).
-    totals: Totals,
+    /// Their totals per point (for a summary over the whole file).
+    totals: HashMap<PointKey, Totals>,
     /// Length of the whole lines; bytes after it are a torn last line.
     whole_len: u64,
     /// Length of the file.
@@ -426,10 +454,7 @@ fn scan_output(path: &Path) -> Result<Existing> {
             continue;
         }
         let rec = serde_json::from_slice::<Value>(l).ok();
-        let key = rec.as_ref().and_then(|v| {
-            let line = v.get("line")?.as_u64()? as usize;
-            Some((line, id_key(v.get("id")?)))
-        });
+        let key = rec.as_ref().and_then(record_key);
         let (Some(v), Some(key)) = (rec, key) else {
             eprintln!(
                 "kvrun batch: {}: line {} is not a batch record (ignored)",
@@ -438,7 +463,7 @@ fn scan_output(path: &Path) -> Result<Existing> {
             );
             continue;
         };
-        let t = &mut ex.totals;
+        let t = ex.totals.entry(key.2.clone()).or_default();
         let num = |f: &str| v.get(f).and_then(Value::as_f64).unwrap_or(0.0);
         t.records += 1;
         if let Some(c) = v.get("correct").and_then(Value::as_bool) {
@@ -508,7 +533,195 @@ fn line_list(lines: &[usize]) -> String {
     s.join(", ")
 }
 
+/// The KV settings of every grid point, in grid order (policies outer,
+/// budgets inner; `full` once, without a budget). Without `--policies` /
+/// `--budgets` the grid is the one point `--policy` / `--kv-budget`.
+pub fn grid(a: &BatchArgs) -> Result<Vec<KvArgs>> {
+    let policies: Vec<String> = if a.policies.is_empty() {
+        vec![a.kv.policy.clone()]
+    } else {
+        a.policies
+            .iter()
+            .map(|p| p.trim().to_owned())
+            .filter(|p| !p.is_empty())
+            .collect()
+    };
+    if policies.is_empty() {
+        return Err(Error::arg("--policies", "no policy given"));
+    }
+    let budgets: Vec<Option<usize>> = if a.budgets.is_empty() {
+        vec![a.kv.kv_budget]
+    } else {
+        a.budgets.iter().map(|&b| Some(b)).collect()
+    };
+    let mut out: Vec<KvArgs> = Vec::new();
+    let known = crate::policy::names();
+    for p in &policies {
+        if !a.policies.is_empty() {
+            if !known.contains(&p.as_str()) {
+                return Err(Error::arg(
+                    "--policies",
+                    format!("unknown policy '{p}' (known: {})", known.join(", ")),
+                ));
+            }
+            if p != "full" && budgets == [None] {
+                return Err(Error::arg(
+                    "--budgets",
+                    format!("--policies {p} needs a budget: --budgets N[,M...] (or --kv-budget N)"),
+                ));
+            }
+        }
+        for &b in &budgets {
+            let budget = if p == "full" { None } else { b };
+            if out.iter().any(|k| k.policy == *p && k.kv_budget == budget) {
+                continue;
+            }
+            out.push(KvArgs {
+                policy: p.clone(),
+                kv_budget: budget,
+                ..a.kv.clone()
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// What a record's generation needs besides its item and its point.
+struct RunCtx<'a, 'w> {
+    a: &'a BatchArgs,
+    w: &'w crate::model::Weights<'w>,
+    tok: &'a crate::tokenizer::Tokenizer,
+    tmpl: Option<&'a crate::chat::ChatTemplate>,
+    path: &'a Path,
+    n_ctx: usize,
+    n_threads: usize,
+}
+
+/// Generate and grade one record at one point.
+fn run_one(
+    c: &RunCtx<'_, '_>,
+    item: &Item,
+    kv: &KvArgs,
+    budget: Option<usize>,
+    seed: u64,
+) -> Result<Record> {
+    let a = c.a;
+    let tok = c.tok;
+    let ids = match a.template {
+        Template::R1 => tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?,
+        Template::Plain => prompt_tokens(tok, c.tmpl, &item.prompt, a.system.as_deref(), a.raw)?,
+        Template::Boxed => {
+            let p = BOXED_TEMPLATE.replace("{problem}", &item.prompt);
+            prompt_tokens(tok, c.tmpl, &p, a.system.as_deref(), a.raw)?
+        }
+    };
+    if ids.len() >= c.n_ctx {
+        return Err(Error::ContextTooSmall {
+            n_prompt: ids.len(),
+            n_ctx: c.n_ctx,
+        });
+    }
+    let mut sampler = Sampler::new(a.sampling.config(0.0, seed));
+    let mut sess = kv.session(
+        c.w,
+        seed,
+        c.path,
+        c.n_ctx,
+        c.n_threads,
+        a.batch_size,
+        ids.len(),
+    )?;
+    let mut text = String::new();
+    let opts = GenOptions {
+        n_predict: a.max_tokens as i64,
+        ignore_eos: a.ignore_eos,
+    };
+    // Ctrl-C stops this record at the next token
+    let st = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
+        text.push_str(piece);
+        !interrupt::requested()
+    })?;
+    // a record cut short by Ctrl-C is not written: --resume reruns it
+    interrupt::check()?;
+    let kind = match (a.grade, item.gold.as_deref()) {
+        (GradeMode::None, _) | (_, None) => None,
+        (GradeMode::Auto, Some(g)) => Some(auto_kind(g)),
+        (GradeMode::Math, _) => Some(Kind::Math),
+        (GradeMode::Gsm8k, _) => Some(Kind::Gsm8k),
+        (GradeMode::Aime, _) => Some(Kind::Aime),
+    };
+    let pred = kind.and_then(|k| extract_answer(&text, k));
+    // GSM8K references are reduced to their final number
+    let gold = match (kind, &item.gold) {
+        (Some(Kind::Gsm8k), Some(g)) if g.contains("####") => {
+            crate::cmd::grade::extract_gsm8k(g).or_else(|| item.gold.clone())
+        }
+        _ => item.gold.clone(),
+    };
+    let correct = match (kind, &item.gold) {
+        (Some(k), Some(g)) => Some(pred.as_deref().is_some_and(|p| grade(p, g, k))),
+        _ => None,
+    };
+    let tok_s = if st.gen_ms > 0.0 {
+        st.n_gen as f64 * 1e3 / st.gen_ms
+    } else {
+        0.0
+    };
+    Ok(Record {
+        id: item.id.clone(),
+        line: item.idx + 1,
+        prompt_tokens: st.n_prompt,
+        gen_tokens: st.n_gen,
+        output: text,
+        pred,
+        gold,
+        correct,
+        stop: stop_name(st.stop),
+        time_s: st.total_ms / 1e3,
+        tok_s,
+        peak_kv_bytes: sess.kv.peak_bytes(),
+        evicted: sess.n_evicted,
+        policy: kv.policy.clone(),
+        budget,
+    })
+}
+
+impl Totals {
+    fn add_record(&mut self, rec: &Record) {
+        self.records += 1;
+        if let Some(c) = rec.correct {
+            self.graded += 1;
+            self.correct += c as usize;
+        }
+        self.prompt_tokens += rec.prompt_tokens;
+        self.gen_tokens += rec.gen_tokens;
+        self.time_s += rec.time_s;
+        if rec.tok_s > 0.0 {
+            self.gen_s += rec.gen_tokens as f64 / rec.tok_s;
+        }
+        self.peak_kv = self.peak_kv.max(rec.peak_kv_bytes);
+        self.evicted += rec.evicted;
+    }
+
+    fn accuracy(&self) -> f64 {
+        if self.graded > 0 {
+            self.correct as f64 / self.graded as f64
+        } else {
+            0.0
+        }
+    }
+
+    fn tok_s(&self) -> f64 {
+        if self.gen_s > 0.0 {
+            self.gen_tokens as f64 / self.gen_s
+        } else {
+            0.0
+        }
+    }
+}
+
 fn run_records(a: &BatchArgs) -> Result<()> {
+    let shard = shard::resolve(a.shard.as_deref(), a.shards, &|k| std::env::var(k).ok())?;
     let input = a
         .input
         .as_deref()
@@ -517,6 +730,12 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         .output
         .as_deref()
         .ok_or_else(|| Error::arg("-o/--output", "no output given (-o FILE.jsonl or -o -)"))?;
+    let output = &shard::fill_path(output, shard.as_ref(), "-o/--output")?;
+    let summary_path = a
+        .summary
+        .as_deref()
+        .map(|p| shard::fill_path(p, shard.as_ref(), "--summary"))
+        .transpose()?;
     if a.resume && is_std(output) {
         return Err(Error::arg("--resume", "needs an output file, not stdout"));
     }
@@ -528,8 +747,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
     }
     a.sampling.check()?;
-    a.kv.check()?;
-    let shard = a.shard.as_deref().map(parse_shard).transpose()?;
+    let grid = grid(a)?;
     let n_threads = resolve_threads(a.model.threads)?;
     let seed = if a.seed < 0 {
         std::time::SystemTime::now()
@@ -539,9 +757,20 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     } else {
         a.seed as u64
     };
-    // validate the KV flags before loading anything
+    // validate every point's KV flags before loading anything
     let path = resolve_model(&a.model.model)?;
-    a.kv.build(seed, &path)?;
+    for kv in &grid {
+        kv.check()?;
+        kv.build(seed, &path)?;
+    }
+    if let Some(sh) = &shard {
+        if sh.source != "--shard" {
+            eprintln!(
+                "kvrun batch: shard {}/{} (from {})",
+                sh.index, sh.count, sh.source
+            );
+        }
+    }
     let lines = read_lines(input)?;
     let existing = if a.resume {
         scan_output(output)?
@@ -559,7 +788,20 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         a.ctx_size
     };
     crate::cmd::args::check_ctx_alloc(&w.config, n_ctx, n_threads)?;
-    crate::cmd::args::context_notes(&w.config, n_ctx, &a.kv);
+    // the points as applied: a budget beyond the context is the context
+    let mut points: Vec<(KvArgs, PointKey)> = Vec::new();
+    for kv in grid {
+        crate::cmd::args::context_notes(&w.config, n_ctx, &kv);
+        let key = (kv.policy.clone(), kv.kv_budget.map(|b| b.min(n_ctx.max(1))));
+        if points.iter().any(|(_, k)| *k == key) {
+            eprintln!(
+                "kvrun batch: {} is the same point as an earlier one once clamped to the context (-c {n_ctx}); run once",
+                point_name(&(kv.policy.clone(), kv.kv_budget))
+            );
+            continue;
+        }
+        points.push((kv, key));
+    }
 
     let mut out: Box<dyn Write> = if is_std(output) {
         Box::new(std::io::stdout())
@@ -577,18 +819,21 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         Box::new(f)
     };
 
-    // select the lines: shard, blank, resume, limit (parse errors are counted when reached)
-    let mut todo: Vec<(usize, std::result::Result<Item, String>)> = Vec::new();
+    // select the lines: shard, blank, resume, limit (parse errors are
+    // counted when reached); each line keeps the points it still lacks
+    type Todo = (usize, std::result::Result<Item, String>, Vec<usize>);
+    let mut todo: Vec<Todo> = Vec::new();
     let mut n_resumed = 0usize;
     let mut first_line_of: HashMap<String, usize> = HashMap::new();
     for (idx, raw) in lines.iter().enumerate() {
-        if shard.is_some_and(|(i, n)| idx % n != i) {
+        if shard.is_some_and(|sh| !sh.owns(idx)) {
             continue;
         }
         if raw.iter().all(|b| b.is_ascii_whitespace()) {
             continue;
         }
         let item = parse_item(a, idx, raw);
+        let mut want: Vec<usize> = (0..points.len()).collect();
         if let Ok(it) = &item {
             let id = id_key(&it.id);
             match first_line_of.get(&id) {
@@ -600,29 +845,38 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                     first_line_of.insert(id.clone(), idx + 1);
                 }
             }
-            if existing.keys.contains(&(idx + 1, id)) {
-                n_resumed += 1;
+            want.retain(|&p| {
+                let done = existing
+                    .keys
+                    .contains(&(idx + 1, id.clone(), points[p].1.clone()));
+                n_resumed += done as usize;
+                !done
+            });
+            if want.is_empty() {
                 continue;
             }
         }
         if a.limit.is_some_and(|l| todo.len() >= l) {
             continue;
         }
-        todo.push((idx, item));
+        todo.push((idx, item, want));
     }
 
+    let ctx = RunCtx {
+        a,
+        w,
+        tok,
+        tmpl: tmpl.as_ref(),
+        path: &path,
+        n_ctx,
+        n_threads,
+    };
     let progress = std::io::stderr().is_terminal();
-    // reported as applied: a budget beyond the context is the context
-    let kv_budget = a.kv.kv_budget.map(|b| b.min(n_ctx.max(1)));
-    let mut run = Totals::default();
+    let mut run: HashMap<PointKey, Totals> = HashMap::new();
     let mut err_lines: Vec<usize> = Vec::new();
     let mut interrupted = false;
     let n_todo = todo.len();
-    for (k, (idx, item)) in todo.into_iter().enumerate() {
-        if interrupt::requested() {
-            interrupted = true;
-            break;
-        }
+    'lines: for (k, (idx, item, want)) in todo.into_iter().enumerate() {
         let line_no = idx + 1;
         let item = match item {
             Ok(it) => it,
@@ -632,133 +886,53 @@ fn run_records(a: &BatchArgs) -> Result<()> {
                 continue;
             }
         };
-        if progress {
-            eprint!(
-                "\r[{}/{}] line {} id {} ...",
-                k + 1,
-                n_todo,
-                line_no,
-                id_key(&item.id)
-            );
-        }
-        let rec_seed = seed.wrapping_add(item.idx as u64);
-        let res = (|| -> Result<Record> {
-            let ids = match a.template {
-                Template::R1 => {
-                    tok.encode(&R1_TEMPLATE.replace("{problem}", &item.prompt), false, true)?
-                }
-                Template::Plain => {
-                    prompt_tokens(tok, tmpl.as_ref(), &item.prompt, a.system.as_deref(), a.raw)?
-                }
-                Template::Boxed => {
-                    let p = BOXED_TEMPLATE.replace("{problem}", &item.prompt);
-                    prompt_tokens(tok, tmpl.as_ref(), &p, a.system.as_deref(), a.raw)?
-                }
-            };
-            if ids.len() >= n_ctx {
-                return Err(Error::ContextTooSmall {
-                    n_prompt: ids.len(),
-                    n_ctx,
-                });
-            }
-            let mut sampler = Sampler::new(a.sampling.config(0.0, rec_seed));
-            let mut sess = a.kv.session(
-                w,
-                rec_seed,
-                &path,
-                n_ctx,
-                n_threads,
-                a.batch_size,
-                ids.len(),
-            )?;
-            let mut text = String::new();
-            let opts = GenOptions {
-                n_predict: a.max_tokens as i64,
-                ignore_eos: a.ignore_eos,
-            };
-            // Ctrl-C stops this record at the next token
-            let st = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
-                text.push_str(piece);
-                !interrupt::requested()
-            })?;
-            // a record cut short by Ctrl-C is not written: --resume reruns it
-            interrupt::check()?;
-            let kind = match (a.grade, item.gold.as_deref()) {
-                (GradeMode::None, _) | (_, None) => None,
-                (GradeMode::Auto, Some(g)) => Some(auto_kind(g)),
-                (GradeMode::Math, _) => Some(Kind::Math),
-                (GradeMode::Gsm8k, _) => Some(Kind::Gsm8k),
-                (GradeMode::Aime, _) => Some(Kind::Aime),
-            };
-            let pred = kind.and_then(|k| extract_answer(&text, k));
-            // GSM8K references are reduced to their final number
-            let gold = match (kind, &item.gold) {
-                (Some(Kind::Gsm8k), Some(g)) if g.contains("####") => {
-                    crate::cmd::grade::extract_gsm8k(g).or_else(|| item.gold.clone())
-                }
-                _ => item.gold.clone(),
-            };
-            let correct = match (kind, &item.gold) {
-                (Some(k), Some(g)) => Some(pred.as_deref().is_some_and(|p| grade(p, g, k))),
-                _ => None,
-            };
-            let peak = sess.kv.peak_bytes();
-            let tok_s = if st.gen_ms > 0.0 {
-                st.n_gen as f64 * 1e3 / st.gen_ms
-            } else {
-                0.0
-            };
-            Ok(Record {
-                id: item.id.clone(),
-                line: line_no,
-                prompt_tokens: st.n_prompt,
-                gen_tokens: st.n_gen,
-                output: text,
-                pred,
-                gold,
-                correct,
-                stop: stop_name(st.stop),
-                time_s: st.total_ms / 1e3,
-                tok_s,
-                peak_kv_bytes: peak,
-                evicted: sess.n_evicted,
-                policy: a.kv.policy.clone(),
-                budget: kv_budget,
-            })
-        })();
-        match res {
-            Ok(rec) => {
-                // one write of the whole line, flushed: a crash leaves at
-                // most one torn last line, which --resume cuts off
-                let mut s = serde_json::to_string(&rec).map_err(|e| Error::Other(e.to_string()))?;
-                s.push('\n');
-                out.write_all(s.as_bytes())
-                    .and_then(|_| out.flush())
-                    .map_err(|e| io_err(output, e))?;
-                run.records += 1;
-                if let Some(c) = rec.correct {
-                    run.graded += 1;
-                    run.correct += c as usize;
-                }
-                run.prompt_tokens += rec.prompt_tokens;
-                run.gen_tokens += rec.gen_tokens;
-                run.time_s += rec.time_s;
-                if rec.tok_s > 0.0 {
-                    run.gen_s += rec.gen_tokens as f64 / rec.tok_s;
-                }
-                run.peak_kv = run.peak_kv.max(rec.peak_kv_bytes);
-                run.evicted += rec.evicted;
-            }
-            Err(Error::Interrupted) => {
+        for p in want {
+            if interrupt::requested() {
                 interrupted = true;
-                break;
+                break 'lines;
             }
-            Err(e) => {
-                if progress {
-                    eprint!("\r\x1b[K");
+            let (kv, key) = &points[p];
+            if progress {
+                eprint!(
+                    "\r[{}/{}] line {} id {} {} ...",
+                    k + 1,
+                    n_todo,
+                    line_no,
+                    id_key(&item.id),
+                    point_name(key)
+                );
+            }
+            match run_one(&ctx, &item, kv, key.1, seed.wrapping_add(item.idx as u64)) {
+                Ok(rec) => {
+                    // one write of the whole line, flushed: a crash leaves at
+                    // most one torn last line, which --resume cuts off
+                    let mut s =
+                        serde_json::to_string(&rec).map_err(|e| Error::Other(e.to_string()))?;
+                    s.push('\n');
+                    out.write_all(s.as_bytes())
+                        .and_then(|_| out.flush())
+                        .map_err(|e| io_err(output, e))?;
+                    run.entry(key.clone()).or_default().add_record(&rec);
                 }
-                eprintln!("line {line_no}: {e}");
-                err_lines.push(line_no);
+                Err(Error::Interrupted) => {
+                    interrupted = true;
+                    break 'lines;
+                }
+                Err(e) => {
+                    if progress {
+                        eprint!("\r\x1b[K");
+                    }
+                    let at = if points.len() > 1 {
+                        format!(" ({})", point_name(key))
+                    } else {
+                        String::new()
+                    };
+                    eprintln!("line {line_no}{at}: {e}");
+                    // a line fails once however many points it fails at
+                    if err_lines.last() != Some(&line_no) {
+                        err_lines.push(line_no);
+                    }
+                }
             }
         }
     }
@@ -766,41 +940,93 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         eprint!("\r\x1b[K");
     }
     // the summary covers the whole output file: earlier runs and this one
-    let mut all = existing.totals;
-    all.add(&run);
+    let keys: Vec<&PointKey> = points.iter().map(|(_, k)| k).collect();
+    let per_point: Vec<(PointKey, Totals)> = keys
+        .iter()
+        .map(|&k| {
+            let mut t = existing.totals.get(k).copied().unwrap_or_default();
+            if let Some(r) = run.get(k) {
+                t.add(r);
+            }
+            (k.clone(), t)
+        })
+        .collect();
+    let mut all = Totals::default();
+    for (_, t) in &per_point {
+        all.add(t);
+    }
+    let mut this_run = Totals::default();
+    for t in run.values() {
+        this_run.add(t);
+    }
     let wall_s = t_wall.elapsed().as_secs_f64();
-    let tok_s = if all.gen_s > 0.0 {
-        all.gen_tokens as f64 / all.gen_s
+    let what = if points.len() == 1 {
+        let (kv, key) = &points[0];
+        format!(
+            "policy {} budget {}",
+            kv.policy,
+            key.1.map_or_else(|| "none".to_string(), |b| b.to_string())
+        )
     } else {
-        0.0
-    };
-    let acc = if all.graded > 0 {
-        all.correct as f64 / all.graded as f64
-    } else {
-        0.0
+        format!("grid of {} points", points.len())
     };
     eprintln!(
-        "kvrun batch: {} done, {} errors, {n_resumed} skipped (resume){} | output {} records | accuracy {}/{} ({:.1}%) | tokens {} prompt + {} gen | time {:.2} s (wall {wall_s:.2} s) | {tok_s:.2} tok/s | peak KV {} bytes | evicted {} | policy {} budget {}",
-        run.records,
+        "kvrun batch: {} done, {} errors, {n_resumed} skipped (resume){} | output {} records | accuracy {}/{} ({:.1}%) | tokens {} prompt + {} gen | time {:.2} s (wall {wall_s:.2} s) | {:.2} tok/s | peak KV {} bytes | evicted {} | {what}",
+        this_run.records,
         err_lines.len(),
         if interrupted { " | interrupted" } else { "" },
         all.records,
         all.correct,
         all.graded,
-        100.0 * acc,
+        100.0 * all.accuracy(),
         all.prompt_tokens,
         all.gen_tokens,
         all.time_s,
+        all.tok_s(),
         all.peak_kv,
         all.evicted,
-        a.kv.policy,
-        kv_budget.map_or_else(|| "none".to_string(), |b| b.to_string()),
     );
-    if let Some(p) = &a.summary {
+    if points.len() > 1 {
+        for (k, t) in &per_point {
+            eprintln!(
+                "  {:<24} {:>4} records | accuracy {}/{} ({:.1}%) | {:.2} tok/s | peak KV {} bytes",
+                point_name(k),
+                t.records,
+                t.correct,
+                t.graded,
+                100.0 * t.accuracy(),
+                t.tok_s(),
+                t.peak_kv
+            );
+        }
+    }
+    if let Some(p) = &summary_path {
+        let point_json: Vec<Value> = per_point
+            .iter()
+            .map(|(k, t)| {
+                json!({
+                    "policy": k.0,
+                    "budget": k.1,
+                    "records": t.records,
+                    "graded": t.graded,
+                    "correct": t.correct,
+                    "accuracy": t.accuracy(),
+                    "gen_tokens": t.gen_tokens,
+                    "tok_s": t.tok_s(),
+                    "peak_kv_bytes": t.peak_kv,
+                    "evicted": t.evicted,
+                })
+            })
+            .collect();
+        let (policy, budget) = match points.as_slice() {
+            [(kv, key)] => (json!(kv.policy), json!(key.1)),
+            _ => (Value::Null, Value::Null),
+        };
         let s = json!({
             "input": input,
             "output": output,
-            "processed": run.records,
+            "shard": shard.map(|s| json!({"index": s.index, "count": s.count, "source": s.source})),
+            "processed": this_run.records,
             "errors": err_lines.len(),
             "error_lines": err_lines,
             "skipped_resume": n_resumed,
@@ -808,16 +1034,17 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             "records": all.records,
             "graded": all.graded,
             "correct": all.correct,
-            "accuracy": acc,
+            "accuracy": all.accuracy(),
             "prompt_tokens": all.prompt_tokens,
             "gen_tokens": all.gen_tokens,
             "time_s": all.time_s,
             "wall_s": wall_s,
-            "tok_s": tok_s,
+            "tok_s": all.tok_s(),
             "peak_kv_bytes": all.peak_kv,
             "evicted": all.evicted,
-            "policy": a.kv.policy,
-            "budget": kv_budget,
+            "policy": policy,
+            "budget": budget,
+            "points": point_json,
             "peak_rss_bytes": crate::cmd::bench::peak_rss_bytes(),
         });
         let text =
@@ -837,65 +1064,5 @@ fn run_records(a: &BatchArgs) -> Result<()> {
             line_list(&err_lines)
         )));
     }
-    Ok(())
-}
-
-/// `kvrun batch merge`: records of all inputs ordered by `line` (records
-/// without one go last, in reading order); the first record of each
-/// (line, id) wins, so input lines that share an id both survive.
-fn run_merge(m: &MergeArgs) -> Result<()> {
-    let mut recs: Vec<(usize, usize, Value)> = Vec::new();
-    for p in &m.inputs {
-        let ps = p.display().to_string();
-        let bytes = std::fs::read(p).map_err(|source| Error::Io {
-            path: p.clone(),
-            source,
-        })?;
-        for (i, l) in bytes.split(|&b| b == b'\n').enumerate() {
-            if l.iter().all(|b| b.is_ascii_whitespace()) {
-                continue;
-            }
-            match serde_json::from_slice::<Value>(l) {
-                Ok(v) => {
-                    let line = v
-                        .get("line")
-                        .and_then(|x| x.as_u64())
-                        .map_or(usize::MAX, |x| x as usize);
-                    let n = recs.len();
-                    recs.push((line, n, v));
-                }
-                Err(e) => eprintln!("{ps}: line {}: skipped ({e})", i + 1),
-            }
-        }
-    }
-    recs.sort_by_key(|r| (r.0, r.1));
-    let mut seen = HashSet::new();
-    let mut text = String::new();
-    let mut n_dup = 0;
-    for (_, _, v) in &recs {
-        if let Some(id) = v.get("id") {
-            let line = v.get("line").and_then(Value::as_u64).unwrap_or(0);
-            if !seen.insert((line, id_key(id))) {
-                n_dup += 1;
-                continue;
-            }
-        }
-        text.push_str(&serde_json::to_string(v).map_err(|e| Error::Other(e.to_string()))?);
-        text.push('\n');
-    }
-    if is_std(&m.output) {
-        let so = std::io::stdout();
-        let mut o = so.lock();
-        o.write_all(text.as_bytes())
-            .and_then(|_| o.flush())
-            .map_err(|e| io_err("<stdout>", e))?;
-    } else {
-        std::fs::write(&m.output, text).map_err(|e| io_err(&m.output, e))?;
-    }
-    eprintln!(
-        "kvrun batch merge: {} records ({} duplicates dropped)",
-        recs.len() - n_dup,
-        n_dup
-    );
     Ok(())
 }
