@@ -1,4 +1,4 @@
-//! The kvrun binary end to end: golden text, bad input, robustness (signals, sizes, chat), batch runs and grading, chat (template and REPL), and the OpenAI-compatible server.
+//! The kvrun binary end to end: golden text, bad input, robustness (signals, sizes, chat), batch runs, shards (GNU parallel, Slurm) and grading, chat (template and REPL), and the OpenAI-compatible server.
 //!
 //! One test binary per group: each binary links llama.cpp, so fewer binaries
 //! build and link faster.
@@ -14,3 +14,4 @@ mod golden;
 mod grade;
 mod robust;
 mod server;
+mod shards;
