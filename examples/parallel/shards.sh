@@ -21,8 +21,12 @@ if [ $# -gt 0 ] && [ "$1" != "--" ]; then t=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
 kvrun=${KVRUN:-kvrun}
 mkdir -p "$out"
-seq "$n" | parallel --will-cite -q -N0 -j "$n" --halt now,fail=1 \
+# a shard with failed lines exits 1 after finishing the rest: let the
+# others finish too, report what was done, then pass the failure on
+status=0
+seq "$n" | parallel --will-cite -q -N0 -j "$n" \
   "$kvrun" batch -m "$model" -t "$t" -i "$input" \
   -o "$out/records.{shard}.jsonl" --summary "$out/summary.{shard}.json" \
-  --shard auto --shards "$n" --resume "$@"
+  --shard auto --shards "$n" --resume "$@" || status=$?
 "$kvrun" batch report "$out"/records.*.jsonl --out "$out/report"
+exit "$status"

@@ -464,6 +464,18 @@ pub fn resolve_model(m: &Option<PathBuf>) -> Result<PathBuf> {
     })
 }
 
+/// `-s`: a negative seed means a random one (from the clock).
+pub fn resolve_seed(s: i64) -> u64 {
+    if s < 0 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    } else {
+        s as u64
+    }
+}
+
 /// Thread count from -t (default: available parallelism).
 pub fn resolve_threads(t: Option<i64>) -> Result<usize> {
     match t {

@@ -4,6 +4,15 @@
 //! hand, so it opens anywhere (browser, GitHub, an image viewer).
 
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// `PREFIX.ext` (the prefix may hold dots of its own).
+pub fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(".");
+    s.push(ext);
+    PathBuf::from(s)
+}
 
 /// Line colours, in series order.
 pub const PALETTE: &[&str] = &[

@@ -3,7 +3,8 @@
 //! streamed to stdout, timings and KV statistics on stderr.
 
 use crate::cmd::args::{
-    check_ctx_alloc, context_notes, read_text, resolve_model, resolve_threads, RunArgs,
+    check_ctx_alloc, context_notes, read_text, resolve_model, resolve_seed, resolve_threads,
+    RunArgs,
 };
 use crate::cmd::prompt::prompt_tokens;
 use crate::cmd::{interrupt, load_model};
@@ -91,14 +92,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     }
     check_ctx_alloc(&w.config, n_ctx, n_threads)?;
     context_notes(&w.config, n_ctx, &a.kv);
-    let seed = if a.seed < 0 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    } else {
-        a.seed as u64
-    };
+    let seed = resolve_seed(a.seed);
     let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
     let mut sess =
         a.kv.session(w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;

@@ -749,14 +749,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     a.sampling.check()?;
     let grid = grid(a)?;
     let n_threads = resolve_threads(a.model.threads)?;
-    let seed = if a.seed < 0 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    } else {
-        a.seed as u64
-    };
+    let seed = crate::cmd::args::resolve_seed(a.seed);
     // validate every point's KV flags before loading anything
     let path = resolve_model(&a.model.model)?;
     for kv in &grid {

@@ -14,7 +14,7 @@
 //! is never mistaken for a comparison.
 
 use super::{io_err, is_std, point_name, record_key, Key, PointKey};
-use crate::cmd::plot::{Line, LinePlot, PALETTE};
+use crate::cmd::plot::{with_ext, Line, LinePlot, PALETTE};
 use crate::error::{Error, Result};
 use clap::Args;
 use serde_json::Value;
@@ -344,13 +344,6 @@ pub fn to_svg(rows: &[PointRow], source: &str) -> String {
         lines,
     }
     .svg()
-}
-
-fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
-    let mut s = prefix.as_os_str().to_owned();
-    s.push(".");
-    s.push(ext);
-    PathBuf::from(s)
 }
 
 /// `kvrun batch report`.

@@ -20,7 +20,7 @@ use crate::cmd::eval::fidelity::{
     eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs,
 };
 use crate::cmd::load_model;
-use crate::cmd::plot::{Line, LinePlot, PALETTE};
+use crate::cmd::plot::{with_ext, Line, LinePlot, PALETTE};
 use crate::error::{Error, Result};
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
@@ -418,13 +418,6 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         lines,
     }
     .svg()
-}
-
-fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
-    let mut s = prefix.as_os_str().to_owned();
-    s.push(".");
-    s.push(ext);
-    PathBuf::from(s)
 }
 
 fn write_file(path: &Path, text: &str) -> Result<()> {
