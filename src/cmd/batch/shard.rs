@@ -196,7 +196,7 @@ pub fn fill_path(
 mod tests {
     use super::*;
 
-    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + '_ {
+    fn env_of<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| {
             vars.iter()
                 .find(|(n, _)| *n == k)
