@@ -1023,3 +1023,118 @@ fn message_control_text_is_plain_by_default() {
     let v = s.post_json("/v1/chat/completions", &body);
     assert_eq!(v["usage"]["prompt_tokens"], parsed.len(), "{v}");
 }
+
+/// llama-server's tokenizer and state endpoints: /tokenize matches the
+/// library's tokenizer (special tokens parsed or not, BOS on request,
+/// pieces), /detokenize inverts it and refuses ids outside the vocabulary,
+/// /props gives the request defaults and the policy table, /slots each
+/// slot's policy, state and KV occupancy after a request.
+#[test]
+fn llama_server_endpoints() {
+    let s = Server::start(&["-t", "1", "--parallel", "2", "-n", "17", "--top-k", "33"]);
+    let g = kvrun::format::gguf::Gguf::open(&util::default_model()).unwrap();
+    let tok = kvrun::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+    let text = "<|im_start|>user\nHello, world! Ünïcödé 123<|im_end|>";
+    for (add, parse) in [(false, true), (true, true), (false, false)] {
+        let v = s.post_json(
+            "/tokenize",
+            &json!({"content": text, "add_special": add, "parse_special": parse}),
+        );
+        let got: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            got,
+            tok.encode(text, add, parse).unwrap(),
+            "add {add} parse {parse}"
+        );
+        if !parse {
+            assert!(got.len() > tok.encode(text, false, true).unwrap().len());
+        }
+        let back = s.post_json("/detokenize", &json!({"tokens": got}));
+        assert_eq!(back["content"], json!(tok.decode(&got, true)));
+    }
+    // defaults: no BOS, control text parsed
+    let v = s.post_json("/tokenize", &json!({"content": text}));
+    assert_eq!(
+        v["tokens"].as_array().unwrap().len(),
+        tok.encode(text, false, true).unwrap().len()
+    );
+    let v = s.post_json(
+        "/tokenize",
+        &json!({"content": "Hi there", "with_pieces": true}),
+    );
+    let pieces: String = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            assert!(p["id"].is_u64(), "{p}");
+            p["piece"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(pieces, "Hi there");
+    // bad input: one OpenAI-shaped 400 each
+    for (path, body) in [
+        ("/tokenize", r#"{"content": 5}"#),
+        ("/tokenize", r#"{}"#),
+        ("/tokenize", r#"{"content": "x", "add_special": "yes"}"#),
+        ("/detokenize", r#"{"tokens": [1, -2]}"#),
+        ("/detokenize", r#"{"tokens": [99999999]}"#),
+        ("/detokenize", r#"{"tokens": "1 2"}"#),
+        ("/detokenize", "not json"),
+    ] {
+        let (st, body_text) = s.post(path, body);
+        let (st, _) = api_error(st, &body_text);
+        assert_eq!(st, 400, "{path} {body}");
+    }
+
+    let (st, props) = s.get("/props");
+    assert_eq!(st, 200);
+    let p: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!(p["total_slots"], 2);
+    assert_eq!(p["default_generation_settings"]["n_ctx"], 4096);
+    assert_eq!(p["default_generation_settings"]["params"]["n_predict"], 17);
+    assert_eq!(p["default_generation_settings"]["params"]["top_k"], 33);
+    assert!(p["chat_template"].as_str().unwrap().contains("im_start"));
+    assert_eq!(p["kv"]["policy"], "full");
+    let names: Vec<&str> = p["kv"]["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, kvrun::policy::names());
+
+    let (_, slots) = s.get("/slots");
+    let v: Value = serde_json::from_str(&slots).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    assert!(v.as_array().unwrap().iter().all(|x| x["n_requests"] == 0
+        && x["is_processing"] == false
+        && x["kv"]["policy"].is_null()));
+    let mut b = chat_body("Tell me a story about a dragon.", 24);
+    b["policy"] = json!("h2o");
+    b["kv_budget"] = json!(32);
+    b["kv_recent"] = json!(8);
+    let r = s.post_json("/v1/chat/completions", &b);
+    let (_, slots) = s.get("/slots");
+    let v: Value = serde_json::from_str(&slots).unwrap();
+    let used: Vec<&Value> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["n_requests"] == 1)
+        .collect();
+    assert_eq!(used.len(), 1, "{slots}");
+    let k = &used[0]["kv"];
+    assert_eq!(k["policy"], "h2o");
+    assert_eq!(k["kv_budget"], 32);
+    assert_eq!(k["capacity_tokens"], 32);
+    assert_eq!(k["evicted_last"], r["kv"]["evicted"]);
+    let live = k["live_tokens"].as_u64().unwrap();
+    assert!(live > 0 && live <= 32, "{k}");
+    assert_eq!(used[0]["is_processing"], false);
+}

@@ -34,6 +34,14 @@ pub(super) struct SlotKv {
     pub(super) capacity_entries: AtomicUsize,
     pub(super) peak_tokens: AtomicUsize,
     pub(super) peak_entries: AtomicUsize,
+    /// Generating now.
+    pub(super) busy: std::sync::atomic::AtomicBool,
+    /// Requests the slot has run.
+    pub(super) requests: std::sync::atomic::AtomicU64,
+    /// Entries its last request evicted.
+    pub(super) evicted_last: AtomicUsize,
+    /// The policy and budget of its last request (None before any).
+    pub(super) policy: std::sync::Mutex<(Option<String>, Option<usize>)>,
 }
 
 pub(super) async fn metrics(State(app): State<Arc<App>>) -> Response {

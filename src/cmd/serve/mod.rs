@@ -38,6 +38,7 @@
 //! [`Arc`].
 
 mod api;
+mod llama;
 mod metrics;
 mod routes;
 mod slots;
@@ -134,6 +135,10 @@ pub struct ServeArgs {
 #[derive(Debug)]
 struct App {
     model_id: String,
+    /// The model (the tokenizer endpoints read its tokenizer).
+    model: Arc<crate::load::Loaded>,
+    /// The chat template's source, for /props.
+    chat_template: Option<String>,
     /// The model file (policies may read a per-model config next to it).
     model_path: std::path::PathBuf,
     created: u64,
@@ -249,6 +254,8 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
     let (jobs, rx) = sync_channel::<Job>(a.queue);
     let app = Arc::new(App {
         model_id,
+        model: model.clone(),
+        chat_template: tmpl.as_ref().map(|t| t.source().to_owned()),
         model_path: path.clone(),
         created: now_s(),
         n_ctx,

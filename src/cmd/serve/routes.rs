@@ -3,15 +3,12 @@
 //! request, queues a [`Job`](super::api::Job) for a worker slot and answers
 //! from the events the worker sends back (streamed or collected).
 
-use super::api::{
-    parse_body, parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev, Input, RespCtx,
-};
+use super::api::{parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev, Input, RespCtx};
+use super::llama::{self, read_json};
 use super::metrics::metrics;
 use super::sse::stream_response;
 use super::{now_s, App};
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRequest, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -33,6 +30,10 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/health", get(health))
+        .route("/tokenize", post(llama::tokenize))
+        .route("/detokenize", post(llama::detokenize))
+        .route("/props", get(llama::props))
+        .route("/slots", get(llama::slots))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -52,24 +53,7 @@ async fn completions(State(app): State<Arc<App>>, req: Request) -> Response {
 async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Response {
     // a client that sends its headers and then stalls on the body is cut
     // off after --timeout seconds, like one that stalls on its headers
-    let secs = app.defaults.timeout;
-    let body = match tokio::time::timeout(
-        std::time::Duration::from_secs(secs),
-        Bytes::from_request(req, &()),
-    )
-    .await
-    {
-        Ok(b) => b,
-        Err(_) => {
-            return ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "request_timeout",
-                format!("the request body did not arrive within {secs} s (--timeout)"),
-            )
-            .into_response()
-        }
-    };
-    match handle_inner(app, body, ep).await {
+    match handle_inner(app, req, ep).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -77,10 +61,10 @@ async fn handle(app: Arc<App>, req: Request, ep: Endpoint) -> Response {
 
 async fn handle_inner(
     app: Arc<App>,
-    body: std::result::Result<Bytes, BytesRejection>,
+    req: Request,
     ep: Endpoint,
 ) -> std::result::Result<Response, ApiError> {
-    let v = parse_body(body)?;
+    let v = read_json(&app, req).await?;
     let input = match ep {
         Endpoint::Chat => Input::Chat(parse_messages(&v)?),
         Endpoint::Completion => parse_prompt(&v, app.n_vocab)?,
@@ -230,6 +214,10 @@ async fn track(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
+        "/props" => "/props",
+        "/slots" => "/slots",
         _ => "other",
     };
     let resp = next.run(req).await;

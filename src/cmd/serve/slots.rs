@@ -66,6 +66,12 @@ pub(super) fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<
             continue;
         }
         app.processing.fetch_add(1, Ordering::SeqCst);
+        let slot = &app.slots[idx];
+        slot.busy.store(true, Ordering::SeqCst);
+        slot.requests.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut p) = slot.policy.lock() {
+            *p = (Some(job.kv.policy.clone()), job.kv.budget);
+        }
         let tx = job.tx.clone();
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             run_job(idx, eng, &app, &job, &mut cache)
@@ -84,6 +90,7 @@ pub(super) fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<
                 )));
             }
         }
+        slot.busy.store(false, Ordering::SeqCst);
         app.processing.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -217,6 +224,7 @@ fn run_job<'e>(
         .fetch_max(sess.kv.peak_live, Ordering::Relaxed);
     slot.peak_entries
         .fetch_max(sess.kv.peak_entries, Ordering::Relaxed);
+    slot.evicted_last.store(sess.n_evicted, Ordering::Relaxed);
     let finish = match stats.stop {
         StopReason::Eog => "stop",
         StopReason::Cancelled if hit_stop => "stop",
@@ -253,6 +261,8 @@ fn run_job<'e>(
             done.evicted
         );
     }
+    // the slot is free before the client hears the request is done
+    slot.busy.store(false, Ordering::SeqCst);
     let _ = job.tx.send(Ev::Done(done));
     Ok(())
 }
