@@ -339,7 +339,8 @@ pub fn to_svg(rows: &[PointRow], source: &str) -> String {
         )),
         y_label: "accuracy (%)".into(),
         y_short: "accuracy %".into(),
-        y_include: vec![0.0],
+        // the whole scale: a few points of difference look like what they are
+        y_include: vec![0.0, 100.0],
         x_marker: None,
         lines,
     }
