@@ -459,6 +459,12 @@ impl<'w, B: Backend> Session<'w, B> {
         self.signals.queries.as_ref()
     }
 
+    /// Entries evicted since the last reset (every stream; `n_evicted` is
+    /// this over the stream count, rounded down).
+    pub fn evicted_entries(&self) -> usize {
+        self.evicted_entries
+    }
+
     /// Forget the sequence.
     pub fn reset(&mut self) {
         self.kv.clear();

@@ -1138,3 +1138,61 @@ fn llama_server_endpoints() {
     assert!(live > 0 && live <= 32, "{k}");
     assert_eq!(used[0]["is_processing"], false);
 }
+
+/// `cache_prompt` (on by default): a request sharing a prefix with the
+/// slot's cache prefills only the new tokens and answers as a fresh run
+/// does; after a request that evicted, nothing is reused and /slots says
+/// why; `cache_prompt: false` always starts afresh.
+#[test]
+fn prompt_prefix_reuse() {
+    let s = Server::start(&["-t", "1"]);
+    let url = "/v1/completions";
+    let base = "The history of the printing press begins in the fifteenth century, when";
+    let body = |prompt: &str, cache: bool| json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "cache_prompt": cache});
+    let cached = |v: &Value| {
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let slot = || -> Value {
+        let (_, t) = s.get("/slots");
+        serde_json::from_str::<Value>(&t).unwrap()[0]["prompt_cache"].clone()
+    };
+    let first = s.post_json(url, &body(base, true));
+    let n1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cached(&first), 0);
+    assert_eq!(slot()["miss_reason"], "nothing cached");
+    assert_eq!(slot()["intact"], true);
+    // the same prompt again: all but its last token come from the cache,
+    // and the answer is the fresh one
+    let again = s.post_json(url, &body(base, true));
+    assert_eq!(cached(&again), n1 - 1);
+    assert_eq!(again["timings"]["prompt_n"], 1);
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+    // a longer prompt with the same start: the shared prefix is reused
+    let longer = format!("{base} a goldsmith from Mainz");
+    let v = s.post_json(url, &body(&longer, true));
+    let n = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let c = cached(&v);
+    assert!(
+        c >= n1 - 2 && c < n,
+        "cached {c} of {n} (first prompt {n1})"
+    );
+    assert_eq!(slot()["reused_last"], c);
+    let fresh = s.post_json(url, &body(&longer, false));
+    assert_eq!(cached(&fresh), 0);
+    assert_eq!(slot()["miss_reason"], "cache_prompt is false");
+    assert_eq!(v["choices"][0]["text"], fresh["choices"][0]["text"]);
+    // a request that evicts leaves a cache that is not intact: no reuse next
+    let mut b = body(&longer, true);
+    b["policy"] = json!("window");
+    b["kv_budget"] = json!(16);
+    b["kv_recent"] = json!(4);
+    let ev = s.post_json(url, &b);
+    assert!(ev["kv"]["evicted"].as_u64().unwrap() > 0, "{ev}");
+    assert_eq!(slot()["intact"], false);
+    let next = s.post_json(url, &b);
+    assert_eq!(cached(&next), 0);
+    let why = slot()["miss_reason"].as_str().unwrap().to_owned();
+    assert!(why.contains("not intact"), "{why}");
+}

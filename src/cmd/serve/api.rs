@@ -104,6 +104,9 @@ pub(super) struct Job {
     pub(super) stop: Vec<String>,
     pub(super) ignore_eos: bool,
     pub(super) kv: PolicyConfig,
+    /// Reuse the slot's cached prompt prefix (llama-server's
+    /// `cache_prompt`, on by default) while it is intact.
+    pub(super) cache_prompt: bool,
     pub(super) tx: UnboundedSender<Ev>,
 }
 
@@ -112,6 +115,8 @@ pub(super) struct Job {
 pub(super) struct Done {
     pub(super) finish: &'static str,
     pub(super) prompt_tokens: usize,
+    /// Prompt tokens reused from the slot's cache (not prefilled again).
+    pub(super) cached_tokens: usize,
     pub(super) completion_tokens: usize,
     pub(super) prompt_ms: f64,
     pub(super) gen_ms: f64,
@@ -361,6 +366,7 @@ pub(super) fn parse_job(
         Some(other) => return Err(type_err("stream_options", "an object", other)),
     };
     let ignore_eos = opt_bool(v, "ignore_eos")?.unwrap_or(false);
+    let cache_prompt = opt_bool(v, "cache_prompt")?.unwrap_or(true);
     // KV policy: the server's flags, overridden per request
     let mut kv = d.kv.config()?;
     if let Some(p) = opt_str(v, "policy")? {
@@ -426,6 +432,7 @@ pub(super) fn parse_job(
         stop,
         ignore_eos,
         kv,
+        cache_prompt,
         tx,
     };
     Ok((job, stream, include_usage))
@@ -455,6 +462,7 @@ pub(super) fn usage(d: &Done) -> Value {
         "prompt_tokens": d.prompt_tokens,
         "completion_tokens": d.completion_tokens,
         "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
     })
 }
 
@@ -462,9 +470,10 @@ pub(super) fn extras(d: &Done) -> (Value, Value) {
     let per_s = |n: usize, ms: f64| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
     (
         json!({
-            "prompt_n": d.prompt_tokens,
+            "cache_n": d.cached_tokens,
+            "prompt_n": d.prompt_tokens - d.cached_tokens,
             "prompt_ms": d.prompt_ms,
-            "prompt_per_second": per_s(d.prompt_tokens, d.prompt_ms),
+            "prompt_per_second": per_s(d.prompt_tokens - d.cached_tokens, d.prompt_ms),
             "predicted_n": d.completion_tokens,
             "predicted_ms": d.gen_ms,
             "predicted_per_second": per_s(d.completion_tokens, d.gen_ms),

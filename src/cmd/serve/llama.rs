@@ -10,8 +10,10 @@
 //! - `GET /props`: the defaults every request starts from (context,
 //!   sampling, max tokens), slot count, model, chat template, build, and the
 //!   KV defaults with the policy table;
-//! - `GET /slots`: per slot, whether it is generating, its policy and budget
-//!   and what its KV cache holds (as in `/metrics`).
+//! - `GET /slots`: per slot, whether it is generating, its policy and budget,
+//!   what its KV cache holds (as in `/metrics`) and its prompt cache (tokens
+//!   cached for reuse, whether they are intact, what the last request reused
+//!   or why it reused nothing).
 //!
 //! Tokenizing runs on the blocking pool, never on the async workers; its
 //! input is bounded by the request body limit.
@@ -189,6 +191,11 @@ pub(super) async fn slots(State(app): State<Arc<App>>) -> Json<Value> {
                 .lock()
                 .map(|p| p.clone())
                 .unwrap_or_else(|p| p.into_inner().clone());
+            let pc = s
+                .prompt_cache
+                .lock()
+                .map(|p| p.clone())
+                .unwrap_or_else(|p| p.into_inner().clone());
             json!({
                 "id": i,
                 "n_ctx": app.n_ctx,
@@ -204,6 +211,12 @@ pub(super) async fn slots(State(app): State<Arc<App>>) -> Json<Value> {
                     "peak_tokens": s.peak_tokens.load(Ordering::Relaxed),
                     "peak_entries": s.peak_entries.load(Ordering::Relaxed),
                     "evicted_last": s.evicted_last.load(Ordering::Relaxed),
+                },
+                "prompt_cache": {
+                    "cached_tokens": pc.cached,
+                    "intact": pc.intact,
+                    "reused_last": pc.reused,
+                    "miss_reason": pc.miss,
                 },
             })
         })

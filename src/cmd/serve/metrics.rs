@@ -42,6 +42,21 @@ pub(super) struct SlotKv {
     pub(super) evicted_last: AtomicUsize,
     /// The policy and budget of its last request (None before any).
     pub(super) policy: std::sync::Mutex<(Option<String>, Option<usize>)>,
+    /// Prompt-prefix reuse of its last request.
+    pub(super) prompt_cache: std::sync::Mutex<PromptCache>,
+}
+
+/// A slot's prompt cache, as `/slots` reports it.
+#[derive(Debug, Default, Clone)]
+pub(super) struct PromptCache {
+    /// Prompt tokens the last request reused.
+    pub(super) reused: usize,
+    /// Why it reused nothing (None when it reused a prefix).
+    pub(super) miss: Option<String>,
+    /// Tokens the cache holds for the next request to reuse.
+    pub(super) cached: usize,
+    /// Whether they are all still there (no eviction since).
+    pub(super) intact: bool,
 }
 
 pub(super) async fn metrics(State(app): State<Arc<App>>) -> Response {

@@ -3,6 +3,16 @@
 //! queue and streaming [`Ev`]s back. Generation runs only here, never on the
 //! async runtime. A slot keeps its session between requests with the same
 //! KV settings (reset, not reallocated).
+//!
+//! Prompt-prefix reuse (`cache_prompt`, on by default as in llama-server):
+//! a slot remembers the tokens its cache holds (the last prompt and the
+//! generated tokens fed back). A request with the same KV settings keeps
+//! the longest common prefix (at least one token is always fed, for the
+//! logits), truncates the rest and prefills only the new tokens. Reuse
+//! needs the cached prefix to be intact: once the previous request evicted
+//! anything, some prefix entries may be gone, so the slot starts afresh
+//! (`/slots` says why). What a scorer accumulated for the kept entries
+//! stays, as in `kvrun chat`; `cache_prompt: false` gives a fresh run.
 
 use super::api::{ApiError, Done, Ev, Input, Job};
 use super::{App, ReasoningFormat};
@@ -35,11 +45,21 @@ pub(super) struct Engine {
 /// What identifies a reusable session: the whole policy configuration.
 type KvKey = PolicyConfig;
 
+/// A slot's session and what its cache holds.
+pub(super) struct Cached<'e> {
+    key: KvKey,
+    sess: Session<'e>,
+    /// The tokens at positions 0.. of the cache (empty: nothing reusable).
+    tokens: Vec<u32>,
+    /// Nothing was evicted since `tokens` started: every prefix entry is there.
+    intact: bool,
+}
+
 /// One slot's thread: take jobs until the queue closes.
 pub(super) fn worker(idx: usize, eng: Arc<Engine>, app: Arc<App>, rx: Arc<Mutex<Receiver<Job>>>) {
     let eng: &Engine = &eng;
     // the slot's session borrows the shared weights for as long as it runs
-    let mut cache: Option<(KvKey, Session<'_>)> = None;
+    let mut cache: Option<Cached<'_>> = None;
     loop {
         let job = {
             let Ok(r) = rx.lock() else { return };
@@ -100,7 +120,7 @@ fn run_job<'e>(
     eng: &'e Engine,
     app: &App,
     job: &Job,
-    cache: &mut Option<(KvKey, Session<'e>)>,
+    cache: &mut Option<Cached<'e>>,
 ) -> std::result::Result<(), ApiError> {
     let tok = &eng.model.tokenizer;
     let w = eng.model.weights();
@@ -134,7 +154,9 @@ fn run_job<'e>(
     // a slot keeps its session while the policy stays the same
     let key: KvKey = job.kv.clone();
     let reusable = job.kv.def().is_ok_and(|d| d.caps.reusable_session);
-    let reuse = reusable && cache.as_ref().is_some_and(|(k, _)| *k == key);
+    let reuse = reusable && cache.as_ref().is_some_and(|c| c.key == key);
+    let slot = &app.slots[idx];
+    let rebuilt = !reuse && cache.is_some();
     if !reuse {
         *cache = None;
         let mut sess = match job.kv.build(job.sampler.seed, &eng.model.path)? {
@@ -142,16 +164,58 @@ fn run_job<'e>(
             Some(p) => Session::with_policy(w, eng.n_ctx, eng.n_threads, eng.n_batch, p)?,
         };
         sess.configure(&job.kv)?;
-        *cache = Some((key, sess));
+        *cache = Some(Cached {
+            key,
+            sess,
+            tokens: Vec::new(),
+            intact: true,
+        });
     }
-    let Some((_, sess)) = cache.as_mut() else {
+    let Some(c) = cache.as_mut() else {
         return Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
             "no session",
         ));
     };
-    sess.reset();
+    // keep the common prefix while it is intact, else start afresh
+    let common = c
+        .tokens
+        .iter()
+        .zip(&ids)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(ids.len() - 1);
+    let miss = if !job.cache_prompt {
+        Some("cache_prompt is false")
+    } else if rebuilt {
+        Some("the slot's session was rebuilt (other KV settings, or a policy that depends on the request)")
+    } else if c.tokens.is_empty() {
+        Some("nothing cached")
+    } else if !c.intact {
+        Some("the previous request evicted entries, so the cached prefix is not intact")
+    } else if common == 0 {
+        Some("no common prefix")
+    } else {
+        None
+    };
+    let sess = &mut c.sess;
+    let reused = if miss.is_none() {
+        sess.truncate(common)?;
+        common
+    } else {
+        sess.reset();
+        0
+    };
+    // pessimistic until the request finishes: a failed one leaves nothing reusable
+    c.tokens.clear();
+    c.intact = false;
+    if let Ok(mut pc) = slot.prompt_cache.lock() {
+        pc.reused = reused;
+        pc.miss = miss.map(str::to_owned);
+        pc.cached = 0;
+        pc.intact = false;
+    }
     if let Some(p) = &sess.policy {
         if job.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
             return Err(ApiError::bad(format!(
@@ -162,7 +226,6 @@ fn run_job<'e>(
             )));
         }
     }
-    let slot = &app.slots[idx];
     let (n_slots, n_streams) = (sess.kv.cells.n_slots(), sess.kv.n_streams());
     slot.capacity_entries.store(n_slots, Ordering::Relaxed);
     slot.capacity_tokens
@@ -175,6 +238,10 @@ fn run_job<'e>(
         return Ok(());
     }
     let mut sampler = Sampler::new(job.sampler.clone());
+    // the repeat-penalty history holds the whole prompt, reused part too
+    for &t in &ids[..reused] {
+        sampler.accept(t);
+    }
     let opts = GenOptions {
         n_predict: job.max_tokens,
         ignore_eos: job.ignore_eos,
@@ -195,7 +262,7 @@ fn run_job<'e>(
         true
     };
     let mut shut = false;
-    let stats = generate(sess, tok, &mut sampler, &ids, &opts, |piece| {
+    let stats = generate(sess, tok, &mut sampler, &ids[reused..], &opts, |piece| {
         let (text, hit) = stop.push(piece);
         think.push(&text, &mut out);
         if hit {
@@ -233,9 +300,19 @@ fn run_job<'e>(
         StopReason::Cancelled => "cancelled",
         StopReason::Length | StopReason::ContextFull => "length",
     };
+    // the cache now holds the prompt and the generated tokens fed back
+    let fed = stats.n_gen.min(stats.tokens.len());
+    c.tokens = ids.clone();
+    c.tokens.extend_from_slice(&stats.tokens[..fed]);
+    c.intact = sess.evicted_entries() == 0;
+    if let Ok(mut pc) = slot.prompt_cache.lock() {
+        pc.cached = c.tokens.len();
+        pc.intact = c.intact;
+    }
     let done = Done {
         finish,
         prompt_tokens: ids.len(),
+        cached_tokens: reused,
         completion_tokens: stats.tokens.len(),
         prompt_ms: stats.prompt_ms,
         gen_ms: stats.gen_ms,
