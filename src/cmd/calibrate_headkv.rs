@@ -5,7 +5,8 @@
 //! each of `--trials` needle tests, a haystack of `--context` tokens of the
 //! given text gets a needle sentence ("The secret code of the archive is"
 //! followed by 8 random words, a new draw per trial, seeded) inserted at
-//! depth (i + 0.5) / trials; then a question and the needle sentence again,
+//! depth (i + 0.5) / trials (the haystacks start `--skip-tokens` into the
+//! text, so that evaluated text stays out); then a question and the needle sentence again,
 //! teacher-forced, the cache keeping every token. At every token of the
 //! copied sentence, every query head whose most attended key (argmax of
 //! q·k over the cache, the fused attention's logits recomputed from the
@@ -37,6 +38,9 @@ pub struct HeadkvArgs {
     /// Haystack tokens per trial.
     #[arg(long = "context", default_value_t = 1024)]
     pub context: usize,
+    /// Haystack tokens of the file to skip (keep evaluated text out).
+    #[arg(long = "skip-tokens", default_value_t = 0)]
+    pub skip_tokens: usize,
     /// Needle tests (needle depths evenly spread).
     #[arg(long = "trials", default_value_t = 10)]
     pub trials: usize,
@@ -82,7 +86,8 @@ pub fn run(a: &HeadkvArgs) -> Result<()> {
     let model = load_model(&a.model)?;
     let (w, tok) = (model.weights(), &model.tokenizer);
     let c = &w.config;
-    let hay = tok.encode(&text, false, false)?;
+    let all = tok.encode(&text, false, false)?;
+    let hay = &all[a.skip_tokens.min(all.len())..];
     if hay.len() < a.context {
         return Err(Error::arg(
             "-f/--file",
@@ -156,9 +161,10 @@ pub fn run(a: &HeadkvArgs) -> Result<()> {
         n_kv_heads: c.n_kv_heads,
         scores,
         procedure: format!(
-            "kvrun calibrate headkv -m {} -f {} --context {} --trials {} --seed {} (retrieval-head hit rate, mean over each GQA group)",
+            "kvrun calibrate headkv -m {} -f {} --skip-tokens {} --context {} --trials {} --seed {} (retrieval-head hit rate, mean over each GQA group)",
             path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-            a.file.display(),
+            a.file.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+            a.skip_tokens,
             a.context,
             a.trials,
             a.seed
