@@ -112,7 +112,8 @@ pub fn head_budgets(s: &[f32], budget: usize, w: usize, beta: f32) -> Result<Vec
     }
     let ns = s.len();
     let total: f64 = s.iter().map(|&x| x as f64).sum();
-    if ns == 0 || !(total > 0.0) {
+    // (a NaN total fails `is_finite`)
+    if ns == 0 || !total.is_finite() || total <= 0.0 {
         return Err(Error::config(Field::HeadScores, "no usable head scores"));
     }
     let room = budget - w;

@@ -269,18 +269,14 @@ fn mean_cosine_identity_equals_the_pairwise_mean() {
             .map(|&x| if s > 0.0 { x as f64 / s } else { 0.0 })
             .collect()
     };
-    for j in 0..n {
+    for (j, &mj) in m.iter().enumerate() {
         let uj = unit(j);
         let mut sum = 0f64;
         for i in (0..n).filter(|&i| i != j) {
             sum += unit(i).iter().zip(&uj).map(|(a, b)| a * b).sum::<f64>();
         }
         let want = sum / n as f64;
-        assert!(
-            (m[j] as f64 - want).abs() < 1e-5,
-            "key {j}: {} vs {want}",
-            m[j]
-        );
+        assert!((mj as f64 - want).abs() < 1e-5, "key {j}: {mj} vs {want}");
     }
     assert_eq!(m[5], 0.0);
 }
