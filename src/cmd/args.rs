@@ -105,6 +105,18 @@ pub struct KvArgs {
     /// trimkv/dbtrimkv: score by the retention summed over the next N queries (default 1).
     #[arg(long = "trim-lookahead", value_name = "N")]
     pub trim_lookahead: Option<usize>,
+    /// lagkv/lagkv-causal: partition length (default: budget/8, clamped to 16..=128).
+    #[arg(long = "lag-size", value_name = "N")]
+    pub lag_size: Option<usize>,
+    /// rkv: weight λ of attention importance against key redundancy (0..1; default 0.1).
+    #[arg(long = "rkv-lambda", value_name = "L")]
+    pub rkv_lambda: Option<f32>,
+    /// scissorhands: steps of attention history counted (1..=64; default 64).
+    #[arg(long = "history-window", value_name = "N")]
+    pub history_window: Option<usize>,
+    /// headkv: per-head importance scores (default: <model stem>.headkv.json next to the model; made by `kvrun calibrate headkv`).
+    #[arg(long = "head-scores", value_name = "FILE")]
+    pub head_scores: Option<PathBuf>,
     /// How a budgeted policy meets a prompt longer than its budget: stream
     /// (prefill in chunks, evicting between them; memory stays within the
     /// budget) or once (prefill the whole prompt, then compress it to the
@@ -191,6 +203,10 @@ impl KvArgs {
             gates: self.gates.clone(),
             min_per_head: self.min_per_head,
             trim_lookahead: self.trim_lookahead,
+            lag_size: self.lag_size,
+            rkv_lambda: self.rkv_lambda,
+            history_window: self.history_window,
+            head_scores: self.head_scores.clone(),
             prompt_compress: crate::policy::PromptCompress::parse(&self.prompt_compress)?,
             cache_type: self.kv_type()?,
             pos_mode: self.pos_mode()?,

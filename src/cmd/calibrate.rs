@@ -38,6 +38,8 @@ use std::path::PathBuf;
 pub enum CalibrateCmd {
     /// Per-layer Spearman ρ of hidden-state change vs token importance; proposes EPIKV bands.
     Epikv(CalibrateArgs),
+    /// Per-head retrieval scores (needle copying) for HeadKV's head budgets.
+    Headkv(crate::cmd::calibrate_headkv::HeadkvArgs),
 }
 
 /// Importance label.
@@ -485,9 +487,12 @@ pub fn calibrate(a: &CalibrateArgs) -> Result<Calibration> {
     })
 }
 
-/// `kvrun calibrate epikv`.
+/// `kvrun calibrate epikv` (or `headkv`).
 pub fn run_calibrate(cmd: &CalibrateCmd) -> Result<()> {
-    let CalibrateCmd::Epikv(a) = cmd;
+    let a = match cmd {
+        CalibrateCmd::Epikv(a) => a,
+        CalibrateCmd::Headkv(h) => return crate::cmd::calibrate_headkv::run(h),
+    };
     let cal = calibrate(a)?;
     let json = serde_json::to_string_pretty(&cal).map_err(|e| Error::Other(e.to_string()))?;
     if let Some(p) = &a.out {

@@ -18,6 +18,7 @@ pub mod args;
 pub mod batch;
 pub mod bench;
 pub mod calibrate;
+pub mod calibrate_headkv;
 pub mod chat;
 pub mod eval;
 pub mod grade;
@@ -72,7 +73,7 @@ pub enum Cmd {
     Eval(eval::EvalCmd),
     /// Run a JSONL file of problems and grade the answers (`batch merge` combines shards).
     Batch(batch::BatchCmd),
-    /// Calibrate a policy for a model (`calibrate epikv`: EPIKV's bands and layers).
+    /// Calibrate a policy for a model (`calibrate epikv`: EPIKV's bands and layers; `calibrate headkv`: HeadKV's head scores).
     #[command(subcommand)]
     Calibrate(calibrate::CalibrateCmd),
     /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).

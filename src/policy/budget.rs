@@ -22,16 +22,21 @@
 //!   n_kv_heads · budget entries overall), each stream keeping at least its
 //!   top `min_per_head` (DBTrimKV; `--min-per-head`). Per-stream lengths
 //!   become whatever survives the global ranking.
+//! - `Heads`: HeadKV (`headkv.rs`): a fixed budget per (layer, KV head)
+//!   stream from offline per-head importance scores, summing to
+//!   n_layers · n_kv_heads · budget (per-stream lengths differ for good).
 //!
 //! Scores must be comparable across the streams of a group (e.g.
 //! probabilities averaged the same way) for the shared rules to be fair.
 
+use super::headkv::{head_budgets, HeadScores, BETA};
 use super::streams::StreamPlan;
 use crate::error::{Error, Field, Msg, Result};
 use crate::model::Config;
+use std::sync::Arc;
 
 /// How a policy shares its budget.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum BudgetRule {
     /// Token-uniform: one keep/evict decision per token for every layer and head.
     Tokens,
@@ -43,6 +48,12 @@ pub enum BudgetRule {
     Pyramid { window: usize, beta: f32 },
     /// One group of every stream; each keeps at least its top `min_per_head`.
     Global { min_per_head: usize },
+    /// A fixed budget per stream from per-head scores, every stream keeping
+    /// at least the observation window `window` (HeadKV).
+    Heads {
+        scores: Arc<HeadScores>,
+        window: usize,
+    },
 }
 
 impl BudgetRule {
@@ -56,7 +67,7 @@ impl BudgetRule {
 
     /// Whether the rule keeps per-(layer, KV-head) streams.
     pub fn streams(&self) -> bool {
-        *self != BudgetRule::Tokens
+        !matches!(self, BudgetRule::Tokens)
     }
 
     /// The stream groups for a model `c` and a per-head average `budget`
@@ -64,16 +75,33 @@ impl BudgetRule {
     pub fn plan(&self, c: &Config, budget: usize) -> Result<Option<StreamPlan>> {
         let (nl, nh) = (c.n_layers, c.n_kv_heads);
         let guard = |f: f32| (f * budget as f32).floor() as usize;
-        Ok(Some(match *self {
+        Ok(Some(match self {
             BudgetRule::Tokens => return Ok(None),
             BudgetRule::PerStream => StreamPlan::per_stream(nl, nh, &vec![budget; nl]),
             BudgetRule::PerLayer { safeguard } => {
-                StreamPlan::per_layer(nl, nh, budget, guard(safeguard))
+                StreamPlan::per_layer(nl, nh, budget, guard(*safeguard))
             }
             BudgetRule::Pyramid { window, beta } => {
-                StreamPlan::per_stream(nl, nh, &layer_budgets(nl, budget, window, beta)?)
+                StreamPlan::per_stream(nl, nh, &layer_budgets(nl, budget, *window, *beta)?)
+            }
+            BudgetRule::Heads { scores, window } => {
+                if scores.n_layers != nl || scores.n_kv_heads != nh {
+                    return Err(Error::config(
+                        Field::HeadScores,
+                        format!(
+                            "scores for {} layers × {} KV heads, the model has {nl} × {nh}",
+                            scores.n_layers, scores.n_kv_heads
+                        ),
+                    ));
+                }
+                StreamPlan::per_head(
+                    nl,
+                    nh,
+                    &head_budgets(&scores.scores, budget, *window, BETA)?,
+                )
             }
             BudgetRule::Global { min_per_head } => {
+                let min_per_head = *min_per_head;
                 if min_per_head > budget {
                     return Err(Error::config(
                         Field::MinPerHead,

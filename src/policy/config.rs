@@ -7,7 +7,12 @@
 use super::critical::CriticalOptions;
 use super::epikv::{self, Band, EpikvLayers, EpikvOptions};
 use super::evict::Evictor;
+use super::expected::{self, ExpectedAttention};
 use super::gates::{self, Gates};
+use super::headkv::{self, HeadScores};
+use super::lagkv::{LagKv, Reference};
+use super::rkv::RkvOptions;
+use super::scissorhands::{self, Scissorhands};
 use super::snapkv::SnapOptions;
 use super::table::{lookup, PolicyDef, ScorerOptions};
 use super::{KvPolicy, PromptCompress, PromptPhase};
@@ -62,6 +67,14 @@ pub struct PolicyConfig {
     pub min_per_head: Option<usize>,
     /// trimkv/dbtrimkv: queries the retention score sums over.
     pub trim_lookahead: Option<usize>,
+    /// lagkv/lagkv-causal: partition length (default budget/8 in 16..=128).
+    pub lag_size: Option<usize>,
+    /// rkv: weight of importance against redundancy (default 0.1).
+    pub rkv_lambda: Option<f32>,
+    /// scissorhands: history window in steps (default 64).
+    pub history_window: Option<usize>,
+    /// headkv: per-head importance scores (default: next to the model).
+    pub head_scores: Option<PathBuf>,
     /// Streaming prefill under the budget, or the whole prompt then one compression.
     pub prompt_compress: PromptCompress,
     /// KV storage type.
@@ -95,6 +108,10 @@ impl Default for PolicyConfig {
             gates: None,
             min_per_head: None,
             trim_lookahead: None,
+            lag_size: None,
+            rkv_lambda: None,
+            history_window: None,
+            head_scores: None,
             prompt_compress: PromptCompress::Stream,
             cache_type: KvType::default(),
             pos_mode: PosMode::default(),
@@ -147,6 +164,19 @@ impl PolicyConfig {
         let o = CriticalOptions {
             alpha: self.critical_alpha.unwrap_or(d.alpha),
             eps: self.critical_eps.unwrap_or(d.eps),
+        };
+        o.check()?;
+        Ok(o)
+    }
+
+    /// R-KV's options, checked: `--obs-window` and `--pool-kernel` when
+    /// given (R-KV's own defaults, 8 and 7, otherwise), `--rkv-lambda`.
+    pub fn rkv_options(&self) -> Result<RkvOptions> {
+        let d = RkvOptions::default();
+        let o = RkvOptions {
+            window: self.obs_window.unwrap_or(d.window),
+            kernel: self.pool_kernel.unwrap_or(d.kernel),
+            lambda: self.rkv_lambda.unwrap_or(d.lambda),
         };
         o.check()?;
         Ok(o)
@@ -274,9 +304,52 @@ impl PolicyConfig {
         if self.trim_lookahead == Some(0) {
             return Err(Error::config(Field::TrimLookahead, "must be at least 1"));
         }
+        // head-importance scores: `--head-scores` or the file next to the
+        // model, for a policy that reads them
+        let head_scores = if def.caps.head_scores {
+            let path = self
+                .head_scores
+                .clone()
+                .unwrap_or_else(|| headkv::scores_path_for(model));
+            if !path.is_file() {
+                return Err(Error::config(
+                    Field::HeadScores,
+                    Msg::default()
+                        .t(format!(
+                            "{} reads per-head importance scores: {} not found (give ",
+                            def.name,
+                            path.display()
+                        ))
+                        .f(Field::HeadScores)
+                        .t(", or compute them with `kvrun calibrate headkv`)"),
+                ));
+            }
+            Some(Arc::new(HeadScores::load(&path)?))
+        } else {
+            if self.head_scores.is_some() {
+                return Err(Error::config(
+                    Field::HeadScores,
+                    format!("only applies to headkv, not {}", self.policy),
+                ));
+            }
+            None
+        };
+        let rkv = self.rkv_options()?;
+        if let Some(h) = self.history_window {
+            // the range is the scorer's; checked here for every policy so a
+            // bad value is never silently ignored
+            Scissorhands::new(h)?;
+        }
+        if let Some(l) = self.lag_size {
+            LagKv::new(Reference::Prev, Some(l))?;
+        }
+        let ea_window = self.obs_window.unwrap_or(expected::DEFAULT_WINDOW);
+        if def.name == "expected-attention" {
+            ExpectedAttention::new(ea_window)?;
+        }
         let n_recent = self
             .recent
-            .unwrap_or_else(|| def.default_recent(budget, &snap));
+            .unwrap_or_else(|| def.default_recent(budget, &snap, &rkv));
         let opts = ScorerOptions {
             seed,
             epikv: EpikvOptions {
@@ -292,6 +365,11 @@ impl PolicyConfig {
             gates,
             min_per_head: self.min_per_head.unwrap_or(0),
             trim_lookahead: self.trim_lookahead.unwrap_or(1),
+            lag_size: self.lag_size,
+            rkv,
+            history: self.history_window.unwrap_or(scissorhands::MAX_HISTORY),
+            ea_window,
+            head_scores,
         };
         let policy = def
             .build(&opts)?

@@ -51,6 +51,23 @@ impl StreamPlan {
         }
     }
 
+    /// Stream s keeps at most `budget[s]` entries (one budget per stream).
+    pub fn per_head(n_layers: usize, n_kv_heads: usize, budget: &[usize]) -> StreamPlan {
+        let groups = (0..n_layers * n_kv_heads)
+            .map(|s| Group {
+                first: s,
+                len: 1,
+                budget: budget[s],
+                safeguard: 0,
+            })
+            .collect();
+        StreamPlan {
+            n_layers,
+            n_kv_heads,
+            groups,
+        }
+    }
+
     /// The streams of each layer share n_kv_heads · `budget` entries; each
     /// keeps at least its top `safeguard`.
     pub fn per_layer(
@@ -160,4 +177,29 @@ pub fn stream_offsets(kv: &KvCache, off: &mut Vec<usize>) {
             off.push(off[s] + st.len(s));
         }
     }
+}
+
+/// Run `f(s, out_s, scratch)` for every stream `s` with `want[s]`, where
+/// `out_s` is stream s's range of `out` (laid out by `off`); streams are
+/// dealt round-robin over the threads of `pool`, each thread with its own
+/// `S::default()` scratch (reused across its streams).
+pub fn for_each_wanted<S: Default>(
+    pool: &crate::backend::pool::ThreadPool,
+    want: &[bool],
+    off: &[usize],
+    out: &mut [f32],
+    f: impl Fn(usize, &mut [f32], &mut S) + Sync,
+) {
+    let nt = pool.n_threads();
+    let ns = want.len().min(off.len().saturating_sub(1));
+    let outs = crate::backend::pool::SharedMut::new(out);
+    pool.run(|ti| {
+        let mut scratch = S::default();
+        for s in (0..ns).filter(|&s| want[s]).skip(ti).step_by(nt) {
+            // SAFETY: stream s's range `off[s]..off[s + 1]` is disjoint from
+            // every other stream's, and each stream goes to one thread only.
+            let o = unsafe { outs.slice(off[s], off[s + 1] - off[s]) };
+            f(s, o, &mut scratch);
+        }
+    });
 }

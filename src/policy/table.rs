@@ -7,11 +7,16 @@
 use super::budget::BudgetRule;
 use super::critical::{Critical, CriticalOptions};
 use super::epikv::{Epikv, EpikvOptions, Variant};
+use super::expected::ExpectedAttention;
 use super::gates::Gates;
+use super::headkv::HeadScores;
+use super::lagkv::{LagKv, Reference};
+use super::rkv::{Rkv, RkvOptions};
+use super::scissorhands::Scissorhands;
 use super::snapkv::{SnapKv, SnapOptions};
 use super::trimkv::Retention;
 use super::wrap::Wrapped;
-use super::{h2o, knorm, random, tova, window, Policy, Scorer};
+use super::{h2o, knorm, raas, random, thinkv, tova, window, Policy, Scorer};
 use crate::error::{Error, Field, Msg, Result};
 use std::sync::Arc;
 
@@ -32,6 +37,9 @@ pub struct Caps {
     /// Reads learned retention gates (`--gates`, default
     /// `<model stem>.gates.safetensors` next to the model).
     pub gates: bool,
+    /// Reads per-head importance scores (`--head-scores`, default
+    /// `<model stem>.headkv.json` next to the model).
+    pub head_scores: bool,
 }
 
 /// Default recent window (`--kv-recent`).
@@ -43,6 +51,8 @@ pub enum RecentDefault {
     ObsWindow,
     /// None (learned retention finds its own recency).
     Zero,
+    /// R-KV's observation window α (`--obs-window`, default 8).
+    RkvWindow,
 }
 
 /// Default eviction cadence (`--evict-every`).
@@ -65,7 +75,7 @@ pub struct Defaults {
 }
 
 /// Options the constructors read.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ScorerOptions {
     /// Seed of seeded scorers (`random`).
     pub seed: u64,
@@ -81,6 +91,35 @@ pub struct ScorerOptions {
     pub min_per_head: usize,
     /// trimkv/dbtrimkv: queries the retention score sums over.
     pub trim_lookahead: usize,
+    /// lagkv/lagkv-causal: partition length (None: budget/8 in 16..=128).
+    pub lag_size: Option<usize>,
+    /// rkv: window, pooling kernel and λ.
+    pub rkv: RkvOptions,
+    /// scissorhands: history window (steps).
+    pub history: usize,
+    /// expected-attention: query rows of the statistics.
+    pub ea_window: usize,
+    /// headkv: per-(layer, KV head) importance scores.
+    pub head_scores: Option<Arc<HeadScores>>,
+}
+
+impl Default for ScorerOptions {
+    fn default() -> Self {
+        ScorerOptions {
+            seed: 0,
+            epikv: EpikvOptions::default(),
+            snap: SnapOptions::default(),
+            critical: CriticalOptions::default(),
+            gates: None,
+            min_per_head: 0,
+            trim_lookahead: 0,
+            lag_size: None,
+            rkv: RkvOptions::default(),
+            history: super::scissorhands::MAX_HISTORY,
+            ea_window: super::expected::DEFAULT_WINDOW,
+            head_scores: None,
+        }
+    }
 }
 
 /// Builds a policy's scorer and budget rule.
@@ -113,11 +152,12 @@ impl PolicyDef {
     }
 
     /// The recent window when `--kv-recent` is not given.
-    pub fn default_recent(&self, budget: usize, snap: &SnapOptions) -> usize {
+    pub fn default_recent(&self, budget: usize, snap: &SnapOptions, rkv: &RkvOptions) -> usize {
         match self.defaults.recent {
             RecentDefault::QuarterBudget => (budget / 4).min(128),
             RecentDefault::ObsWindow => snap.window,
             RecentDefault::Zero => 0,
+            RecentDefault::RkvWindow => rkv.window,
         }
     }
 
@@ -150,6 +190,21 @@ const PLAIN: Caps = Caps {
     streams: false,
     epikv_config: false,
     gates: false,
+    head_scores: false,
+};
+/// Token-uniform, scoring amortized over batches of budget/8.
+const BATCHED: Defaults = Defaults {
+    evict_every: CadenceDefault::EighthBudget,
+    ..TOKEN
+};
+/// Per-stream, attention-free: recent window min(128, budget/4).
+const LAG: Defaults = Defaults {
+    recent: RecentDefault::QuarterBudget,
+    ..STREAM
+};
+const RKV: Defaults = Defaults {
+    recent: RecentDefault::RkvWindow,
+    ..STREAM
 };
 const TRIM: Defaults = Defaults {
     recent: RecentDefault::Zero,
@@ -219,6 +274,30 @@ fn retention(o: &ScorerOptions, rule: BudgetRule) -> Result<(Box<dyn Scorer>, Bu
 
 fn epikv(o: &ScorerOptions, v: Variant) -> Result<(Box<dyn Scorer>, BudgetRule)> {
     tokens(Epikv::new(v, o.epikv.clone()))
+}
+
+fn lagkv(o: &ScorerOptions, r: Reference) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    Ok((Box::new(LagKv::new(r, o.lag_size)?), BudgetRule::PerStream))
+}
+
+fn rkv(o: &ScorerOptions) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    o.rkv.check()?;
+    Ok((Box::new(Rkv { opts: o.rkv }), BudgetRule::PerStream))
+}
+
+/// HeadKV: SnapKV votes under fixed per-head budgets from the scores.
+fn headkv(o: &ScorerOptions) -> Result<(Box<dyn Scorer>, BudgetRule)> {
+    let scores = o
+        .head_scores
+        .clone()
+        .ok_or_else(|| Error::config(Field::HeadScores, "no head scores loaded"))?;
+    Ok((
+        Box::new(SnapKv { opts: o.snap }),
+        BudgetRule::Heads {
+            scores,
+            window: o.snap.window,
+        },
+    ))
 }
 
 /// Every policy `--policy` accepts.
@@ -336,6 +415,70 @@ pub const POLICIES: &[PolicyDef] = &[
         about: "K-norm: keep tokens whose keys have the lowest L2 norm",
         make: Some(|_| tokens(knorm::KNorm::default())),
         defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "lagkv",
+        about: "LagKV: per-head K/V spread normalized by the NEXT partition's min/max (attention-free; last partition kept)",
+        make: Some(|o| lagkv(o, Reference::Next)),
+        defaults: LAG,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "lagkv-causal",
+        about: "LagKV, causal: per-head K/V spread normalized by the PREVIOUS partition (attention-free)",
+        make: Some(|o| lagkv(o, Reference::Prev)),
+        defaults: LAG,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "rkv",
+        about: "R-KV: per-head importance from the last 8 queries minus key redundancy (mean cosine), λ 0.1",
+        make: Some(rkv),
+        defaults: RKV,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "expected-attention",
+        about: "Expected Attention: attention expected from future queries' statistics (mean, covariance) × ‖v‖, per head",
+        make: Some(|o| {
+            Ok((
+                Box::new(ExpectedAttention::new(o.ea_window)?),
+                BudgetRule::PerStream,
+            ))
+        }),
+        defaults: STREAM,
+        caps: STREAMS,
+    },
+    PolicyDef {
+        name: "headkv",
+        about: "HeadKV: SnapKV votes under fixed per-head budgets from offline head-importance scores",
+        make: Some(headkv),
+        defaults: STREAM,
+        caps: Caps {
+            head_scores: true,
+            ..STREAMS
+        },
+    },
+    PolicyDef {
+        name: "scissorhands",
+        about: "Scissorhands: evict tokens most often below-average attention over the last 64 steps",
+        make: Some(|o| tokens(Scissorhands::new(o.history)?)),
+        defaults: BATCHED,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "thinkv",
+        about: "ThinKV: 128-token segments classed by attention entropy (caps R 64, E 32, T 8), accumulated attention inside",
+        make: Some(|_| tokens(thinkv::ThinKv::default())),
+        defaults: TOKEN,
+        caps: PLAIN,
+    },
+    PolicyDef {
+        name: "raas",
+        about: "RaaS: prompt kept, decode tokens evicted least-recently-attended first (LRU on median attention)",
+        make: Some(|_| tokens(raas::Raas::default())),
+        defaults: EPIKV,
         caps: PLAIN,
     },
     PolicyDef {

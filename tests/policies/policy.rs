@@ -69,6 +69,16 @@ fn test_gates() -> std::sync::Arc<kvrun::policy::gates::Gates> {
     ))
 }
 
+/// Uniform head-importance scores of the default model's shape (headkv).
+fn test_head_scores() -> std::sync::Arc<kvrun::policy::headkv::HeadScores> {
+    std::sync::Arc::new(kvrun::policy::headkv::HeadScores {
+        n_layers: 30,
+        n_kv_heads: 3,
+        scores: vec![1.0; 90],
+        procedure: String::new(),
+    })
+}
+
 fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
     let p = find(name)
         .unwrap()
@@ -103,9 +113,10 @@ fn registry_names_construct_and_describe() {
         // learned-retention rows need gates: any of the model's shape
         let opts = ScorerOptions {
             gates: Some(test_gates()),
+            head_scores: Some(test_head_scores()),
             ..Default::default()
         };
-        if p.caps.gates {
+        if p.caps.gates || p.caps.head_scores {
             assert!(
                 p.build(&ScorerOptions::default()).is_err(),
                 "{}: no gates",
@@ -129,7 +140,8 @@ fn registry_names_construct_and_describe() {
                 assert_eq!(s.scorer.per_stream(), s.rule.streams(), "{}", p.name);
                 let want = match p.name {
                     "h2o" | "critical-h2o" => MassMode::AllRows,
-                    "tova" | "critical-tova" => MassMode::LastRow,
+                    "tova" | "critical-tova" | "scissorhands" | "raas" => MassMode::LastRow,
+                    "thinkv" => MassMode::AllRows,
                     _ => MassMode::None,
                 };
                 assert_eq!(s.scorer.needs().mass, want, "{}", p.name);
@@ -532,6 +544,26 @@ fn budget_holds_epikv_variants() {
 }
 
 #[test]
+fn budget_holds_scissorhands() {
+    budget_run("scissorhands", 4096, 1);
+}
+
+#[test]
+fn budget_holds_scissorhands_evict_every_32() {
+    budget_run("scissorhands", 4096, 32);
+}
+
+#[test]
+fn budget_holds_thinkv() {
+    budget_run("thinkv", 4096, 1);
+}
+
+#[test]
+fn budget_holds_raas() {
+    budget_run("raas", 4096, 1);
+}
+
+#[test]
 fn every_policy_has_a_budget_test() {
     // the list above must cover the registry
     let covered = [
@@ -562,6 +594,16 @@ fn every_policy_has_a_budget_test() {
         // (trimkv_and_dbtrimkv_budgets_hold_while_streaming)
         "trimkv",
         "dbtrimkv",
+        // the comparison set: tests/policies/baselines.rs (streams,
+        // budget_holds_*) and below (token-uniform)
+        "lagkv",
+        "lagkv-causal",
+        "rkv",
+        "expected-attention",
+        "headkv",
+        "scissorhands",
+        "thinkv",
+        "raas",
     ];
     for n in names() {
         assert!(
