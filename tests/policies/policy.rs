@@ -85,6 +85,7 @@ fn policy(name: &str, seed: u64, e: Evictor) -> KvPolicy {
         .build(&ScorerOptions {
             seed,
             gates: Some(test_gates()),
+            head_scores: Some(test_head_scores()),
             ..Default::default()
         })
         .unwrap()
@@ -726,7 +727,9 @@ fn budget_never_reached_is_bit_identical_to_full() {
         // whose top layer holds 200 tokens)
         let budgets: &[usize] = match name {
             "window" => &[200, 1024],
-            "pyramidkv" | "critical-pyramidkv" => &[3400],
+            // headkv's per-head budgets are shares of B − window: a
+            // budget whose smallest head holds 200 tokens
+            "pyramidkv" | "critical-pyramidkv" | "headkv" => &[3400],
             _ => &[200],
         };
         for &budget in budgets {
