@@ -45,6 +45,7 @@
 //!   min(128, budget/4).
 
 use super::epikv::lag::chunk_stat;
+use super::rkv::softmax;
 use super::streams::for_each_wanted;
 use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer};
 use crate::error::{Error, Field, Result};
@@ -108,18 +109,6 @@ struct Scratch {
     idx: Vec<u32>,
     /// (n,) one statistic.
     stat: Vec<f32>,
-}
-
-/// In-place softmax of `x`.
-fn softmax(x: &mut [f32]) {
-    let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// Score the `n` entries (rows of `rows`, (n, hd)) of one stream whose first
