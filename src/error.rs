@@ -46,7 +46,7 @@ pub enum Error {
     },
 
     /// `general.architecture` names a model family kvrun does not implement.
-    #[error("{path}: unknown architecture '{arch}' (supported: llama, qwen2)")]
+    #[error("{path}: unknown architecture '{arch}' (supported: llama, qwen2, qwen3, qwen3moe, gemma3, phi3)")]
     UnknownArchitecture { path: PathBuf, arch: String },
 
     /// A required metadata key is absent or has the wrong type.

@@ -317,7 +317,14 @@ impl<'w, B: Backend> Session<'w, B> {
         if let Some(r) = regions {
             let b = &s.backend;
             let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
-            s.kv = KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, KvType::F16)?;
+            s.kv = KvCache::streams_on(
+                &make,
+                c.n_cache_layers(),
+                c.kv_dim(),
+                c.head_dim,
+                &r,
+                KvType::F16,
+            )?;
         }
         s.signals = Signals::for_needs(&needs, c.into(), s.kv.cells.n_slots(), s.state.n_batch);
         s.chunk = chunk;
@@ -347,7 +354,7 @@ impl<'w, B: Backend> Session<'w, B> {
         let make = |sh: StoreShape| backend.kv_store(sh.ty, sh.n_rows, sh.row_vals);
         let kv = match KvCache::uniform_on(
             &make,
-            c.n_layers,
+            c.n_cache_layers(),
             c.kv_dim(),
             c.head_dim,
             n_slots,
@@ -358,7 +365,12 @@ impl<'w, B: Backend> Session<'w, B> {
         };
         Session {
             w,
-            state: RunState::new(&backend, w, n_batch),
+            state: {
+                let mut st = RunState::new(&backend, w, n_batch);
+                let orig = c.features.n_ctx_orig;
+                st.long_rope = orig > 0 && n_ctx > orig;
+                st
+            },
             kv,
             backend,
             n_past: 0,
@@ -400,7 +412,7 @@ impl<'w, B: Backend> Session<'w, B> {
         let make = |sh: StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
         self.kv = match self.kv.layout() {
             Layout::Uniform => {
-                KvCache::uniform_on(&make, c.n_layers, c.kv_dim(), c.head_dim, n, ty)?
+                KvCache::uniform_on(&make, c.n_cache_layers(), c.kv_dim(), c.head_dim, n, ty)?
             }
             Layout::Streams => {
                 let r = self
@@ -408,7 +420,7 @@ impl<'w, B: Backend> Session<'w, B> {
                     .streams()
                     .map(|st| st.regions().to_vec())
                     .unwrap_or_default();
-                KvCache::streams_on(&make, c.n_layers, c.kv_dim(), c.head_dim, &r, ty)?
+                KvCache::streams_on(&make, c.n_cache_layers(), c.kv_dim(), c.head_dim, &r, ty)?
             }
         };
         Ok(())
@@ -468,6 +480,7 @@ impl<'w, B: Backend> Session<'w, B> {
     /// Forget the sequence.
     pub fn reset(&mut self) {
         self.kv.clear();
+        self.state.reset_local();
         self.n_past = 0;
         self.n_evicted = 0;
         self.evicted_entries = 0;
@@ -488,11 +501,28 @@ impl<'w, B: Backend> Session<'w, B> {
         if n >= self.n_past {
             return Ok(());
         }
+        if !self.state.can_rewind_to(self.w, n) {
+            return Err(Error::Other(format!(
+                "cannot rewind to position {n}: the sliding-window layers no longer hold the window before it (use Session::rewind_point)"
+            )));
+        }
         self.evict_range(n, self.n_past)?;
         self.n_past = n;
         // the previous token's hidden state (and recent queries) are gone with it
         self.signals.reset();
         Ok(())
+    }
+
+    /// The longest prefix of the sequence, at most `n` tokens, that
+    /// `truncate` can rewind to: `n`, unless sliding-window layers have
+    /// already dropped the window before it (then 0: start over).
+    pub fn rewind_point(&self, n: usize) -> usize {
+        let n = n.min(self.n_past);
+        if self.state.can_rewind_to(self.w, n) {
+            n
+        } else {
+            0
+        }
     }
 
     /// Evict every cached token with a position in `lo..hi` (the rest of the

@@ -153,6 +153,24 @@ impl Backend for Cuda {
     fn swiglu(&self, g: &mut DeviceBuf, _: &DeviceBuf, _: usize, _: usize) {
         match g.never {}
     }
+    fn geglu(&self, g: &mut DeviceBuf, _: &DeviceBuf, _: usize, _: usize) {
+        match g.never {}
+    }
+    fn rmsnorm_rows(&self, x: &mut DeviceBuf, _: &DeviceBuf, _: f32, _: usize) {
+        match x.never {}
+    }
+    fn scale(&self, x: &mut DeviceBuf, _: f32, _: usize) {
+        match x.never {}
+    }
+    fn gather_rows(&self, src: &DeviceBuf, _: &[u32], _: usize, _: &mut DeviceBuf) {
+        match src.never {}
+    }
+    fn scatter_rows(&self, d: &mut DeviceBuf, _: &DeviceBuf, _: &[u32], _: &[f32], _: usize) {
+        match d.never {}
+    }
+    fn sum_groups(&self, src: &DeviceBuf, _: usize, _: usize, _: usize, _: &mut DeviceBuf) {
+        match src.never {}
+    }
     fn add(&self, x: &mut DeviceBuf, _: &DeviceBuf, _: usize, _: usize) {
         match x.never {}
     }

@@ -73,6 +73,11 @@ pub struct AttnStep {
     pub mass: MassMode,
     /// Weight of one (layer, head) row in the exported mass.
     pub mass_w: f32,
+    /// Softmax scale of the scores (usually 1/√head_dim).
+    pub scale: f32,
+    /// Sliding window: a query at position p sees keys at positions
+    /// p − window < pos ≤ p only (0 = no window).
+    pub window: usize,
 }
 
 /// Where a compute backend runs (`--device`).
@@ -253,6 +258,27 @@ pub trait Backend: std::fmt::Debug + Send + Sync + Sized + 'static {
     );
     /// gate = silu(gate) · up for the first `n` rows of `width`.
     fn swiglu(&self, gate: &mut Self::Act, up: &Self::Act, n: usize, width: usize);
+    /// gate = gelu_tanh(gate) · up for the first `n` rows of `width`.
+    fn geglu(&self, gate: &mut Self::Act, up: &Self::Act, n: usize, width: usize);
+    /// RMSNorm in place of each of the first `rows` rows of `w.len()`
+    /// values (the per-head query / key norm: rows = tokens · heads).
+    fn rmsnorm_rows(&self, x: &mut Self::Act, w: &Self::Vector, eps: f32, rows: usize);
+    /// x[..len] *= s.
+    fn scale(&self, x: &mut Self::Act, s: f32, len: usize);
+    /// dst row i = src row rows[i], rows of `width` (mixture-of-experts:
+    /// the tokens routed to one expert, packed).
+    fn gather_rows(&self, src: &Self::Act, rows: &[u32], width: usize, dst: &mut Self::Act);
+    /// dst row rows[i] = src row i · weights[i], rows of `width`.
+    fn scatter_rows(
+        &self,
+        dst: &mut Self::Act,
+        src: &Self::Act,
+        rows: &[u32],
+        weights: &[f32],
+        width: usize,
+    );
+    /// dst row t = Σ_{j<k} src row t·k + j, in order of j, for t < n.
+    fn sum_groups(&self, src: &Self::Act, k: usize, n: usize, width: usize, dst: &mut Self::Act);
     /// x += y for the first `n` rows of `width`.
     fn add(&self, x: &mut Self::Act, y: &Self::Act, n: usize, width: usize);
 }

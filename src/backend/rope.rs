@@ -24,6 +24,9 @@ pub struct Rope {
     pub freq_factors: Option<Vec<f32>>,
     /// Linear position scale (1 / rope scaling factor).
     pub pos_scale: f32,
+    /// cos and sin are multiplied by this (LongRoPE's attention factor;
+    /// 1 otherwise).
+    pub mscale: f32,
 }
 
 impl Rope {
@@ -43,6 +46,7 @@ impl Rope {
             theta_scale: base.powf(-2.0 / n_rot as f32),
             freq_factors: freq_factors.map(|f| f.to_vec()),
             pos_scale,
+            mscale: 1.0,
         }
     }
 
@@ -67,7 +71,7 @@ impl Rope {
                 Some(ff) => theta / ff[i],
                 None => theta,
             } * self.pos_scale;
-            cs[i] = (t.cos(), t.sin());
+            cs[i] = (t.cos() * self.mscale, t.sin() * self.mscale);
             theta *= self.theta_scale;
         }
         for h in 0..n_heads {

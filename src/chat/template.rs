@@ -75,6 +75,10 @@ pub struct ChatTemplate {
     source: String,
     bos: String,
     eos: String,
+    /// `enable_thinking` as templates with a thinking switch read it
+    /// (Qwen3: false renders an empty `<think></think>` block, so the model
+    /// answers directly); None leaves it to the template's default.
+    pub enable_thinking: Option<bool>,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -112,7 +116,51 @@ fn token_text(g: &Gguf, key: &str) -> String {
     }
 }
 
+/// The Gemma turn format, for gemma3 files that carry no template of
+/// their own: `<start_of_turn>user` / `<start_of_turn>model` turns closed
+/// by `<end_of_turn>`; Gemma has no system role, so system text opens the
+/// next user turn.
+pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
+{%- set pending = namespace(text='') -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+{%- set pending.text = pending.text + m.content + '\n\n' -%}
+{%- else -%}
+{{ '<start_of_turn>' + ('model' if m.role == 'assistant' else 'user') + '\n' }}
+{%- if m.role == 'user' %}{{ pending.text }}{% set pending.text = '' %}{% endif -%}
+{{ m.content | trim }}{{ '<end_of_turn>\n' }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif -%}";
+
 impl ChatTemplate {
+    /// The same template with `enable_thinking` set to `on`.
+    pub fn with_thinking(&self, on: Option<bool>) -> ChatTemplate {
+        ChatTemplate {
+            env: self.env.clone(),
+            source: self.source.clone(),
+            bos: self.bos.clone(),
+            eos: self.eos.clone(),
+            enable_thinking: on,
+        }
+    }
+
+    /// The template of a GGUF file, or the built-in one of its
+    /// architecture when it carries none (gemma3: [`GEMMA_TEMPLATE`]).
+    pub fn from_gguf_or_builtin(g: &Gguf) -> Result<Option<ChatTemplate>> {
+        if let Some(t) = Self::from_gguf(g)? {
+            return Ok(Some(t));
+        }
+        match g.get("general.architecture").and_then(|v| v.as_str()) {
+            Some("gemma3") => {
+                let bos = token_text(g, "tokenizer.ggml.bos_token_id");
+                let eos = token_text(g, "tokenizer.ggml.eos_token_id");
+                Self::from_source(GEMMA_TEMPLATE, &bos, &eos).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The template stored in a GGUF file (`tokenizer.chat_template`), with
     /// `bos_token` / `eos_token` taken from the vocabulary. `Ok(None)` when the
     /// file has no template.
@@ -158,6 +206,7 @@ impl ChatTemplate {
             source: src.to_owned(),
             bos: bos.to_owned(),
             eos: eos.to_owned(),
+            enable_thinking: None,
         })
     }
 
@@ -172,6 +221,7 @@ impl ChatTemplate {
                 bos_token => &self.bos,
                 eos_token => &self.eos,
                 add_generation_prompt => add_generation_prompt,
+                enable_thinking => self.enable_thinking,
             },
             &mut out,
         )

@@ -31,6 +31,35 @@ pub struct ModelArgs {
     /// `cuda` feature and an NVIDIA driver).
     #[arg(long = "device", default_value = "cpu")]
     pub device: String,
+    /// Thinking for chat templates with a switch (Qwen3's
+    /// `enable_thinking`): on, off (the template opens an empty think
+    /// block, so the model answers directly) or auto (the template's
+    /// default). A server request may override it with
+    /// `chat_template_kwargs: {"enable_thinking": false}`.
+    #[arg(long = "reasoning", default_value = "auto", value_parser = ["on", "off", "auto"])]
+    pub reasoning: String,
+}
+
+impl ModelArgs {
+    /// `--reasoning` as a template's `enable_thinking`.
+    pub fn enable_thinking(&self) -> Option<bool> {
+        match self.reasoning.as_str() {
+            "on" => Some(true),
+            "off" => Some(false),
+            _ => None,
+        }
+    }
+
+    /// The model's chat template with `--reasoning` applied.
+    pub fn chat_template(
+        &self,
+        m: &crate::load::Loaded,
+    ) -> Result<Option<crate::chat::ChatTemplate>> {
+        Ok(m.chat_template()?.map(|mut t| {
+            t.enable_thinking = self.enable_thinking();
+            t
+        }))
+    }
 }
 
 /// KV-cache budget and eviction flags, shared by every command that decodes.
@@ -529,7 +558,7 @@ pub(crate) fn check_ctx_alloc(
     n_ctx: usize,
     n_threads: usize,
 ) -> Result<()> {
-    let per_slot = (2 * c.n_layers * c.kv_dim() * 2).checked_add(4 * (n_threads + 1));
+    let per_slot = (2 * c.n_cache_layers() * c.kv_dim() * 2).checked_add(4 * (n_threads + 1));
     let bytes = per_slot
         .and_then(|b| b.checked_mul(n_ctx))
         .filter(|&b| b <= isize::MAX as usize);

@@ -183,7 +183,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     r.sampling.check()?;
     let m = load_model(&r.model)?;
     let (w, tok) = (m.weights(), &m.tokenizer);
-    let tmpl = m.chat_template()?.ok_or_else(|| {
+    let tmpl = r.model.chat_template(&m)?.ok_or_else(|| {
         Error::arg(
             "-m/--model",
             format!("{}: the model has no chat template", path.display()),
@@ -354,6 +354,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
             .take_while(|(a, b)| a == b)
             .count()
             .min(ids.len().saturating_sub(1));
+        let common = sess.rewind_point(common);
         sess.truncate(common)?;
         cached.truncate(common);
         let mut filter = ThinkFilter {

@@ -47,11 +47,61 @@ pub fn run_inspect(path: &Path) -> Result<()> {
                 c.n_ctx_train, c.rope_base, c.n_rot, c.rope_style, c.norm_eps,
                 if c.tied_output { "tied to token_embd" } else { "separate" }
             );
-            let kv_tok = 2 * c.n_layers * c.kv_dim() * 2;
+            let fx = &c.features;
+            let mut extra = Vec::new();
+            if fx.qk_norm {
+                extra.push("q/k norm".to_string());
+            }
+            if fx.post_norms {
+                extra.push("post-norms".to_string());
+            }
+            if fx.ffn_act == crate::model::FfnAct::GeluTanh {
+                extra.push("GeGLU (tanh)".to_string());
+            }
+            if fx.embed_scale != 1.0 {
+                extra.push(format!("embedding × {:.3}", fx.embed_scale));
+            }
+            if fx.logit_softcap > 0.0 {
+                extra.push(format!("logit soft cap {}", fx.logit_softcap));
+            }
+            if let Some(m) = &fx.moe {
+                extra.push(format!(
+                    "experts {} of {} (ffn {} each{})",
+                    m.n_used,
+                    m.n_expert,
+                    m.expert_ffn,
+                    if m.norm_weights {
+                        ", weights renormalized"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            if let Some(w) = &fx.swa {
+                let global: Vec<String> = c.cache_layers().iter().map(|l| l.to_string()).collect();
+                extra.push(format!(
+                    "sliding window {} on {} local layers (rope base {}), global layers {}",
+                    w.window,
+                    c.n_layers - c.n_cache_layers(),
+                    w.rope_base,
+                    global.join(",")
+                ));
+            }
+            if !extra.is_empty() {
+                let _ = writeln!(o, "features: {}", extra.join(" | "));
+            }
+            let kv_tok = 2 * c.n_cache_layers() * c.kv_dim() * 2;
             let _ = writeln!(
                 o,
-                "kv cache (f16): {kv_tok} bytes per token ({:.1} KiB)",
-                kv_tok as f64 / 1024.0
+                "kv cache (f16): {kv_tok} bytes per token ({:.1} KiB){}",
+                kv_tok as f64 / 1024.0,
+                match &fx.swa {
+                    Some(w) => format!(
+                        " in the budgeted global layers, plus a fixed {} KiB for the local layers' window",
+                        2 * (c.n_layers - c.n_cache_layers()) * c.kv_dim() * 2 * w.window / 1024
+                    ),
+                    None => String::new(),
+                }
             );
         }
         Err(e) => {

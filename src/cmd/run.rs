@@ -76,7 +76,11 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     let t_load = std::time::Instant::now();
     let m = load_model(&a.model)?;
     let (w, tok) = (m.weights(), &m.tokenizer);
-    let tmpl = if a.raw { None } else { m.chat_template()? };
+    let tmpl = if a.raw {
+        None
+    } else {
+        a.model.chat_template(&m)?
+    };
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let ids = prompt_tokens(tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
     let n_ctx = if a.ctx_size == 0 {

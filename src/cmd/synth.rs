@@ -36,6 +36,11 @@ pub struct SynthArgs {
     /// its per-tensor type choices.
     #[arg(long = "type")]
     pub mix: Option<String>,
+    /// Build this architecture's tensor table from scratch (llama, qwen2,
+    /// qwen3, qwen3moe, gemma3, phi3; needs --shape), keeping only the
+    /// header's tokenizer: a model of a family no header is at hand for.
+    #[arg(long)]
+    pub arch: Option<String>,
 }
 
 pub fn run_synth(a: &SynthArgs) -> Result<()> {
@@ -62,7 +67,26 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
     if let Some(t) = a.threads {
         spec.threads = t;
     }
+    let arch = match &a.arch {
+        None => None,
+        Some(n) => Some(*synth::ARCHS.iter().find(|&&x| x == n).ok_or_else(|| {
+            Error::arg(
+                "--arch",
+                format!(
+                    "unknown architecture {n:?} (known: {})",
+                    synth::ARCHS.join(", ")
+                ),
+            )
+        })?),
+    };
+    if arch.is_some() && a.shape.is_none() {
+        return Err(Error::arg(
+            "--arch",
+            "needs --shape (the new model's dimensions)",
+        ));
+    }
     let recipe = synth::Recipe {
+        arch,
         shape: match &a.shape {
             None => None,
             Some(n) => Some(synth::shape(n).ok_or_else(|| {

@@ -124,6 +124,13 @@ pub fn file_len(g: &Gguf) -> Result<u64> {
 /// The value every element of tensor `name` takes, if constant.
 fn constant(name: &str, n_dims: usize) -> Option<f32> {
     let one_d_norm = n_dims == 1 && name.contains("norm");
+    if name.contains("rope_factors_short") {
+        // LongRoPE factors: constant, unlike 1, so using them shows
+        return Some(1.25);
+    }
+    if name.contains("rope_factors_long") {
+        return Some(4.0);
+    }
     (one_d_norm || name.contains("rope_freqs")).then_some(1.0)
 }
 
@@ -264,7 +271,7 @@ pub fn in_memory(header: &Path, recipe: &Recipe, label: &Path, spec: &Spec) -> R
     Gguf::from_mapped(label, Mapped::from_anon(map)?)
 }
 
-/// A `synth:HEADER[:SHAPE][:TYPE]` model name: `None` if `name` is not
+/// A `synth:HEADER[:ARCH][:SHAPE][:TYPE]` model name: `None` if `name` is not
 /// one, else the header path and the recipe (an unknown SHAPE or TYPE is
 /// an error naming the known ones).
 pub fn parse_name(name: &Path) -> Option<Result<(PathBuf, Recipe)>> {
@@ -275,15 +282,18 @@ pub fn parse_name(name: &Path) -> Option<Result<(PathBuf, Recipe)>> {
     for p in parts {
         if let Some(s) = shape(p) {
             recipe.shape = Some(s);
+        } else if let Some(a) = ARCHS.iter().find(|&&a| a == p) {
+            recipe.arch = Some(a);
         } else if let Some(m) = Mix::parse(p) {
             recipe.mix = Some(m);
         } else {
             return Some(Err(Error::arg(
                 "-m/--model",
                 format!(
-                    "{p:?} in {}: not a shape ({}) or a type ({})",
+                    "{p:?} in {}: not a shape ({}), an architecture ({}) or a type ({})",
                     name.display(),
                     SHAPES.map(|(n, _)| n).join(", "),
+                    ARCHS.join(", "),
                     Mix::ALL.map(|(n, _)| n).join(", ")
                 ),
             )));
@@ -368,7 +378,7 @@ impl Mix {
     }
 }
 
-/// Dimensions of a decoder-only transformer (head_dim = dim / heads).
+/// Dimensions of a decoder-only transformer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
     pub layers: usize,
@@ -376,51 +386,68 @@ pub struct Shape {
     pub ffn: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    /// Width of one head (0: dim / heads).
+    pub head_dim: usize,
+    /// Mixture of experts: (experts, used per token, hidden width of one);
+    /// (0, 0, 0) for a dense FFN.
+    pub experts: (usize, usize, usize),
+}
+
+impl Shape {
+    const fn dense(layers: usize, dim: usize, ffn: usize, heads: usize, kv_heads: usize) -> Shape {
+        Shape {
+            layers,
+            dim,
+            ffn,
+            heads,
+            kv_heads,
+            head_dim: 0,
+            experts: (0, 0, 0),
+        }
+    }
+
+    /// Width of one head.
+    pub fn hd(&self) -> usize {
+        if self.head_dim > 0 {
+            self.head_dim
+        } else {
+            self.dim / self.heads.max(1)
+        }
+    }
 }
 
 /// Named shapes (`--shape`), applied to a header of the same architecture
-/// family (its tokenizer and vocabulary are kept): the DeepSeek-R1 Qwen
-/// distills over ../shared/data/r1-distill-qwen-7b.header.gguf, and
-/// `tiny` (two small layers) for fast tests on any header.
-pub const SHAPES: [(&str, Shape); 4] = [
+/// family (its tokenizer and vocabulary are kept), or to any header with
+/// `--arch` (a new tensor table): the DeepSeek-R1 distills, Qwen3 8B and
+/// 30B-A3B (128 experts, 8 per token), Phi-4-mini, and `tiny` / `tiny-moe`
+/// (two small layers) for fast tests.
+pub const SHAPES: [(&str, Shape); 9] = [
+    ("r1-distill-qwen-1.5b", Shape::dense(28, 1536, 8960, 12, 2)),
+    ("r1-distill-qwen-7b", Shape::dense(28, 3584, 18944, 28, 4)),
+    ("r1-distill-qwen-14b", Shape::dense(48, 5120, 13824, 40, 8)),
+    ("r1-distill-llama-8b", Shape::dense(32, 4096, 14336, 32, 8)),
     (
-        "r1-distill-qwen-1.5b",
+        "qwen3-8b",
         Shape {
-            layers: 28,
-            dim: 1536,
-            ffn: 8960,
-            heads: 12,
-            kv_heads: 2,
+            head_dim: 128,
+            ..Shape::dense(36, 4096, 12288, 32, 8)
         },
     ),
     (
-        "r1-distill-qwen-7b",
+        "qwen3-30b-a3b",
         Shape {
-            layers: 28,
-            dim: 3584,
-            ffn: 18944,
-            heads: 28,
-            kv_heads: 4,
+            head_dim: 128,
+            experts: (128, 8, 768),
+            ..Shape::dense(48, 2048, 6144, 32, 4)
         },
     ),
+    ("phi4-mini", Shape::dense(32, 3072, 8192, 24, 8)),
+    ("tiny", Shape::dense(2, 256, 768, 2, 1)),
     (
-        "r1-distill-qwen-14b",
+        "tiny-moe",
         Shape {
-            layers: 48,
-            dim: 5120,
-            ffn: 13824,
-            heads: 40,
-            kv_heads: 8,
-        },
-    ),
-    (
-        "tiny",
-        Shape {
-            layers: 2,
-            dim: 256,
-            ffn: 768,
-            heads: 2,
-            kv_heads: 1,
+            experts: (8, 2, 128),
+            ..Shape::dense(2, 256, 768, 2, 1)
         },
     ),
 ];
@@ -435,7 +462,17 @@ pub fn shape(s: &str) -> Option<Shape> {
 pub struct Recipe {
     pub shape: Option<Shape>,
     pub mix: Option<Mix>,
+    /// Build the tensor table of this architecture from scratch (the
+    /// header gives only its tokenizer): one of [`ARCHS`].
+    pub arch: Option<&'static str>,
 }
+
+/// Architectures `--arch` builds from scratch.
+pub const ARCHS: [&str; 6] = ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"];
+
+/// Sliding window and local:global pattern of a synthetic gemma3: small,
+/// so short prompts cross the window, and every other layer global.
+pub const SYNTH_SWA: (usize, usize) = (16, 2);
 
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
@@ -450,6 +487,12 @@ pub fn apply(
     recipe: &Recipe,
 ) -> Result<(Vec<(String, Value)>, Vec<super::gguf_write::TensorSpec>)> {
     let bad = |m: String| Error::Other(format!("{}: cannot synthesize: {m}", g.path.display()));
+    if let Some(a) = recipe.arch {
+        let s = recipe
+            .shape
+            .ok_or_else(|| bad("building an architecture needs a shape".into()))?;
+        return build_arch(g, a, &s, recipe.mix.unwrap_or(Mix::Q8_0));
+    }
     let arch = g.get_str("general.architecture")?.to_owned();
     let key = |k: &str| format!("{arch}.{k}");
     let n_layers = match recipe.shape {
@@ -474,10 +517,7 @@ pub fn apply(
             Value::U32(s.kv_heads as u32),
         );
         if g.get(&key("rope.dimension_count")).is_some() {
-            set(
-                key("rope.dimension_count"),
-                Value::U32((s.dim / s.heads) as u32),
-            );
+            set(key("rope.dimension_count"), Value::U32(s.hd() as u32));
         }
     }
     if let Some(m) = recipe.mix {
@@ -491,7 +531,7 @@ pub fn apply(
         }
         let mut dims = t.dims.clone();
         if let Some(s) = recipe.shape {
-            let hd = (s.dim / s.heads) as u64;
+            let hd = s.hd() as u64;
             let (d, f, q, kv) = (
                 s.dim as u64,
                 s.ffn as u64,
@@ -545,4 +585,162 @@ pub fn derive(g: &Gguf, recipe: &Recipe) -> Result<Gguf> {
     })?;
     map.copy_from_slice(&bytes);
     Gguf::from_mapped(&g.path, Mapped::from_anon(map)?)
+}
+
+/// Metadata and tensor table of architecture `arch` at shape `s`, typed
+/// by `mix`, with the tokenizer (every `tokenizer.*` key) of `g`: what a
+/// llama.cpp conversion of such a model holds, for the families kvrun
+/// runs (q/k norms for qwen3 / qwen3moe / gemma3, gemma3's post-norms and
+/// sliding window, the router and 3-D expert tensors of qwen3moe, phi3's
+/// fused QKV and gate/up). Small models tie the output to the embedding
+/// (gemma3, qwen3); the others have their own.
+fn build_arch(
+    g: &Gguf,
+    arch: &str,
+    s: &Shape,
+    mix: Mix,
+) -> Result<(Vec<(String, Value)>, Vec<super::gguf_write::TensorSpec>)> {
+    let bad = |m: String| Error::Other(format!("{}: cannot synthesize: {m}", g.path.display()));
+    if !ARCHS.contains(&arch) {
+        return Err(bad(format!(
+            "unknown architecture {arch:?} (known: {})",
+            ARCHS.join(", ")
+        )));
+    }
+    let (n_exp, n_used, f_exp) = s.experts;
+    let moe = arch == "qwen3moe";
+    if s.heads == 0 || s.kv_heads == 0 || s.heads % s.kv_heads != 0 || (moe && n_exp == 0) {
+        return Err(bad(format!("shape {s:?} does not fit {arch}")));
+    }
+    let vocab = g
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.as_array())
+        .map(|a| a.len())
+        .filter(|&n| n > 0)
+        .ok_or_else(|| bad("the header has no tokenizer vocabulary".into()))?;
+    let hd = s.hd();
+    let key = |k: &str| format!("{arch}.{k}");
+    let u = |v: usize| Value::U32(v as u32);
+    let mut meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::Str(arch.into())),
+        (
+            "general.name".into(),
+            Value::Str(format!("kvrun synthetic {arch}")),
+        ),
+        ("general.file_type".into(), Value::U32(mix.file_type())),
+        (key("context_length"), u(4096)),
+        (key("embedding_length"), u(s.dim)),
+        (key("feed_forward_length"), u(s.ffn)),
+        (key("block_count"), u(s.layers)),
+        (key("attention.head_count"), u(s.heads)),
+        (key("attention.head_count_kv"), u(s.kv_heads)),
+        (key("attention.key_length"), u(hd)),
+        (key("attention.value_length"), u(hd)),
+        (key("rope.dimension_count"), u(hd)),
+        (
+            key("rope.freq_base"),
+            Value::F32(if arch == "phi3" || arch == "llama" {
+                10000.0
+            } else {
+                1_000_000.0
+            }),
+        ),
+        (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+    ];
+    if moe {
+        meta.push((key("expert_count"), u(n_exp)));
+        meta.push((key("expert_used_count"), u(n_used)));
+        meta.push((key("expert_feed_forward_length"), u(f_exp)));
+    }
+    if arch == "phi3" {
+        // Phi-4-mini's LongRoPE: short factors up to 4096, an attention factor
+        meta.push((key("rope.scaling.type"), Value::Str("longrope".into())));
+        meta.push((key("rope.scaling.attn_factor"), Value::F32(1.19)));
+        meta.push((key("rope.scaling.original_context_length"), u(4096)));
+    }
+    if arch == "gemma3" {
+        meta.push((key("attention.sliding_window"), u(SYNTH_SWA.0)));
+        meta.push((key("attention.sliding_window_pattern"), u(SYNTH_SWA.1)));
+    }
+    meta.push(("general.quantization_version".into(), Value::U32(2)));
+    meta.extend(
+        g.metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .cloned(),
+    );
+
+    let (d, f, q, kv, v) = (
+        s.dim as u64,
+        s.ffn as u64,
+        (s.heads * hd) as u64,
+        (s.kv_heads * hd) as u64,
+        vocab as u64,
+    );
+    let mut tensors = Vec::new();
+    let mut push = |name: String, dims: Vec<u64>, layer: Option<usize>| {
+        let dtype = if dims.len() < 2 || name.ends_with("ffn_gate_inp.weight") {
+            DType::F32
+        } else {
+            mix.type_of(&name, layer, s.layers, dims[0])
+        };
+        tensors.push(super::gguf_write::TensorSpec { name, dims, dtype });
+    };
+    push("token_embd.weight".into(), vec![d, v], None);
+    if arch == "phi3" {
+        push(
+            "rope_factors_short.weight".into(),
+            vec![hd as u64 / 2],
+            None,
+        );
+        push("rope_factors_long.weight".into(), vec![hd as u64 / 2], None);
+    }
+    push("output_norm.weight".into(), vec![d], None);
+    if !matches!(arch, "gemma3" | "qwen3") {
+        push("output.weight".into(), vec![d, v], None);
+    }
+    for l in 0..s.layers {
+        let p = |t: &str| format!("blk.{l}.{t}.weight");
+        let ly = Some(l);
+        push(p("attn_norm"), vec![d], ly);
+        if arch == "phi3" {
+            push(p("attn_qkv"), vec![d, q + 2 * kv], ly);
+        } else {
+            push(p("attn_q"), vec![d, q], ly);
+            push(p("attn_k"), vec![d, kv], ly);
+            push(p("attn_v"), vec![d, kv], ly);
+        }
+        if matches!(arch, "qwen2") {
+            push(format!("blk.{l}.attn_q.bias"), vec![q], ly);
+            push(format!("blk.{l}.attn_k.bias"), vec![kv], ly);
+            push(format!("blk.{l}.attn_v.bias"), vec![kv], ly);
+        }
+        if matches!(arch, "qwen3" | "qwen3moe" | "gemma3") {
+            push(p("attn_q_norm"), vec![hd as u64], ly);
+            push(p("attn_k_norm"), vec![hd as u64], ly);
+        }
+        push(p("attn_output"), vec![q, d], ly);
+        if arch == "gemma3" {
+            push(p("post_attention_norm"), vec![d], ly);
+        }
+        push(p("ffn_norm"), vec![d], ly);
+        if moe {
+            let (e, fe) = (n_exp as u64, f_exp as u64);
+            push(p("ffn_gate_inp"), vec![d, e], ly);
+            push(p("ffn_gate_exps"), vec![d, fe, e], ly);
+            push(p("ffn_up_exps"), vec![d, fe, e], ly);
+            push(p("ffn_down_exps"), vec![fe, d, e], ly);
+        } else if arch == "phi3" {
+            push(p("ffn_up"), vec![d, 2 * f], ly);
+            push(p("ffn_down"), vec![f, d], ly);
+        } else {
+            push(p("ffn_gate"), vec![d, f], ly);
+            push(p("ffn_up"), vec![d, f], ly);
+            push(p("ffn_down"), vec![f, d], ly);
+        }
+        if arch == "gemma3" {
+            push(p("post_ffw_norm"), vec![d], ly);
+        }
+    }
+    Ok((meta, tensors))
 }

@@ -399,6 +399,7 @@ impl HfCheckpoint {
             rope_style: RopeStyle::Neox,
             rope_pos_scale,
             tied_output: tie || !self.index.contains_key("lm_head.weight"),
+            features: crate::model::Features::plain(head_dim),
         })
     }
 

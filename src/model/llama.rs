@@ -10,7 +10,7 @@
 use crate::backend::{AttnStep, Backend, Host};
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, PosMode};
-use crate::model::{LayerWeights, Weights};
+use crate::model::{Expert, Ffn, FfnAct, LayerWeights, Weights};
 use crate::signals::{MassMode, QueryWindow, StepSignals};
 
 /// Which rows of logits the caller wants.
@@ -45,6 +45,21 @@ pub struct RunState<B: Backend = Host> {
     hb: B::Act,
     /// (n_batch, ffn_dim) up branch
     hb2: B::Act,
+    /// mixture of experts: (n_batch, n_expert) router logits, (n_batch,
+    /// dim) tokens packed for one expert and that expert's output,
+    /// (n_batch · n_used, dim) weighted expert outputs in routing order
+    router: B::Act,
+    moe_in: B::Act,
+    moe_tmp: B::Act,
+    moe_y: B::Act,
+    /// per expert: the (token · n_used + k) rows routed to it, their tokens
+    /// and weights (host; filled per step, allocated once)
+    moe_slots: Vec<Vec<u32>>,
+    moe_toks: Vec<Vec<u32>>,
+    moe_w: Vec<Vec<f32>>,
+    /// (n_expert,) one token's routing probabilities and expert order
+    moe_p: Vec<f32>,
+    moe_order: Vec<u32>,
     /// matmul and attention scratch
     scratch: B::Scratch,
     /// (n_out, vocab) logits of the requested rows, on the host
@@ -53,12 +68,46 @@ pub struct RunState<B: Backend = Host> {
     slots: Vec<u32>,
     /// (n,) positions of the tokens of the current step
     positions: Vec<i64>,
+    /// The sliding-window layers' own cache (None until the first step of
+    /// a model that has such layers): exactly the window, ring-indexed.
+    local_kv: Option<KvCache>,
+    /// (n,) slots of the current step in `local_kv`, and the window's victims
+    local_slots: Vec<u32>,
+    local_victims: Vec<u32>,
+    /// Rotate with LongRoPE's long factors (a context past the model's
+    /// original one; set by the session).
+    pub long_rope: bool,
     /// Forward steps that exported attention probabilities (a test asserts
     /// attention-free policies never make one).
     pub prob_exports: u64,
 }
 
 impl<B: Backend> RunState<B> {
+    /// Forget the sliding-window layers' cache (a new sequence).
+    pub fn reset_local(&mut self) {
+        if let Some(k) = &mut self.local_kv {
+            k.clear();
+        }
+    }
+
+    /// Whether the sliding-window layers still hold what a step at position
+    /// `n` needs (the `window − 1` positions before it), so the sequence
+    /// can be rewound to `n`. Always true without such layers.
+    pub fn can_rewind_to(&self, w: &Weights<'_, B>, n: usize) -> bool {
+        let (Some(swa), Some(k)) = (&w.config.features.swa, &self.local_kv) else {
+            return true;
+        };
+        let need = n.saturating_sub(swa.window - 1) as i64;
+        // the window cache holds one run of positions, oldest first
+        let (_, pos) = k.live();
+        n == 0 || pos.first().is_some_and(|&p| p <= need)
+    }
+
+    /// Entries resident in the sliding-window layers' cache (tokens).
+    pub fn local_resident(&self) -> usize {
+        self.local_kv.as_ref().map_or(0, |k| k.cells.n_live())
+    }
+
     /// Slots the last forward step wrote its tokens into.
     pub fn step_slots(&self) -> &[u32] {
         &self.slots
@@ -72,6 +121,7 @@ impl<B: Backend> RunState<B> {
     pub fn new(b: &B, w: &Weights<'_, B>, n_batch: usize) -> RunState<B> {
         let c = &w.config;
         let n_batch = n_batch.max(1);
+        let (ne, nu) = c.features.moe.map_or((0, 0), |m| (m.n_expert, m.n_used));
         RunState {
             n_batch,
             x: b.act(n_batch * c.dim),
@@ -81,12 +131,25 @@ impl<B: Backend> RunState<B> {
             k: b.act(n_batch * c.kv_dim()),
             v: b.act(n_batch * c.kv_dim()),
             att_out: b.act(n_batch * c.q_dim()),
-            hb: b.act(n_batch * c.ffn_dim),
-            hb2: b.act(n_batch * c.ffn_dim),
+            hb: b.act(n_batch * c.ffn_width()),
+            hb2: b.act(n_batch * c.ffn_width()),
+            router: b.act(n_batch * ne),
+            moe_in: b.act(if ne > 0 { n_batch * c.dim } else { 0 }),
+            moe_tmp: b.act(if ne > 0 { n_batch * c.dim } else { 0 }),
+            moe_y: b.act(n_batch * nu * c.dim),
+            moe_slots: vec![Vec::new(); ne],
+            moe_toks: vec![Vec::new(); ne],
+            moe_w: vec![Vec::new(); ne],
+            moe_p: vec![0.0; ne],
+            moe_order: Vec::with_capacity(ne),
             scratch: b.scratch(),
             logits: Vec::new(),
             slots: Vec::new(),
             positions: Vec::new(),
+            local_kv: None,
+            long_rope: false,
+            local_slots: Vec::new(),
+            local_victims: Vec::new(),
             prob_exports: 0,
         }
     }
@@ -164,6 +227,7 @@ fn forward_chunk<B: Backend>(
     if export {
         s.prob_exports += 1;
     }
+    let fx = &c.features;
     let st = AttnStep {
         n,
         pos0,
@@ -176,8 +240,26 @@ fn forward_chunk<B: Backend>(
         } else {
             MassMode::None
         },
-        mass_w: 1.0 / (c.n_heads * c.n_layers) as f32,
+        mass_w: 1.0 / (c.n_heads * c.n_cache_layers()) as f32,
+        scale: fx.attn_scale,
+        window: 0,
     };
+    // sliding-window layers: their own cache drops what left the window
+    // (and anything past pos0 from an earlier sequence), then takes the
+    // new tokens; they attend at absolute positions and export nothing
+    let mut local_kv = match &fx.swa {
+        Some(swa) => Some(window_step(b, s, kv.ty, c, swa.window, n)?),
+        None => None,
+    };
+    let st_local = AttnStep {
+        cache_positions: false,
+        mass: MassMode::None,
+        window: fx.swa.as_ref().map_or(0, |w| w.window),
+        ..st
+    };
+    if let Some(lk) = &local_kv {
+        b.begin_attention(&mut s.scratch, lk, &st_local);
+    }
     b.begin_attention(&mut s.scratch, &*kv, &st);
     let mut taps = io.signals.taps;
     let mut queries = io.signals.queries;
@@ -189,20 +271,51 @@ fn forward_chunk<B: Backend>(
         a.begin_step(n);
     }
 
-    // token embeddings: x[i] = token_embd[tokens[i]]           (n, dim)
+    // token embeddings: x[i] = token_embd[tokens[i]] · embed_scale  (n, dim)
     b.embed(&w.token_embd, tokens, &mut s.x);
+    if fx.embed_scale != 1.0 {
+        b.scale(&mut s.x, fx.embed_scale, n * dim);
+    }
 
+    // cache layer (budgeted cache) and local layer (window cache) counters
+    let (mut ci, mut li) = (0usize, 0usize);
+    let rope = match (&w.rope_long, s.long_rope) {
+        (Some(r), true) => r,
+        _ => &w.rope,
+    };
     for (l, lw) in w.layers.iter().enumerate() {
+        let local = c.is_local(l);
         // attention rmsnorm                                     (n, dim)
         b.rmsnorm(&s.x, 0, &lw.attn_norm, c.norm_eps, n, &mut s.xb);
-        // keep the attention block's input for scorers that read it
-        if let Some(a) = attn_inputs.as_deref_mut() {
-            a.record(l, &b.host(&s.xb, 0..n * dim));
+        if local {
+            let (lk, rope) = (
+                local_kv
+                    .as_mut()
+                    .expect("window cache of a model with local layers"),
+                w.rope_local.as_ref().unwrap_or(&w.rope),
+            );
+            attention_block(b, w, s, lk, lw, li, true, rope, &st_local, None);
+            li += 1;
+        } else {
+            // keep the attention block's input for scorers that read it
+            if let Some(a) = attn_inputs.as_deref_mut() {
+                a.record(ci, &b.host(&s.xb, 0..n * dim));
+            }
+            let q = queries.as_deref_mut();
+            attention_block(b, w, s, kv, lw, ci, false, rope, &st, q);
+            ci += 1;
         }
-        attention_block(b, w, s, kv, lw, l, &st, queries.as_deref_mut());
+        // post-attention norm (gemma3)                           (n, dim)
+        if let Some(pn) = &lw.post_attn_norm {
+            b.rmsnorm_rows(&mut s.xb, pn, c.norm_eps, n);
+        }
         // residual, then the ffn rmsnorm                         (n, dim)
         b.add_rmsnorm(&mut s.x, &mut s.xb, &lw.ffn_norm, c.norm_eps, n);
-        ffn_block(b, s, lw, c.ffn_dim, n);
+        ffn_block(b, s, lw, c, n);
+        // post-ffn norm (gemma3)                                 (n, dim)
+        if let Some(pn) = &lw.post_ffn_norm {
+            b.rmsnorm_rows(&mut s.xb, pn, c.norm_eps, n);
+        }
         // residual                                               (n, dim)
         b.add(&mut s.x, &s.xb, n, dim);
 
@@ -213,6 +326,7 @@ fn forward_chunk<B: Backend>(
             }
         }
     }
+    s.local_kv = local_kv;
     if let Some(t) = taps {
         t.end_step();
     }
@@ -242,11 +356,64 @@ fn forward_chunk<B: Backend>(
         n_out,
         &mut s.logits[base..],
     );
+    // final soft cap: logit = cap · tanh(logit / cap)
+    let cap = fx.logit_softcap;
+    if cap > 0.0 {
+        for v in &mut s.logits[base..] {
+            *v = cap * (*v / cap).tanh();
+        }
+    }
     Ok(())
+}
+
+/// Before a step of `n` tokens (positions `s.positions`): the window
+/// cache of the sliding-window layers frees every entry a query of this
+/// step cannot see (at or before pos0 − window) or that belongs to an
+/// earlier sequence (at or after pos0), then takes the new tokens. It
+/// holds window − 1 + n entries at most, `window` when decoding. Created
+/// at the first step (as the budgeted cache's type), grown when a step is
+/// longer than any before.
+fn window_step<B: Backend>(
+    b: &B,
+    s: &mut RunState<B>,
+    ty: crate::kv::KvType,
+    c: &crate::model::Config,
+    window: usize,
+    n: usize,
+) -> Result<KvCache> {
+    let n_local = c.n_layers - c.n_cache_layers();
+    let need = window - 1 + n.max(s.n_batch);
+    let make = |sh: crate::kv::StoreShape| b.kv_store(sh.ty, sh.n_rows, sh.row_vals);
+    let mut lk = match s.local_kv.take() {
+        Some(k) if k.ty == ty => k,
+        _ => KvCache::uniform_on(&make, n_local, c.kv_dim(), c.head_dim, need, ty)?,
+    };
+    let pos0 = s.positions.first().copied().unwrap_or(0);
+    let lo = pos0 - window as i64 + 1;
+    s.local_victims.clear();
+    let (slots, pos) = lk.live();
+    s.local_victims.extend(
+        slots
+            .iter()
+            .zip(pos)
+            .filter(|&(_, &p)| p < lo || p >= pos0)
+            .map(|(&sl, _)| sl),
+    );
+    if lk.cells.n_slots() < window - 1 + n {
+        let mut map = Vec::new();
+        lk.apply(&s.local_victims, &[], &mut s.local_slots)?;
+        s.local_victims.clear();
+        lk.resize_slots(window - 1 + n, &mut map)?;
+    }
+    lk.apply(&s.local_victims, &s.positions, &mut s.local_slots)?;
+    Ok(lk)
 }
 
 /// Attention block of layer `l`: from the normed input `s.xb` (n, dim) to
 /// the attention output projected back into `s.xb` (n, dim).
+/// `kv` is the budgeted cache (layer `l` counts cache layers) or, for a
+/// sliding-window layer (`local`), the window cache (`l` counts local
+/// layers); `rope` is that layer's rotation.
 #[allow(clippy::too_many_arguments)]
 fn attention_block<B: Backend>(
     b: &B,
@@ -255,6 +422,8 @@ fn attention_block<B: Backend>(
     kv: &mut KvCache,
     lw: &LayerWeights<'_, B>,
     l: usize,
+    local: bool,
+    rope: &crate::backend::Rope,
     st: &AttnStep,
     queries: Option<&mut QueryWindow>,
 ) {
@@ -276,12 +445,18 @@ fn attention_block<B: Backend>(
         }
     }
 
+    // per-head RMSNorm of queries and keys (qwen3, gemma3)  (n·heads, head_dim)
+    if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+        b.rmsnorm_rows(&mut s.q, qn, c.norm_eps, n * c.n_heads);
+        b.rmsnorm_rows(&mut s.k, kn, c.norm_eps, n * c.n_kv_heads);
+    }
+
     // RoPE on q and k at each token's absolute position (in-cache
     // positions are applied in attention, from the unrotated queries)
     if st.cache_positions {
         b.copy(&mut s.q_raw, &s.q, n * q_dim);
     }
-    b.rope(&w.rope, &mut s.q, &mut s.k, st);
+    b.rope(rope, &mut s.q, &mut s.k, st);
 
     // keep the newest queries for scorers that vote with them
     if let Some(qw) = queries {
@@ -289,7 +464,8 @@ fn attention_block<B: Backend>(
     }
 
     // store k (post-RoPE) and v in the new tokens' slots
-    b.kv_write(&mut *kv, l, &s.slots, &s.k, &s.v, n, kv_dim);
+    let slots = if local { &s.local_slots } else { &s.slots };
+    b.kv_write(&mut *kv, l, slots, &s.k, &s.v, n, kv_dim);
 
     // multi-head attention over the live entries, causal by position:
     // att_out[i, h] = softmax(q[i,h]·K[j] / √hd, pos_j ≤ pos_i) @ V[j]
@@ -298,7 +474,7 @@ fn attention_block<B: Backend>(
         &*kv,
         st,
         l,
-        &w.rope,
+        rope,
         &s.q,
         &s.q_raw,
         &mut s.att_out,
@@ -308,24 +484,117 @@ fn attention_block<B: Backend>(
     b.matmul(&mut s.scratch, &[&lw.wo], &s.att_out, n, &mut [&mut s.xb]);
 }
 
-/// SwiGLU feed-forward block: s.xb (n, dim) → down(silu(gate(x)) · up(x))
-/// into s.xb (n, dim).
+/// Gated feed-forward block: s.xb (n, dim) → down(act(gate(x)) · up(x))
+/// into s.xb (n, dim), act = SiLU (SwiGLU) or GELU (GeGLU).
 fn ffn_block<B: Backend>(
     b: &B,
     s: &mut RunState<B>,
     lw: &LayerWeights<'_, B>,
-    ffn: usize,
+    c: &crate::model::Config,
     n: usize,
 ) {
+    let (gate, up, down) = match &lw.ffn {
+        Ffn::Dense { gate, up, down } => (gate, up, down),
+        Ffn::Moe { router, experts } => return moe_block(b, s, router, experts, c, n),
+    };
+    let ffn = c.ffn_dim;
     //                                                        (n, ffn) x2
     b.matmul(
         &mut s.scratch,
-        &[&lw.w_gate, &lw.w_up],
+        &[gate, up],
         &s.xb,
         n,
         &mut [&mut s.hb, &mut s.hb2],
     );
-    b.swiglu(&mut s.hb, &s.hb2, n, ffn);
+    match c.features.ffn_act {
+        FfnAct::Silu => b.swiglu(&mut s.hb, &s.hb2, n, ffn),
+        FfnAct::GeluTanh => b.geglu(&mut s.hb, &s.hb2, n, ffn),
+    }
     //                                                        (n, dim)
-    b.matmul(&mut s.scratch, &[&lw.w_down], &s.hb, n, &mut [&mut s.xb]);
+    b.matmul(&mut s.scratch, &[down], &s.hb, n, &mut [&mut s.xb]);
+}
+
+/// Mixture-of-experts block (qwen3moe): s.xb (n, dim) → Σ_k w_k ·
+/// expert_k(x) into s.xb (n, dim). Per token the router's softmax picks
+/// the `n_used` most probable experts (ties: lower index), their
+/// probabilities renormalized to sum to 1; each expert runs once per step
+/// on the tokens routed to it (packed), so only the chosen experts'
+/// weights are read; outputs are summed per token in routing order.
+fn moe_block<B: Backend>(
+    b: &B,
+    s: &mut RunState<B>,
+    router: &B::Mat<'_>,
+    experts: &[Expert<'_, B>],
+    c: &crate::model::Config,
+    n: usize,
+) {
+    let Some(m) = c.features.moe else { return };
+    let (ne, k, fe, dim) = (m.n_expert, m.n_used, m.expert_ffn, c.dim);
+    // router logits                                         (n, n_expert)
+    b.matmul(&mut s.scratch, &[router], &s.xb, n, &mut [&mut s.router]);
+    let logits = b.host(&s.router, 0..n * ne);
+    for e in 0..ne {
+        s.moe_slots[e].clear();
+        s.moe_toks[e].clear();
+        s.moe_w[e].clear();
+    }
+    for t in 0..n {
+        // softmax over the experts, then the top n_used
+        let row = &logits[t * ne..(t + 1) * ne];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f64;
+        for (p, &x) in s.moe_p.iter_mut().zip(row) {
+            *p = (x - max).exp();
+            sum += *p as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        for p in s.moe_p.iter_mut() {
+            *p *= inv;
+        }
+        s.moe_order.clear();
+        s.moe_order.extend(0..ne as u32);
+        let p = &s.moe_p;
+        s.moe_order.select_nth_unstable_by(k - 1, |&x, &y| {
+            p[y as usize].total_cmp(&p[x as usize]).then(x.cmp(&y))
+        });
+        s.moe_order[..k]
+            .sort_unstable_by(|&x, &y| p[y as usize].total_cmp(&p[x as usize]).then(x.cmp(&y)));
+        let norm = if m.norm_weights {
+            1.0 / s.moe_order[..k].iter().map(|&e| p[e as usize]).sum::<f32>()
+        } else {
+            1.0
+        };
+        for (j, &e) in s.moe_order[..k].iter().enumerate() {
+            s.moe_slots[e as usize].push((t * k + j) as u32);
+            s.moe_toks[e as usize].push(t as u32);
+            s.moe_w[e as usize].push(p[e as usize] * norm);
+        }
+    }
+    drop(logits);
+    // each chosen expert on its tokens: w · down(silu(gate(x)) · up(x))
+    for (e, ex) in experts.iter().enumerate() {
+        let ne_t = s.moe_toks[e].len();
+        if ne_t == 0 {
+            continue;
+        }
+        b.gather_rows(&s.xb, &s.moe_toks[e], dim, &mut s.moe_in); //  (n_e, dim)
+        b.matmul(
+            &mut s.scratch,
+            &[&ex.gate, &ex.up],
+            &s.moe_in,
+            ne_t,
+            &mut [&mut s.hb, &mut s.hb2],
+        ); //                                                     (n_e, fe) x2
+        b.swiglu(&mut s.hb, &s.hb2, ne_t, fe);
+        b.matmul(
+            &mut s.scratch,
+            &[&ex.down],
+            &s.hb,
+            ne_t,
+            &mut [&mut s.moe_tmp],
+        );
+        b.scatter_rows(&mut s.moe_y, &s.moe_tmp, &s.moe_slots[e], &s.moe_w[e], dim);
+    }
+    // sum the n_used weighted outputs of each token            (n, dim)
+    b.sum_groups(&s.moe_y, k, n, dim, &mut s.xb);
 }

@@ -11,7 +11,8 @@ use crate::signals::Dims;
 impl From<&Config> for Dims {
     fn from(c: &Config) -> Dims {
         Dims {
-            n_layers: c.n_layers,
+            // queries and attention inputs are kept per cache layer
+            n_layers: c.n_cache_layers(),
             dim: c.dim,
             q_dim: c.q_dim(),
         }
@@ -99,9 +100,20 @@ impl<'a> ModelView<'a> {
     /// Layer `l`'s output projection W_O dequantized into `out`, (dim,
     /// q_dim) row-major: row i holds the weights of output channel i, so
     /// head h's block is columns h·head_dim..(h+1)·head_dim.
+    ///
+    /// `l` counts cache layers (`Config::cache_layers`), as scorers do: on a
+    /// model with sliding-window layers it is mapped to its model layer.
     pub fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
+        let layer = match self.config.features.swa {
+            Some(_) => *self
+                .config
+                .cache_layers()
+                .get(l)
+                .ok_or_else(|| Error::Other(format!("cache layer {l} out of range")))?,
+            None => l,
+        };
         self.weights
             .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?
-            .wo_f32(l, out)
+            .wo_f32(layer, out)
     }
 }

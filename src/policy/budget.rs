@@ -73,7 +73,7 @@ impl BudgetRule {
     /// The stream groups for a model `c` and a per-head average `budget`
     /// (None: token-uniform).
     pub fn plan(&self, c: &Config, budget: usize) -> Result<Option<StreamPlan>> {
-        let (nl, nh) = (c.n_layers, c.n_kv_heads);
+        let (nl, nh) = (c.n_cache_layers(), c.n_kv_heads);
         let guard = |f: f32| (f * budget as f32).floor() as usize;
         Ok(Some(match self {
             BudgetRule::Tokens => return Ok(None),

@@ -394,7 +394,13 @@ impl Rescorer for Critical {
     fn prepare(&mut self, model: &ModelView<'_>, cache: CacheShape) -> Result<()> {
         self.opts.check()?;
         let c = model.config();
-        let (nl, dim, hd, nh, nkv) = (c.n_layers, c.dim, c.head_dim, c.n_heads, c.n_kv_heads);
+        let (nl, dim, hd, nh, nkv) = (
+            c.n_cache_layers(),
+            c.dim,
+            c.head_dim,
+            c.n_heads,
+            c.n_kv_heads,
+        );
         let q_dim = nh * hd;
         self.n_layers = nl;
         self.n_kv = nkv;

@@ -96,7 +96,8 @@ impl Scorer for Retention {
     }
     fn prepare(&mut self, m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
         let c = m.config();
-        self.gates.check_model(c.n_layers, c.dim, c.n_kv_heads)?;
+        self.gates
+            .check_model(c.n_cache_layers(), c.dim, c.n_kv_heads)?;
         self.log_beta = vec![0.0; cache.n_slots];
         Ok(())
     }

@@ -70,8 +70,20 @@ impl Base {
     /// for sequences of up to `max_pos` tokens.
     pub fn from_weights(w: &Weights<'_>, max_pos: usize, dt: DType) -> Result<Base> {
         let c = w.config.clone();
+        // the trainer's forward pass is the plain llama block
+        if c.features != crate::model::Features::plain(c.head_dim) {
+            return Err(candle_core::Error::Msg(format!(
+                "train gates: the {} architecture is not supported (llama and qwen2 models only)",
+                c.arch.name()
+            )));
+        }
         let m = |q: &crate::backend::cpu::matmul::QMat<'_>| {
             mat(q.n_out, q.n_in, |r, row| q.dequantize_row(r, row), dt)
+        };
+        let moe = || {
+            candle_core::Error::Msg(
+                "train gates: mixture-of-experts layers are not supported".into(),
+            )
         };
         let layers = w
             .layers
@@ -87,9 +99,9 @@ impl Base {
                     bv: lw.bv.as_deref().map(|b| vector(b, dt)).transpose()?,
                     wo: m(&lw.wo)?,
                     ffn_norm: vector(&lw.ffn_norm, dt)?,
-                    w_gate: m(&lw.w_gate)?,
-                    w_up: m(&lw.w_up)?,
-                    w_down: m(&lw.w_down)?,
+                    w_gate: m(lw.ffn.dense().ok_or_else(moe)?.0)?,
+                    w_up: m(lw.ffn.dense().ok_or_else(moe)?.1)?,
+                    w_down: m(lw.ffn.dense().ok_or_else(moe)?.2)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -351,13 +351,19 @@ fn hf_dir_config_matches_gguf() {
     // The weights borrow the maps (F32 / F16 / BF16 all zero-copy).
     let w = ck.weights().unwrap();
     assert_eq!(w.token_embd.dtype, kvrun::tensor::DType::F32);
-    assert_eq!(w.layers[0].w_down.dtype, kvrun::tensor::DType::F16);
-    assert_eq!(w.layers[1].w_up.dtype, kvrun::tensor::DType::BF16);
+    assert_eq!(
+        w.layers[0].ffn.dense().unwrap().2.dtype,
+        kvrun::tensor::DType::F16
+    );
+    assert_eq!(
+        w.layers[1].ffn.dense().unwrap().1.dtype,
+        kvrun::tensor::DType::BF16
+    );
     for m in [
         &w.token_embd,
         &w.layers[0].wq,
-        &w.layers[0].w_down,
-        &w.layers[1].w_up,
+        w.layers[0].ffn.dense().unwrap().2,
+        w.layers[1].ffn.dense().unwrap().1,
         &w.layers[29].wk,
     ] {
         assert!(

@@ -35,6 +35,7 @@ fn tiny(mix: Mix) -> Recipe {
     Recipe {
         shape: synth::shape("tiny"),
         mix: Some(mix),
+        arch: None,
     }
 }
 

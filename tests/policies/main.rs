@@ -6,6 +6,7 @@
 #[path = "../util/mod.rs"]
 mod util;
 
+mod arch;
 mod baselines;
 mod critical;
 mod epikv;

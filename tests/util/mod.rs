@@ -110,3 +110,41 @@ pub fn top2_margin(l: &[f32]) -> f32 {
     }
     a - b
 }
+
+/// Gemma 3 270M (instruction-tuned) Q4_K_M, fetched by `models/fetch.sh
+/// gemma3` when missing (once per test process; the CI script fetches it
+/// beforehand).
+pub fn gemma_model() -> PathBuf {
+    static FETCH: std::sync::Once = std::sync::Once::new();
+    let p = root().join("models").join("gemma-3-270m-it.Q4_K_M.gguf");
+    FETCH.call_once(|| {
+        if !p.exists() {
+            let _ = std::process::Command::new("bash")
+                .arg(root().join("models").join("fetch.sh"))
+                .arg("gemma3")
+                .status();
+        }
+    });
+    assert!(
+        p.exists(),
+        "Gemma 3 270M missing: run `bash models/fetch.sh gemma3` first ({})",
+        p.display()
+    );
+    p
+}
+
+/// A file under the temporary directory, removed on drop.
+pub struct TempFile(pub PathBuf);
+
+impl TempFile {
+    /// `<tmp>/kvrun-<pid>-<name>`.
+    pub fn new(name: &str) -> TempFile {
+        TempFile(std::env::temp_dir().join(format!("kvrun-{}-{name}", std::process::id())))
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

@@ -142,7 +142,7 @@ pub fn layer(
     let cache_pos = st.cache_positions;
     let export = sc.export;
     let mass_w = st.mass_w;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = st.scale;
     let store = cpu_store(kv);
     let base = kv.layer_base(l);
     let lkv = store.rows(base, n_slots);
@@ -255,6 +255,14 @@ pub fn layer(
                 } else {
                     live_pos.len()
                 };
+                // a sliding window hides keys at or before pos − window
+                // (prefill only: a windowed cache holds just the window
+                // when decoding)
+                let lo = if prefill && st.window > 0 {
+                    live_pos.partition_point(|&p| p <= pos - st.window as i64)
+                } else {
+                    0
+                };
                 // the query of each run of keys (one run unless in-cache positions)
                 let one_run = [n_vis];
                 let (qs, es): (&[f32], &[usize]) = if cache_pos {
@@ -296,20 +304,23 @@ pub fn layer(
                 if prefill {
                     // rows pre-converted for this chunk (j indexes the head's
                     // live list): keys transposed, values row-major
+                    // (the window's keys start at column lo)
                     let n_live = live_slots.len();
-                    let kt_g = &kt[koff[g]..];
-                    let vf_g = &vf[koff[g]..];
+                    let kt_g = &kt[koff[g] + lo..];
+                    let vf_g = &vf[koff[g] + lo * hd..];
                     let val = |j: usize| &vf_g[j * hd..(j + 1) * hd];
+                    let win = [n_vis - lo];
+                    let es = if lo > 0 { &win[..] } else { es };
                     attend_prefill_group_seg(
                         qs,
                         es,
                         group,
-                        n_vis,
+                        n_vis - lo,
                         kt_g,
                         n_live,
                         val,
                         scale,
-                        &mut sc[..group * n_vis],
+                        &mut sc[..group * (n_vis - lo)],
                         o,
                         &mut stats[..group],
                     );
@@ -348,9 +359,10 @@ pub fn layer(
                     // SAFETY: each thread accumulates into its own row.
                     let acc = unsafe { mthr.slice(ti * n_slots, n_slots) };
                     // sc holds each head's normalized probabilities
+                    let m = n_vis - lo;
                     for h in 0..group {
-                        for j in 0..n_vis {
-                            acc[live_slots[j] as usize] += sc[h * n_vis + j] * mass_w;
+                        for j in 0..m {
+                            acc[live_slots[lo + j] as usize] += sc[h * m + j] * mass_w;
                         }
                     }
                 }

@@ -39,7 +39,7 @@ pub use matmul::QMat;
 use crate::backend::{AttnStep, Backend, KvAccess, KvStore, KvType, Rope};
 use crate::error::Result;
 use crate::tensor::DType;
-use elementwise::{add, rmsnorm, swiglu};
+use elementwise::{add, geglu, rmsnorm, rmsnorm_inplace, swiglu};
 use matmul::{matmul_q, quantize_acts, same_act_format};
 use pool::{split, SharedMut, ThreadPool};
 use std::borrow::Cow;
@@ -318,6 +318,67 @@ impl Backend for Cpu {
             let g = unsafe { hb.slice(t0 * width, (t1 - t0) * width) };
             swiglu(g, &hb2[t0 * width..t1 * width]);
         });
+    }
+
+    fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, n: usize, width: usize) {
+        let hb = SharedMut::new(&mut gate[..n * width]);
+        let hb2 = &up[..n * width];
+        par_rows(&self.pool, n, |t0, t1| {
+            // SAFETY: token rows t0..t1 belong to this thread.
+            let g = unsafe { hb.slice(t0 * width, (t1 - t0) * width) };
+            geglu(g, &hb2[t0 * width..t1 * width]);
+        });
+    }
+
+    fn rmsnorm_rows(&self, x: &mut Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize) {
+        let d = w.len();
+        let xs = SharedMut::new(&mut x[..rows * d]);
+        par_rows(&self.pool, rows, |r0, r1| {
+            // SAFETY: rows r0..r1 belong to this thread.
+            let x = unsafe { xs.slice(r0 * d, (r1 - r0) * d) };
+            rmsnorm_inplace(x, w, eps);
+        });
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32, len: usize) {
+        elementwise::scale(&mut x[..len], s);
+    }
+
+    fn gather_rows(&self, src: &Vec<f32>, rows: &[u32], width: usize, dst: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            dst[i * width..(i + 1) * width].copy_from_slice(&src[r * width..(r + 1) * width]);
+        }
+    }
+
+    fn scatter_rows(
+        &self,
+        dst: &mut Vec<f32>,
+        src: &Vec<f32>,
+        rows: &[u32],
+        weights: &[f32],
+        width: usize,
+    ) {
+        for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
+            let r = r as usize;
+            let (d, x) = (
+                &mut dst[r * width..(r + 1) * width],
+                &src[i * width..(i + 1) * width],
+            );
+            for (d, &x) in d.iter_mut().zip(x) {
+                *d = x * w;
+            }
+        }
+    }
+
+    fn sum_groups(&self, src: &Vec<f32>, k: usize, n: usize, width: usize, dst: &mut Vec<f32>) {
+        for t in 0..n {
+            let d = &mut dst[t * width..(t + 1) * width];
+            d.copy_from_slice(&src[t * k * width..(t * k + 1) * width]);
+            for j in 1..k {
+                add(d, &src[(t * k + j) * width..(t * k + j + 1) * width]);
+            }
+        }
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize, width: usize) {

@@ -774,7 +774,11 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     let t_wall = Instant::now();
     let model = load_model(&a.model)?;
     let (w, tok) = (model.weights(), &model.tokenizer);
-    let tmpl = if a.raw { None } else { model.chat_template()? };
+    let tmpl = if a.raw {
+        None
+    } else {
+        a.model.chat_template(&model)?
+    };
     let n_ctx = if a.ctx_size == 0 {
         w.config.n_ctx_train
     } else {

@@ -178,7 +178,7 @@ pub fn eval_perturbation(a: &PerturbArgs) -> Result<Vec<PerturbPoint>> {
     }
     let (prompt, cont) = (&ids[..a.ctx], &ids[a.ctx..a.ctx + a.next]);
     let n_ctx = a.ctx + a.next + 1;
-    let (nl, nkv, hd, dim) = (c.n_layers, c.n_kv_heads, c.head_dim, c.dim);
+    let (nl, nkv, hd, dim) = (c.n_cache_layers(), c.n_kv_heads, c.head_dim, c.dim);
     let group = c.n_heads / nkv;
     let q_dim = c.n_heads * hd;
 

@@ -107,6 +107,9 @@ pub(super) struct Job {
     /// Reuse the slot's cached prompt prefix (llama-server's
     /// `cache_prompt`, on by default) while it is intact.
     pub(super) cache_prompt: bool,
+    /// `enable_thinking` for this request's chat template (llama-server's
+    /// `chat_template_kwargs`, or a top-level field); None: the server's.
+    pub(super) enable_thinking: Option<bool>,
     pub(super) tx: UnboundedSender<Ev>,
 }
 
@@ -367,6 +370,12 @@ pub(super) fn parse_job(
     };
     let ignore_eos = opt_bool(v, "ignore_eos")?.unwrap_or(false);
     let cache_prompt = opt_bool(v, "cache_prompt")?.unwrap_or(true);
+    let enable_thinking = match opt(v, "chat_template_kwargs") {
+        None => None,
+        Some(o @ Value::Object(_)) => opt_bool(o, "enable_thinking")?,
+        Some(other) => return Err(type_err("chat_template_kwargs", "an object", other)),
+    }
+    .or(opt_bool(v, "enable_thinking")?);
     // KV policy: the server's flags, overridden per request
     let mut kv = d.kv.config()?;
     if let Some(p) = opt_str(v, "policy")? {
@@ -433,6 +442,7 @@ pub(super) fn parse_job(
         ignore_eos,
         kv,
         cache_prompt,
+        enable_thinking,
         tx,
     };
     Ok((job, stream, include_usage))

@@ -233,7 +233,7 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
     let per_slot_threads = (n_threads / a.parallel).max(1);
     // One model, owned here and by the worker threads (an Arc each).
     let model = Arc::new(load_model(&a.model)?);
-    let tmpl: Option<ChatTemplate> = model.chat_template()?;
+    let tmpl: Option<ChatTemplate> = a.model.chat_template(&model)?;
     let w = model.weights();
     let n_ctx = if a.ctx_size == 0 {
         w.config.n_ctx_train

@@ -130,6 +130,15 @@ fn run_job<'e>(
             let tmpl = eng.tmpl.as_ref().ok_or_else(|| {
                 ApiError::bad("the model has no chat template; use /v1/completions")
             })?;
+            // the request may switch thinking for its own rendering
+            let own;
+            let tmpl = match job.enable_thinking {
+                Some(on) if tmpl.enable_thinking != Some(on) => {
+                    own = tmpl.with_thinking(Some(on));
+                    &own
+                }
+                _ => tmpl,
+            };
             // message contents are plain text unless --parse-special
             let (text, ids) = encode_chat(tok, tmpl, msgs, eng.parse_special)?;
             if eng.reasoning == ReasoningFormat::Deepseek {
@@ -201,6 +210,7 @@ fn run_job<'e>(
     };
     let sess = &mut c.sess;
     let reused = if miss.is_none() {
+        let common = sess.rewind_point(common);
         sess.truncate(common)?;
         common
     } else {
