@@ -19,9 +19,9 @@ pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Model: a GGUF file, a Hugging Face directory, or
-    /// synth:HEADER.gguf[:SHAPE][:TYPE] (random weights in that header's
-    /// shapes and types, or a named shape / quantization mix, generated in
-    /// memory; see `kvrun synth`). Default: models/SmolLM2-135M-Instruct.Q4_1.gguf.
+    /// synth:HEADER.gguf[:ARCH][:SHAPE][:TYPE] (random weights in that
+    /// header's shapes and types, or a named architecture / shape /
+    /// quantization mix, generated in memory; see `kvrun synth`). Default: models/SmolLM2-135M-Instruct.Q4_1.gguf.
     #[arg(short = 'm', long = "model", env = "KVRUN_MODEL")]
     pub model: Option<PathBuf>,
     /// Threads (default: all cores).

@@ -247,11 +247,16 @@ pub fn synth_model(arch: &'static str, shape: &str) -> util::TempFile {
     f
 }
 
-/// Synthetic qwen3 / phi3 / gemma3 (window 16, every other layer global)
-/// against llama.cpp: logits at every position of a 64-token prompt
-/// (prefill chunks of 10, crossing the window mid-chunk) and greedy 32-token
-/// continuations of 5 prompts (forks only at close calls; at least 4 of 5
-/// identical, or as many as llama.cpp keeps against itself).
+/// Synthetic qwen3 / qwen3moe / phi3 / gemma3 (window 16, every other
+/// layer global) against llama.cpp: logits at every position of a 64-token
+/// prompt (prefill chunks of 10, crossing the window mid-chunk) and greedy
+/// 32-token continuations of 5 prompts: forks only at close calls (top-2
+/// margin < 0.5), and teacher-forced along llama.cpp's path its token at ≥
+/// 90% of the steps. (Random weights spread probability over the whole
+/// vocabulary, so near-ties with margins of 0.01–0.05 come every few
+/// tokens, and free-running paths of two engines that differ by rounding
+/// fork at one of them: measured 1/5 identical for qwen3 and qwen3moe,
+/// 5/5 for gemma3; how many stay identical is printed, not asserted.)
 fn synth_matches(arch: &'static str, shape: &str) {
     let f = synth_model(arch, shape);
     let lm = ggml_sys::LlamaModel::load_plain(f.0.to_str().unwrap()).unwrap();
@@ -262,7 +267,7 @@ fn synth_matches(arch: &'static str, shape: &str) {
 
     let g = Gguf::open(&f.0).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    let (mut identical, mut identical_self) = (0, 0);
+    let (mut identical, mut identical_self, mut forced, mut forced_ok) = (0, 0, 0, 0);
     for (k, p) in [0usize, 300, 600, 900, 1200].iter().enumerate() {
         let ids = lm.tokenize(&text[*p..*p + 60], false, false);
         let run = |sequential: bool| {
@@ -309,13 +314,26 @@ fn synth_matches(arch: &'static str, shape: &str) {
                 );
             }
         }
+        sess.reset();
+        let mut l = sess.feed(&toks, Logits::Last).unwrap().to_vec();
+        for (i, &t) in theirs.iter().enumerate() {
+            let ok = argmax(&l) as i32 == t;
+            forced += 1;
+            forced_ok += ok as usize;
+            assert!(
+                ok || margins[i] < 0.5,
+                "{arch} prompt {k} step {i}: margin {}",
+                margins[i]
+            );
+            l = sess.feed(&[t as u32], Logits::Last).unwrap().to_vec();
+        }
     }
     eprintln!(
-        "{arch}: greedy {identical}/5 identical (llama.cpp against itself {identical_self}/5)"
+        "{arch}: greedy {identical}/5 identical (llama.cpp against itself {identical_self}/5); teacher-forced {forced_ok}/{forced}"
     );
     assert!(
-        identical >= identical_self.min(4),
-        "{arch}: {identical}/5 identical"
+        forced_ok * 100 >= forced * 90,
+        "{arch}: teacher-forced {forced_ok}/{forced}"
     );
 }
 
@@ -371,4 +389,48 @@ fn gemma3_window_cache_holds_exactly_the_window() {
 #[test]
 fn synth_qwen3moe_matches_llama_cpp() {
     synth_matches("qwen3moe", "tiny-moe");
+}
+
+/// Gemma 3's GGUF carries no chat template: the built-in Gemma turn format
+/// renders (system text opens the first user turn), and its markers are
+/// single control tokens.
+#[test]
+fn gemma3_builtin_chat_template_renders() {
+    use kvrun::chat::{ChatTemplate, Message};
+    let g = Gguf::open(&util::gemma_model()).unwrap();
+    assert!(ChatTemplate::from_gguf(&g).unwrap().is_none());
+    let t = ChatTemplate::from_gguf_or_builtin(&g).unwrap().unwrap();
+    let msgs = [
+        Message::new("system", "Be brief."),
+        Message::new("user", "Hi"),
+        Message::new("assistant", "Hello!"),
+        Message::new("user", "2+2?"),
+    ];
+    assert_eq!(
+        t.render(&msgs, true).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let tok = kvrun::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+    let ids = tok.encode("<start_of_turn>model\n", false, true).unwrap();
+    assert_eq!(ids.len(), 3, "{ids:?}: <start_of_turn> model \\n");
+}
+
+/// `enable_thinking` reaches the template (`--reasoning`, and a server
+/// request's `chat_template_kwargs`): Qwen3's switch renders an empty think
+/// block when it is false and leaves the default alone when unset.
+#[test]
+fn enable_thinking_reaches_the_template() {
+    use kvrun::chat::{ChatTemplate, Message};
+    let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+    let t = ChatTemplate::from_source(src, "", "").unwrap();
+    let msgs = [Message::new("user", "hi")];
+    let plain = t.render(&msgs, true).unwrap();
+    assert!(plain.ends_with("<|im_start|>assistant\n"), "{plain:?}");
+    let off = t.with_thinking(Some(false)).render(&msgs, true).unwrap();
+    assert!(
+        off.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{off:?}"
+    );
+    let on = t.with_thinking(Some(true)).render(&msgs, true).unwrap();
+    assert_eq!(on, plain);
 }

@@ -400,6 +400,23 @@ fn r1_matches_llama_cpp_on_corpus() {
     assert_parity(p.name, &p.ours, &p.oracle, corpus());
 }
 
+/// Gemma 3's SPM vocabulary (262144 pieces, no space prefix, byte
+/// fallback) on the whole corpus, plus its turn markers as control tokens.
+#[test]
+fn gemma3_matches_llama_cpp_on_corpus() {
+    let p = load_pair("Gemma3", &crate::util::gemma_model());
+    assert_eq!(p.ours.model_type(), "llama");
+    assert_eq!(p.ours.n_vocab(), 262144);
+    assert_eq!(p.ours.n_vocab(), p.oracle.n_vocab());
+    assert_parity(p.name, &p.ours, &p.oracle, corpus());
+    let turn = "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n";
+    assert_eq!(
+        oracle_ids(&p.oracle, turn, true, true),
+        p.ours.encode(turn, true, true).unwrap(),
+        "turn markup"
+    );
+}
+
 #[test]
 fn long_wikitext_matches_and_is_fast() {
     let wiki = std::fs::read_to_string(shared("wikitext2_test_lf.txt")).expect("wikitext");
