@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A running `kvrun serve`, killed on drop.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl Server {
-    fn start(args: &[&str]) -> Server {
+    pub(crate) fn start(args: &[&str]) -> Server {
         let model = util::default_model();
         let mut child = Command::new(util::kvrun_bin())
             .arg("serve")
@@ -76,10 +76,10 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
-    fn get(&self, path: &str) -> (u16, String) {
+    pub(crate) fn get(&self, path: &str) -> (u16, String) {
         reply(ureq::get(&self.url(path)).call())
     }
     fn post(&self, path: &str, body: &str) -> (u16, String) {
@@ -117,7 +117,7 @@ impl Server {
         out
     }
     /// One value of /metrics (sum over the series whose labels contain `labels`).
-    fn metric(&self, name: &str, labels: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str, labels: &str) -> f64 {
         let (st, text) = self.get("/metrics");
         assert_eq!(st, 200);
         text.lines()

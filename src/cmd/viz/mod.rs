@@ -136,9 +136,10 @@ fn r4(x: f64) -> Value {
 
 /// The page data of one policy column: its report and per-token arrays.
 ///
-/// - `ev[i]`: token i's (mean) eviction step, −1 when no stream evicted it;
-/// - `keep[i]`: streams still holding it at the end, over all streams
-///   (token-uniform caches: 0 or 1);
+/// - `ev[i]`: token i's (mean) eviction step, −1 when no stream evicted it
+///   (the last token, `n_fed`, is never fed: −1 too);
+/// - `keep[i]` (stream policies): the share of streams still holding it
+///   at the end (token-uniform caches: implied by `ev`);
 /// - `score[i]`: its (mean) score when evicted, null when never evicted;
 /// - `kl[i]`: KL of the prediction made at position i (of token i + 1);
 /// - `heat` (stream policies): per (layer, head) row, `HEAT_BINS` digits
@@ -206,11 +207,11 @@ fn policy_data(
         "seg_top1": r.segment.as_ref().map(|s| s.top1_agree),
         "peak_kv_entries": r.peak_kv_entries,
         "ev": ev,
-        "keep": keep,
         "score": score,
         "kl_tok": kl,
     });
     if streams {
+        out["keep"] = json!(keep);
         // tokens per bin, then per stream the kept share as one digit
         let mut per_bin = vec![0u32; bins];
         for p in 0..n {
@@ -267,6 +268,8 @@ pub fn page_data(
         "source": source,
         "model": model,
         "n_tokens": n,
+        // the last token is only predicted: it never enters a cache
+        "n_fed": n - 1,
         "seg_start": text.seg_start,
         "pieces": pieces(tok, &text.ids),
         "policies": policies,
