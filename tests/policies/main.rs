@@ -9,6 +9,7 @@ mod util;
 mod baselines;
 mod critical;
 mod epikv;
+mod eviction_log;
 mod policy;
 mod streams;
 mod sweep;

@@ -239,10 +239,12 @@ pub(super) async fn slots(State(app): State<Arc<App>>, RawQuery(q): RawQuery) ->
                     .map(|r| r.clone())
                     .unwrap_or_else(|p| p.into_inner().clone());
                 let tok = &app.model.tokenizer;
+                // a character split over tokens shows on the one completing it
+                let mut utf8 = crate::generate::Utf8Stream::default();
                 let pieces: Vec<String> = r
                     .tokens
                     .iter()
-                    .map(|&t| String::from_utf8_lossy(&tok.token_bytes(t, true)).into_owned())
+                    .map(|&t| utf8.push(&tok.token_bytes(t, true)))
                     .collect();
                 // 3 decimals are plenty for a colour
                 let kept: Vec<f64> = r

@@ -25,7 +25,7 @@ use crate::cmd::eval::fidelity::{
 };
 use crate::cmd::load_model;
 use crate::error::{Error, Result};
-use crate::generate::EvictionEvent;
+use crate::generate::{EvictionEvent, Utf8Stream};
 use crate::tokenizer::Tokenizer;
 use clap::Args;
 use serde_json::{json, Value};
@@ -238,12 +238,19 @@ fn policy_data(
     out
 }
 
-/// Display pieces of `ids` (control tokens as their text; bytes that are
-/// not UTF-8 on their own shown as U+FFFD).
+/// Display pieces of `ids` (control tokens as their text). A character
+/// whose bytes span several tokens is shown on the token that completes it
+/// (the others show nothing), so the text reads as the tokenizer's output.
 fn pieces(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
-    ids.iter()
-        .map(|&id| String::from_utf8_lossy(&tok.token_bytes(id, true)).into_owned())
-        .collect()
+    let mut utf8 = Utf8Stream::default();
+    let mut out: Vec<String> = ids
+        .iter()
+        .map(|&id| utf8.push(&tok.token_bytes(id, true)))
+        .collect();
+    if let Some(last) = out.last_mut() {
+        last.push_str(&utf8.flush());
+    }
+    out
 }
 
 /// The page's data object.
@@ -276,10 +283,11 @@ pub fn page_data(
     })
 }
 
-/// The HTML page around `data`. `</` inside the JSON is written `<\/` so
-/// no text of the page can close its script element.
+/// The HTML page around `data`. Every `<` inside the JSON (only ever
+/// inside strings) is written `\u003c`, so no text of the page can close
+/// its script element or open a comment in it.
 pub fn page_html(data: &Value, title: &str) -> String {
-    let json = data.to_string().replace("</", "<\\/");
+    let json = data.to_string().replace('<', "\\u003c");
     PAGE.replace("/*KVRUN_TITLE*/", &crate::cmd::plot::xml_escape(title))
         .replace("/*KVRUN_DATA*/", &json)
 }
