@@ -115,12 +115,12 @@ fn log_ticks(lo: f64, hi: f64) -> (f64, f64, Vec<f64>) {
     (a, z, ticks)
 }
 
-/// A log-axis tick label: 1e-3, 0.01, 0.1, 1, 10, 100, 1e3.
+/// A log-axis tick label: 1e-4, 0.001, 0.01, 0.1, 1, 10, 100, 1000, 1e4.
 fn fmt_log_tick(v: f64) -> String {
     let e = v.log10().round() as i32;
     match e {
-        -2..=0 => format!("{}", 10f64.powi(e)),
-        1..=2 => format!("{}", 10f64.powi(e) as i64),
+        -3..=-1 => format!("0.{}1", "0".repeat((-e - 1) as usize)),
+        0..=3 => format!("1{}", "0".repeat(e as usize)),
         _ => format!("1e{e}"),
     }
 }
