@@ -38,6 +38,35 @@ pub trait StepObserver {
     fn on_step(&mut self, step: &Step<'_>);
 }
 
+/// One evicted entry, as an [`EvictionLog`] records it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvictionEvent {
+    /// `n_past` when it was evicted: the first position the evicting step
+    /// wrote (the entry lived through positions `pos..step`).
+    pub step: u32,
+    /// The (layer · n_kv_heads + head) stream it left, or
+    /// [`EvictionEvent::ALL_STREAMS`] for a token-uniform cache (every
+    /// layer and head at once).
+    pub stream: u32,
+    /// Its position.
+    pub pos: u32,
+    /// The score the evictor ranked it by (lower = evicted first).
+    pub score: f32,
+}
+
+impl EvictionEvent {
+    /// `stream` of a token-uniform eviction.
+    pub const ALL_STREAMS: u32 = u32::MAX;
+}
+
+/// Every eviction of a session, in order (`Session::record_evictions`):
+/// what `kvrun viz` draws. Off by default; a session without one pays one
+/// branch per step.
+#[derive(Clone, Debug, Default)]
+pub struct EvictionLog {
+    pub events: Vec<EvictionEvent>,
+}
+
 /// The one attention-mass export a step can make for everyone who asked
 /// (None when two kinds are asked for).
 fn mass_for(a: MassMode, b: MassMode) -> Option<MassMode> {
@@ -90,6 +119,8 @@ pub struct Session<'w, B: Backend = Host> {
     chunk: usize,
     /// (old slot, new slot) of the last cache re-layout.
     moved: Vec<(u32, u32)>,
+    /// Every eviction, when asked for (`record_evictions`).
+    log: Option<Box<EvictionLog>>,
 }
 
 impl<'w> Session<'w, Cpu> {
@@ -391,6 +422,7 @@ impl<'w, B: Backend> Session<'w, B> {
             logits: Vec::new(),
             chunk: n_batch,
             moved: Vec::new(),
+            log: None,
         }
     }
 
@@ -477,8 +509,59 @@ impl<'w, B: Backend> Session<'w, B> {
         self.evicted_entries
     }
 
+    /// Record every eviction from now on (see [`EvictionLog`]).
+    pub fn record_evictions(&mut self) {
+        self.log.get_or_insert_with(Box::default);
+    }
+
+    /// The evictions recorded so far (None unless `record_evictions`).
+    pub fn eviction_log(&self) -> Option<&EvictionLog> {
+        self.log.as_deref()
+    }
+
+    /// Append this step's victims (still resident: `self.victims`, ranked
+    /// by `self.scores`) to the log.
+    fn log_victims(&mut self, step: usize) {
+        let Some(log) = self.log.as_deref_mut() else {
+            return;
+        };
+        let score_at = |i: usize| self.scores.get(i).copied().unwrap_or(f32::NAN);
+        for &v in &self.victims {
+            let Some(pos) = self.kv.cells.pos(v as usize) else {
+                continue;
+            };
+            let (stream, score) = match self.kv.streams() {
+                // scores are laid out per stream, in its position order
+                Some(st) => {
+                    let s = st.owner(v as usize);
+                    let i = st.stream(s).1.binary_search(&pos).ok();
+                    let base = self.offsets.get(s).copied();
+                    let score = match (i, base) {
+                        (Some(i), Some(b)) => score_at(b + i),
+                        _ => f32::NAN,
+                    };
+                    (s as u32, score)
+                }
+                // one score per live token, in position order
+                None => {
+                    let i = self.kv.live().1.binary_search(&pos).ok();
+                    (EvictionEvent::ALL_STREAMS, i.map_or(f32::NAN, score_at))
+                }
+            };
+            log.events.push(EvictionEvent {
+                step: step as u32,
+                stream,
+                pos: pos as u32,
+                score,
+            });
+        }
+    }
+
     /// Forget the sequence.
     pub fn reset(&mut self) {
+        if let Some(log) = &mut self.log {
+            log.events.clear();
+        }
         self.kv.clear();
         self.state.reset_local();
         self.n_past = 0;
@@ -651,6 +734,9 @@ impl<'w, B: Backend> Session<'w, B> {
                 in_prompt_phase =
                     prompt_chunk && self.policy.as_ref().is_some_and(|p| p.prompt.is_some());
                 self.pick_victims(n, (pos0 + n - 1) as i64, in_prompt_phase, false)?;
+                if self.log.is_some() {
+                    self.log_victims(pos0);
+                }
             }
             // the attention mass of this step: the ranking phase's scorer's
             // (and the observer's; they agree, see `feed_observed`)
@@ -865,6 +951,9 @@ impl<'w, B: Backend> Session<'w, B> {
     fn compress_prompt(&mut self) -> Result<()> {
         let newest = self.n_past as i64 - 1;
         self.pick_victims(0, newest, false, true)?;
+        if self.log.is_some() {
+            self.log_victims(self.n_past);
+        }
         if !self.victims.is_empty() {
             let victims = std::mem::take(&mut self.victims);
             self.kv.apply(&victims, &[], &mut Vec::new())?;

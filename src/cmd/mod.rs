@@ -9,7 +9,8 @@
 //!
 //! - [`run`](mod@run): one-shot generation (no subcommand), [`inspect`],
 //!   [`bench`], [`chat`] (the REPL), [`eval`] (`ppl`, `sweep`, `passkey`),
-//!   [`batch`] (with [`grade`] for the answers), [`calibrate`], [`serve`], [`synth`].
+//!   [`batch`] (with [`grade`] for the answers), [`calibrate`], [`serve`], [`synth`],
+//!   [`viz`] (the eviction viewer).
 //! - [`args`]: the flag groups several commands share (model, KV policy,
 //!   sampling, one-shot) and their resolution; [`prompt`]: prompt tokens.
 //! - [`load_model`]: the one way every command loads its model.
@@ -31,6 +32,7 @@ pub mod serve;
 pub mod synth;
 #[cfg(feature = "train")]
 pub mod train;
+pub mod viz;
 
 pub use args::{KvArgs, ModelArgs, RunArgs, SamplingArgs};
 
@@ -78,6 +80,8 @@ pub enum Cmd {
     Calibrate(calibrate::CalibrateCmd),
     /// OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
     Serve(serve::ServeArgs),
+    /// Draw what each policy's cache kept, token by token: one self-contained HTML page.
+    Viz(viz::VizArgs),
     /// Write a synthetic-weight model: a GGUF header's shapes and types with random weights.
     Synth(synth::SynthArgs),
     /// Train what a policy learns (`train gates`: TRIM-KV / DBTrimKV retention gates).
@@ -206,6 +210,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Batch(b)) => batch::run_batch(b),
         Some(Cmd::Serve(s)) => serve::run_serve(s),
         Some(Cmd::Synth(s)) => synth::run_synth(s),
+        Some(Cmd::Viz(v)) => viz::run_viz(v),
         #[cfg(feature = "train")]
         Some(Cmd::Train(t)) => train::run_train(t),
         None => run::run_generate(&cli.run),

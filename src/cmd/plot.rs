@@ -1,6 +1,8 @@
 //! A self-contained SVG line plot of a metric against the KV budget (x on a
-//! log2 scale, one tick per budget), shared by `eval sweep` (fidelity) and
-//! `batch report` (accuracy). No plotting dependency: the page is written by
+//! log2 scale, one tick per budget; y linear or, with `log_y`, log10 with
+//! a tick per decade), shared by `eval sweep` (fidelity) and `batch report`
+//! (accuracy). [`panels_svg`] lays several plots out as a grid in one SVG
+//! (the sweep's one panel per policy family). No plotting dependency: the page is written by
 //! hand, so it opens anywhere (browser, GitHub, an image viewer).
 
 use std::fmt::Write as _;
@@ -49,6 +51,9 @@ pub struct LinePlot {
     /// A dotted vertical marker at this budget, with its label.
     pub x_marker: Option<(usize, String)>,
     pub lines: Vec<Line>,
+    /// Log10 y axis: values ≤ 0 cannot be drawn and are left out (and
+    /// `y_include` values ≤ 0 ignored).
+    pub log_y: bool,
 }
 
 /// Escape text for SVG/HTML content and attribute values.
@@ -99,10 +104,90 @@ fn fmt_tick(v: f64, step: f64) -> String {
     }
 }
 
+/// Decade ticks of a log10 axis covering [lo, hi] (both > 0): (log lo,
+/// log hi, tick values).
+fn log_ticks(lo: f64, hi: f64) -> (f64, f64, Vec<f64>) {
+    let (a, z) = (
+        lo.log10().floor(),
+        hi.log10().ceil().max(lo.log10().floor() + 1.0),
+    );
+    let ticks = (a as i32..=z as i32).map(|e| 10f64.powi(e)).collect();
+    (a, z, ticks)
+}
+
+/// A log-axis tick label: 1e-4, 0.001, 0.01, 0.1, 1, 10, 100, 1000, 1e4.
+fn fmt_log_tick(v: f64) -> String {
+    let e = v.log10().round() as i32;
+    match e {
+        -3..=-1 => format!("0.{}1", "0".repeat((-e - 1) as usize)),
+        0..=3 => format!("1{}", "0".repeat(e as usize)),
+        _ => format!("1e{e}"),
+    }
+}
+
+/// Several plots in one SVG document, `cols` per row, each panel scaled to
+/// `panel_w` pixels wide, under a common title.
+pub fn panels_svg(
+    title: &str,
+    subtitle: Option<&str>,
+    panels: &[LinePlot],
+    cols: usize,
+    panel_w: f64,
+) -> String {
+    let cols = cols.clamp(1, panels.len().max(1));
+    let rows = panels.len().div_ceil(cols).max(1);
+    let scale = panel_w / PLOT_W;
+    let panel_h = PLOT_H * scale;
+    let top = if subtitle.is_some() { 56.0 } else { 40.0 };
+    let (w, h) = (panel_w * cols as f64, top + panel_h * rows as f64);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0}" height="{h:.0}" viewBox="0 0 {w:.0} {h:.0}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<rect x="0" y="0" width="{w:.0}" height="{h:.0}" fill="white"/>"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.0}" y="26" text-anchor="middle" font-size="18" font-weight="bold">{}</text>"#,
+        w / 2.0,
+        xml_escape(title)
+    );
+    if let Some(sub) = subtitle {
+        let _ = writeln!(
+            s,
+            r##"<text x="{:.0}" y="46" text-anchor="middle" fill="#555">{}</text>"##,
+            w / 2.0,
+            xml_escape(sub)
+        );
+    }
+    for (i, p) in panels.iter().enumerate() {
+        let (x, y) = (
+            (i % cols) as f64 * panel_w,
+            top + (i / cols) as f64 * panel_h,
+        );
+        s.push_str(&p.render(Some((x, y, panel_w, panel_h))));
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The size of one plot, in its own units.
+const PLOT_W: f64 = 900.0;
+const PLOT_H: f64 = 520.0;
+
 impl LinePlot {
     /// The SVG document.
     pub fn svg(&self) -> String {
-        let (w, h) = (900.0f64, 520.0f64);
+        self.render(None)
+    }
+
+    /// The plot as a whole document (`None`) or as a nested `<svg>` placed
+    /// at (x, y) with that width and height (a panel of [`panels_svg`]).
+    fn render(&self, place: Option<(f64, f64, f64, f64)>) -> String {
+        let (w, h) = (PLOT_W, PLOT_H);
         let (l, r, t, b) = (80.0, 700.0, 60.0, 450.0); // plot area
         let mut budgets: Vec<usize> = self
             .lines
@@ -134,7 +219,29 @@ impl LinePlot {
             ylo -= pad;
             yhi += pad;
         }
-        let (ylo, yhi, ystep) = nice_ticks(ylo, yhi, 6);
+        // log y: the positive values only, one tick per decade
+        let log_range = if self.log_y {
+            let pos = self
+                .lines
+                .iter()
+                .flat_map(|x| x.pts.iter().map(|p| p.1))
+                .chain(self.y_include.iter().copied())
+                .filter(|v| v.is_finite() && *v > 0.0);
+            let (lo, hi) = pos.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+                (a.min(v), b.max(v))
+            });
+            Some(if lo.is_finite() {
+                log_ticks(lo, hi)
+            } else {
+                log_ticks(0.1, 1.0)
+            })
+        } else {
+            None
+        };
+        let (ylo, yhi, ystep) = match &log_range {
+            Some((a, z, _)) => (*a, *z, 1.0),
+            None => nice_ticks(ylo, yhi, 6),
+        };
         // x range (log2)
         let (xlo, xhi) = match (budgets.first(), budgets.last()) {
             (Some(&a), Some(&z)) if z > a => ((a as f64).log2(), (z as f64).log2()),
@@ -144,13 +251,27 @@ impl LinePlot {
         let xpad = 0.05 * (xhi - xlo);
         let (xlo, xhi) = (xlo - xpad, xhi + xpad);
         let px = |bud: usize| l + ((bud as f64).log2() - xlo) / (xhi - xlo) * (r - l);
-        let py = |v: f64| b - (v - ylo) / (yhi - ylo) * (b - t);
+        let log_y = self.log_y;
+        let py = |v: f64| {
+            let v = if log_y { v.log10() } else { v };
+            b - (v - ylo) / (yhi - ylo) * (b - t)
+        };
 
         let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
-        );
+        match place {
+            None => {
+                let _ = writeln!(
+                    s,
+                    r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
+                );
+            }
+            Some((x, y, pw, ph)) => {
+                let _ = writeln!(
+                    s,
+                    r#"<svg x="{x:.1}" y="{y:.1}" width="{pw:.1}" height="{ph:.1}" viewBox="0 0 {w} {h}">"#
+                );
+            }
+        }
         let _ = writeln!(
             s,
             r#"<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>"#
@@ -173,7 +294,26 @@ impl LinePlot {
         let n_yt = ((yhi - ylo) / ystep).round() as usize;
         for i in 0..=n_yt {
             let v = ylo + i as f64 * ystep;
-            let y = py(v);
+            let (y, label) = match &log_range {
+                Some((_, _, ticks)) => {
+                    let tv = ticks.get(i).copied().unwrap_or(10f64.powf(v));
+                    (py(tv), fmt_log_tick(tv))
+                }
+                None => (py(v), fmt_tick(v, ystep)),
+            };
+            if log_y {
+                // minor ticks at 2× and 5× inside the decade
+                for m in [2.0, 5.0] {
+                    let mv = 10f64.powf(v) * m;
+                    if i < n_yt {
+                        let my = py(mv);
+                        let _ = writeln!(
+                            s,
+                            r##"<line x1="{l}" y1="{my:.2}" x2="{r}" y2="{my:.2}" stroke="#f2f2f2"/>"##
+                        );
+                    }
+                }
+            }
             let _ = writeln!(
                 s,
                 r##"<line x1="{l}" y1="{y:.2}" x2="{r}" y2="{y:.2}" stroke="#e5e5e5"/>"##
@@ -188,7 +328,7 @@ impl LinePlot {
                 r#"<text x="{}" y="{:.2}" text-anchor="end">{}</text>"#,
                 l - 8.0,
                 y + 4.0,
-                fmt_tick(v, ystep)
+                label
             );
         }
         // x ticks at each budget
@@ -246,7 +386,11 @@ impl LinePlot {
             r#"<text x="22" y="{}" text-anchor="middle" font-size="13" transform="rotate(-90 22 {})">{}</text>"#,
             (t + b) / 2.0,
             (t + b) / 2.0,
-            xml_escape(&self.y_label)
+            xml_escape(&if log_y {
+                format!("{} (log scale)", self.y_label)
+            } else {
+                self.y_label.clone()
+            })
         );
         // lines, grouped
         let mut open: Option<&str> = None;
@@ -266,7 +410,7 @@ impl LinePlot {
                 .pts
                 .iter()
                 .copied()
-                .filter(|p| p.0 > 0 && p.1.is_finite())
+                .filter(|p| p.0 > 0 && p.1.is_finite() && (!log_y || p.1 > 0.0))
                 .collect();
             pts.sort_by_key(|p| p.0);
             let color = line.color;

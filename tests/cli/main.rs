@@ -1,4 +1,4 @@
-//! The kvrun binary end to end: golden text, bad input, robustness (signals, sizes, chat), batch runs, shards (GNU parallel, Slurm) and grading, chat (template and REPL), and the OpenAI-compatible server.
+//! The kvrun binary end to end: golden text, bad input, robustness (signals, sizes, chat), batch runs, shards (GNU parallel, Slurm) and grading, chat (template and REPL), the OpenAI-compatible server and its web chat, and the eviction viewer.
 //!
 //! One test binary per group: each binary links llama.cpp, so fewer binaries
 //! build and link faster.
@@ -15,3 +15,5 @@ mod grade;
 mod robust;
 mod server;
 mod shards;
+mod viz;
+mod webchat;

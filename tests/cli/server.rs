@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A running `kvrun serve`, killed on drop.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl Server {
-    fn start(args: &[&str]) -> Server {
+    pub(crate) fn start(args: &[&str]) -> Server {
         let model = util::default_model();
         let mut child = Command::new(util::kvrun_bin())
             .arg("serve")
@@ -76,10 +76,10 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
-    fn get(&self, path: &str) -> (u16, String) {
+    pub(crate) fn get(&self, path: &str) -> (u16, String) {
         reply(ureq::get(&self.url(path)).call())
     }
     fn post(&self, path: &str, body: &str) -> (u16, String) {
@@ -117,7 +117,7 @@ impl Server {
         out
     }
     /// One value of /metrics (sum over the series whose labels contain `labels`).
-    fn metric(&self, name: &str, labels: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str, labels: &str) -> f64 {
         let (st, text) = self.get("/metrics");
         assert_eq!(st, 200);
         text.lines()
@@ -1202,4 +1202,86 @@ fn prompt_prefix_reuse() {
     assert_eq!(cached(&next), 0);
     let why = slot()["miss_reason"].as_str().unwrap().to_owned();
     assert!(why.contains("not intact"), "{why}");
+}
+
+/// The web chat's files (open even with `--api-key`), the response's `kv`
+/// fields the page's stats read, and `/slots?cached=1`: which tokens of the
+/// slot's last conversation are still cached.
+#[test]
+fn web_chat_files_and_cache_view() {
+    let s = Server::start(&[
+        "-t",
+        "1",
+        "--api-key",
+        "k3y",
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "32",
+    ]);
+    for (path, mime) in [
+        ("/", "text/html"),
+        ("/index.html", "text/html"),
+        ("/app.js", "text/javascript"),
+        ("/style.css", "text/css"),
+    ] {
+        let r = ureq::get(&s.url(path)).call().unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        assert!(
+            r.content_type().starts_with(mime),
+            "{path}: {}",
+            r.content_type()
+        );
+    }
+    // the data endpoints still need the key
+    assert_eq!(s.get("/slots").0, 401);
+    let key = |r: ureq::Request| r.set("Authorization", "Bearer k3y");
+    let body = json!({
+        "messages": [{"role": "user", "content": "Tell me about the sea, the sky and the mountains in a few sentences."}],
+        "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+    });
+    let v: Value = key(ureq::post(&s.url("/v1/chat/completions")))
+        .send_json(body)
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let kv = &v["kv"];
+    assert_eq!(kv["policy"], "h2o", "{v}");
+    assert_eq!(kv["kv_budget"], 32, "{v}");
+    assert_eq!(kv["slot"], 0, "{v}");
+    assert_eq!(kv["live_tokens"], 32, "{v}");
+    assert!(kv["capacity_tokens"].as_u64().unwrap() >= 32, "{v}");
+    assert!(kv["evicted"].as_u64().unwrap() > 0, "{v}");
+    let n_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    // without the flag, no view
+    let slots: Value = key(ureq::get(&s.url("/slots")))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert!(slots[0].get("cache_view").is_none(), "{slots}");
+    let slots: Value = key(ureq::get(&s.url("/slots?cached=1")))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let view = &slots[0]["cache_view"];
+    let pieces = view["pieces"].as_array().unwrap();
+    let kept: Vec<f64> = view["kept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_f64().unwrap())
+        .collect();
+    assert_eq!(pieces.len(), kept.len());
+    // the prompt and the generated tokens, each fed back
+    assert_eq!(pieces.len(), n_prompt + 24, "{view}");
+    assert_eq!(kept.iter().filter(|&&k| k == 1.0).count(), 32, "{view}");
+    assert!(
+        kept.iter().all(|&k| k == 0.0 || k == 1.0),
+        "h2o is token-uniform"
+    );
+    assert!(kept[..4].iter().all(|&k| k == 1.0), "the sinks stay");
+    let text: String = pieces.iter().map(|p| p.as_str().unwrap()).collect();
+    assert!(text.contains("the sea, the sky"), "{text}");
 }

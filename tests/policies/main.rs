@@ -10,6 +10,7 @@ mod arch;
 mod baselines;
 mod critical;
 mod epikv;
+mod eviction_log;
 mod policy;
 mod streams;
 mod sweep;

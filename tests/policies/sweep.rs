@@ -6,7 +6,8 @@ use crate::util;
 
 use kvrun::cmd::eval::fidelity::{Fidelity, PplReport};
 use kvrun::cmd::eval::sweep::{
-    heads_svg, merge_reports, to_csv, to_svg, write_outputs, Metric, CSV_HEADER,
+    family, heads_svg, merge_reports, to_csv, to_svg, to_svg_with, write_outputs, Metric,
+    PlotStyle, CSV_HEADER,
 };
 use std::process::Command;
 
@@ -224,6 +225,112 @@ fn report(policy: &str, budget: usize, n: usize, kl: f64, seg: bool) -> PplRepor
         evicted: n.saturating_sub(budget),
         tokens_per_second: 10.0,
         stream_lengths: Vec::new(),
+    }
+}
+
+/// y coordinates of the circles of policy `p`'s solid line, by budget order.
+fn ys_of(svg: &str, p: &str) -> Vec<f64> {
+    let g = svg
+        .split(&format!(r#"data-policy="{p}">"#))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no group {p}"));
+    let g = &g[..g.find("</g>").unwrap()];
+    g.split("<circle ")
+        .skip(1)
+        .filter(|c| c.contains(&format!("<title>{p} ")))
+        .map(|c| {
+            let y = c.split("cy=\"").nth(1).unwrap();
+            y[..y.find('"').unwrap()].parse().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn plot_log_scale_and_family_panels() {
+    // KL falling by 10× per budget doubling: evenly spaced on a log axis
+    let mut rs = Vec::new();
+    let pols = [
+        "window",
+        "h2o",
+        "snapkv",
+        "adakv",
+        "critical-snapkv",
+        "epikv",
+    ];
+    for p in pols {
+        for (i, b) in [128, 256, 512, 1024].into_iter().enumerate() {
+            rs.push(report(p, b, 2000, 0.5 / 10f64.powi(i as i32), false));
+        }
+    }
+    // a zero (no eviction) is left out of a log plot, not drawn at -inf
+    rs.push(report("window", 4096, 2000, 0.0, false));
+    let log = to_svg_with(
+        &rs,
+        Metric::Kl,
+        "wiki.txt",
+        None,
+        PlotStyle {
+            log_y: true,
+            by_family: false,
+        },
+    );
+    check_svg(&log, &pols, false);
+    assert!(
+        log.contains("(log scale)"),
+        "the axis says it is logarithmic"
+    );
+    for tick in [">0.001</text>", ">0.01</text>", ">0.1</text>", ">1</text>"] {
+        assert!(log.contains(tick), "decade tick {tick}");
+    }
+    let ys = ys_of(&log, "window");
+    assert_eq!(ys.len(), 4, "the zero point is not drawn: {ys:?}");
+    let steps: Vec<f64> = ys.windows(2).map(|w| w[1] - w[0]).collect();
+    for s in &steps {
+        assert!((s - steps[0]).abs() < 0.05, "even decades: {steps:?}");
+    }
+    assert!(!log.contains("NaN") && !log.contains("inf"));
+    // linear: the same values bunch up near zero
+    let lin = to_svg(&rs, Metric::Kl, "wiki.txt", None);
+    let ys = ys_of(&lin, "window");
+    assert!(
+        (ys[2] - ys[3]).abs() < 0.2 * (ys[0] - ys[1]).abs(),
+        "{ys:?}"
+    );
+
+    // one panel per family: nested plots, each with its own lines only
+    assert_eq!(family("snapkv"), family("adakv"));
+    assert_eq!(family("window"), family("h2o"));
+    assert_ne!(family("window"), family("snapkv"));
+    assert_eq!(family("critical-snapkv"), "CriticalKV re-ranked");
+    let fam = to_svg_with(
+        &rs,
+        Metric::Kl,
+        "wiki.txt",
+        None,
+        PlotStyle {
+            log_y: true,
+            by_family: true,
+        },
+    );
+    check_svg(&fam, &pols, false);
+    let panels = fam.matches("<svg x=").count();
+    assert_eq!(panels, 4, "token heuristics, per-head, CriticalKV, EPIKV");
+    for f in [
+        "token heuristics",
+        "per-head (SnapKV family)",
+        "CriticalKV re-ranked",
+        "EPIKV",
+    ] {
+        assert!(fam.contains(&format!(">{f}</text>")), "panel {f}");
+    }
+    // a policy keeps its colour across layouts
+    let colour = |svg: &str, p: &str| {
+        let g = svg.split(&format!(r#"data-policy="{p}">"#)).nth(1).unwrap();
+        let c = g.split("stroke=\"").nth(1).unwrap();
+        c[..c.find('"').unwrap()].to_owned()
+    };
+    for p in pols {
+        assert_eq!(colour(&fam, p), colour(&log, p), "{p}");
     }
 }
 

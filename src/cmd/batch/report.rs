@@ -343,6 +343,7 @@ pub fn to_svg(rows: &[PointRow], source: &str) -> String {
         y_include: vec![0.0, 100.0],
         x_marker: None,
         lines,
+        log_y: false,
     }
     .svg()
 }

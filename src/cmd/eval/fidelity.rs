@@ -19,7 +19,7 @@
 
 use crate::cmd::args::KvArgs;
 use crate::error::{Error, Result};
-use crate::generate::Session;
+use crate::generate::{EvictionLog, Session};
 use crate::model::llama::Logits;
 use crate::model::Weights;
 use crate::tokenizer::Tokenizer;
@@ -301,6 +301,19 @@ struct Point<'w> {
     logp: Vec<f64>,
     /// Time spent in `s.feed`.
     busy: Duration,
+    /// (n_predicted,) KL(full ‖ policy) of every prediction, when traced.
+    kl: Option<Vec<f32>>,
+}
+
+/// What a traced point saw token by token (`kvrun viz`): the KL of each
+/// prediction and every eviction.
+#[derive(Debug, Clone, Default)]
+pub struct PointTrace {
+    /// (n_predicted,) KL(full ‖ policy) of the prediction made at position
+    /// i (of token i + 1), nats; the mean is the report's `all.kl`.
+    pub kl: Vec<f32>,
+    /// Every eviction, in order.
+    pub log: EvictionLog,
 }
 
 impl Point<'_> {
@@ -332,6 +345,9 @@ impl Point<'_> {
                 .sum();
             let agree = r.top[i] == argmax(&self.logp);
             let (nll, nll_full) = (-self.logp[next], -lf[next]);
+            if let Some(t) = &mut self.kl {
+                t.push(kl.max(0.0) as f32);
+            }
             self.all.add(nll, nll_full, kl.max(0.0), agree);
             if seg_start.is_some_and(|s| pos + 1 >= s) {
                 self.seg.add(nll, nll_full, kl.max(0.0), agree);
@@ -410,6 +426,30 @@ pub fn eval_points<'w>(
     lk: Lockstep<'_>,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<PplReport>> {
+    eval_points_inner(w, text, points, lk, progress, false).map(|(r, _)| r)
+}
+
+/// [`eval_points`], also returning each point's [`PointTrace`] (per-token
+/// KL, every eviction). The reports are the same as without the trace:
+/// recording only reads what the session already decided.
+pub fn eval_points_traced<'w>(
+    w: &'w Weights<'w>,
+    text: &EvalText,
+    points: &[KvArgs],
+    lk: Lockstep<'_>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<(Vec<PplReport>, Vec<PointTrace>)> {
+    eval_points_inner(w, text, points, lk, progress, true)
+}
+
+fn eval_points_inner<'w>(
+    w: &'w Weights<'w>,
+    text: &EvalText,
+    points: &[KvArgs],
+    lk: Lockstep<'_>,
+    progress: &mut dyn FnMut(usize),
+    traced: bool,
+) -> Result<(Vec<PplReport>, Vec<PointTrace>)> {
     if lk.chunk == 0 {
         return Err(Error::arg("--chunk", "must be at least 1"));
     }
@@ -436,12 +476,16 @@ pub fn eval_points<'w>(
         kv.configure(&mut s)?;
         // teacher forcing has no prompt: --keep-prompt protects nothing here
         s.protect_prompt(0);
+        if traced {
+            s.record_evictions();
+        }
         pts.push(Point {
             s,
             all: Acc::default(),
             seg: Acc::default(),
             logp: vec![0.0; vocab],
             busy: Duration::ZERO,
+            kl: traced.then(|| Vec::with_capacity(n - 1)),
         });
     }
     let starts: Vec<usize> = (0..n - 1).step_by(lk.chunk).collect();
@@ -482,11 +526,20 @@ pub fn eval_points<'w>(
             progress(c);
         }
     }
-    Ok(pts
+    let reports = pts
         .iter()
         .zip(points)
         .map(|(p, kv)| p.report(kv, text))
-        .collect())
+        .collect();
+    let traces = pts
+        .iter_mut()
+        .filter(|p| p.kl.is_some())
+        .map(|p| PointTrace {
+            kl: p.kl.take().unwrap_or_default(),
+            log: p.s.eviction_log().cloned().unwrap_or_default(),
+        })
+        .collect();
+    Ok((reports, traces))
 }
 
 /// Run `jobs` on up to `n_workers` threads (the caller included), each

@@ -20,7 +20,7 @@ use crate::cmd::eval::fidelity::{
     eval_points, EvalText, Fidelity, Lockstep, PplReport, Progress, TextArgs,
 };
 use crate::cmd::load_model;
-use crate::cmd::plot::{with_ext, Line, LinePlot, PALETTE};
+use crate::cmd::plot::{panels_svg, with_ext, Line, LinePlot, PALETTE};
 use crate::error::{Error, Result};
 use clap::{Args, ValueEnum};
 use std::fmt::Write as _;
@@ -117,6 +117,14 @@ pub struct SweepArgs {
     /// Metric drawn in the SVG plot.
     #[arg(long = "metric", value_enum, default_value_t = Metric::Kl)]
     pub metric: Metric,
+    /// Log-scale y axis in the SVG plot (zero values, e.g. the KL of
+    /// no-eviction points, are not drawn).
+    #[arg(long = "log-y")]
+    pub log_y: bool,
+    /// One SVG panel per policy family (token heuristics, per-head,
+    /// CriticalKV, learned, reasoning, EPIKV) instead of every line in one.
+    #[arg(long = "by-family")]
+    pub by_family: bool,
     /// Seed for seeded policies.
     #[arg(short = 's', long = "seed", default_value_t = 0)]
     pub seed: u64,
@@ -170,6 +178,14 @@ impl SweepArgs {
             keep_prompt: false,
             evict_every: self.evict_every,
             ..KvArgs::default()
+        }
+    }
+
+    /// How the SVG is drawn (`--log-y`, `--by-family`).
+    pub fn style(&self) -> PlotStyle {
+        PlotStyle {
+            log_y: self.log_y,
+            by_family: self.by_family,
         }
     }
 
@@ -354,19 +370,118 @@ pub fn to_markdown(rs: &[PplReport]) -> String {
     s
 }
 
+/// How the sweep's SVG is drawn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlotStyle {
+    /// Log10 y axis.
+    pub log_y: bool,
+    /// One panel per [`family`].
+    pub by_family: bool,
+}
+
+/// The family a policy is drawn with in a per-family plot: policies that
+/// share a scoring idea, so one panel compares close variants.
+pub fn family(policy: &str) -> &'static str {
+    match policy {
+        p if p.starts_with("critical-") => "CriticalKV re-ranked",
+        p if p.starts_with("epikv") => "EPIKV",
+        "snapkv" | "adakv" | "pyramidkv" | "headkv" | "expected-attention" => {
+            "per-head (SnapKV family)"
+        }
+        "trimkv" | "dbtrimkv" => "learned retention",
+        "rkv" | "thinkv" | "raas" | "lagkv" | "lagkv-causal" => "reasoning-aware",
+        "window" | "h2o" | "tova" | "knorm" | "scissorhands" | "random" => "token heuristics",
+        _ => "other",
+    }
+}
+
 /// The SVG line plot: x = budget (log2), y = `metric`, one line per policy,
 /// dashed lines for the segment when present; `text_len` (tokens of a single
 /// text) is marked with a dotted vertical line when inside the budget range.
 pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<usize>) -> String {
+    to_svg_with(rs, metric, source, text_len, PlotStyle::default())
+}
+
+/// [`to_svg`] drawn as `style` says: a log y axis, and/or one panel per
+/// policy family (two columns; colours stay those of the single plot, so a
+/// policy keeps its colour across panels).
+pub fn to_svg_with(
+    rs: &[PplReport],
+    metric: Metric,
+    source: &str,
+    text_len: Option<usize>,
+    style: PlotStyle,
+) -> String {
     let mut policies: Vec<&str> = Vec::new();
     for x in rs {
         if !policies.contains(&x.policy.as_str()) {
             policies.push(&x.policy);
         }
     }
+    if !style.by_family {
+        return plot_of(
+            rs,
+            &policies,
+            &policies,
+            metric,
+            source,
+            text_len,
+            style.log_y,
+        )
+        .svg();
+    }
+    let mut families: Vec<&str> = Vec::new();
+    for p in &policies {
+        if !families.contains(&family(p)) {
+            families.push(family(p));
+        }
+    }
+    let panels: Vec<LinePlot> = families
+        .iter()
+        .map(|f| {
+            let mine: Vec<&str> = policies
+                .iter()
+                .copied()
+                .filter(|p| family(p) == *f)
+                .collect();
+            let mut plot = plot_of(rs, &policies, &mine, metric, f, text_len, style.log_y);
+            plot.title = f.to_string();
+            plot
+        })
+        .collect();
+    let sub = plot_of(
+        rs,
+        &policies,
+        &policies,
+        metric,
+        source,
+        text_len,
+        style.log_y,
+    )
+    .subtitle;
+    panels_svg(
+        &format!("{} vs KV budget — {}", metric.short(), source),
+        sub.as_deref(),
+        &panels,
+        2,
+        640.0,
+    )
+}
+
+/// The plot of the `mine` policies (colours by their index in `all`).
+fn plot_of(
+    rs: &[PplReport],
+    all: &[&str],
+    mine: &[&str],
+    metric: Metric,
+    source: &str,
+    text_len: Option<usize>,
+    log_y: bool,
+) -> LinePlot {
     let has_seg = rs.iter().any(|x| x.segment.is_some());
     let mut lines = Vec::new();
-    for (i, p) in policies.iter().enumerate() {
+    for p in mine {
+        let i = all.iter().position(|q| q == p).unwrap_or(0);
         let color = PALETTE[i % PALETTE.len()];
         let of = |seg: bool| -> Vec<(usize, f64)> {
             rs.iter()
@@ -416,8 +531,8 @@ pub fn to_svg(rs: &[PplReport], metric: Metric, source: &str, text_len: Option<u
         },
         x_marker: text_len.map(|n| (n, format!("text length {n}"))),
         lines,
+        log_y,
     }
-    .svg()
 }
 
 fn write_file(path: &Path, text: &str) -> Result<()> {
@@ -541,6 +656,18 @@ pub fn write_outputs(
     source: &str,
     text_len: Option<usize>,
 ) -> Result<[PathBuf; 3]> {
+    write_outputs_with(prefix, rs, metric, source, text_len, PlotStyle::default())
+}
+
+/// [`write_outputs`] with the SVG drawn in `style`.
+pub fn write_outputs_with(
+    prefix: &Path,
+    rs: &[PplReport],
+    metric: Metric,
+    source: &str,
+    text_len: Option<usize>,
+    style: PlotStyle,
+) -> Result<[PathBuf; 3]> {
     if let Some(dir) = prefix.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|source| Error::Io {
             path: dir.to_owned(),
@@ -555,7 +682,7 @@ pub fn write_outputs(
     write_file(&paths[0], &to_csv(rs))?;
     let json = serde_json::to_string_pretty(rs).map_err(|e| Error::Other(e.to_string()))?;
     write_file(&paths[1], &(json + "\n"))?;
-    write_file(&paths[2], &to_svg(rs, metric, source, text_len))?;
+    write_file(&paths[2], &to_svg_with(rs, metric, source, text_len, style))?;
     // the per-head distribution of points whose budget is shared unevenly
     if rs.iter().any(uneven) {
         write_file(&with_ext(prefix, "heads.svg"), &heads_svg(rs))?;
@@ -643,7 +770,7 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
             acc.push(r);
         }
         out = per_point.iter().map(|rs| merge_reports(rs)).collect();
-        write_outputs(&a.out, &out, a.metric, &source, a.text_len(&out))?;
+        write_outputs_with(&a.out, &out, a.metric, &source, a.text_len(&out), a.style())?;
     }
     prog.clear();
     let total = out.len();
@@ -673,7 +800,14 @@ pub fn sweep(a: &SweepArgs) -> Result<Vec<PplReport>> {
 /// `kvrun eval sweep`.
 pub fn run_sweep(a: &SweepArgs) -> Result<()> {
     let rs = sweep(a)?;
-    let [csv, json, svg] = write_outputs(&a.out, &rs, a.metric, &a.source(), a.text_len(&rs))?;
+    let [csv, json, svg] = write_outputs_with(
+        &a.out,
+        &rs,
+        a.metric,
+        &a.source(),
+        a.text_len(&rs),
+        a.style(),
+    )?;
     print!("{}", to_markdown(&rs));
     eprintln!(
         "kvrun: wrote {}, {}, {}",

@@ -125,6 +125,14 @@ pub(super) struct Done {
     pub(super) gen_ms: f64,
     pub(super) evicted: usize,
     pub(super) peak_kv: usize,
+    /// The slot that ran it.
+    pub(super) slot: usize,
+    /// Tokens resident at the end, and the most the cache holds.
+    pub(super) live_kv: usize,
+    pub(super) capacity_kv: usize,
+    /// The policy and budget it ran with.
+    pub(super) policy: String,
+    pub(super) budget: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -488,7 +496,15 @@ pub(super) fn extras(d: &Done) -> (Value, Value) {
             "predicted_ms": d.gen_ms,
             "predicted_per_second": per_s(d.completion_tokens, d.gen_ms),
         }),
-        json!({"evicted": d.evicted, "peak_tokens": d.peak_kv}),
+        json!({
+            "evicted": d.evicted,
+            "peak_tokens": d.peak_kv,
+            "live_tokens": d.live_kv,
+            "capacity_tokens": d.capacity_kv,
+            "policy": d.policy,
+            "kv_budget": d.budget,
+            "slot": d.slot,
+        }),
     )
 }
 

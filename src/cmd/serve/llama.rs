@@ -13,7 +13,11 @@
 //! - `GET /slots`: per slot, whether it is generating, its policy and budget,
 //!   what its KV cache holds (as in `/metrics`) and its prompt cache (tokens
 //!   cached for reuse, whether they are intact, what the last request reused
-//!   or why it reused nothing).
+//!   or why it reused nothing); `GET /slots?cached=1` adds, per slot,
+//!   `cache_view`: the pieces of the tokens its cache was fed (the last
+//!   conversation) and per position the share still cached (1 cached, 0
+//!   evicted; per-head stream policies give fractions): the web chat's live
+//!   view of what the cache kept.
 //!
 //! Tokenizing runs on the blocking pool, never on the async workers; its
 //! input is bounded by the request body limit.
@@ -21,7 +25,7 @@
 use super::api::{parse_body, ApiError};
 use super::App;
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request, State};
+use axum::extract::{FromRequest, RawQuery, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -179,8 +183,17 @@ pub(super) async fn props(State(app): State<Arc<App>>) -> Json<Value> {
     }))
 }
 
-/// `GET /slots`.
-pub(super) async fn slots(State(app): State<Arc<App>>) -> Json<Value> {
+/// Whether the query string asks for `cached` (`cached`, `cached=1`, `cached=true`).
+fn wants_cached(q: Option<&str>) -> bool {
+    q.unwrap_or("").split('&').any(|kv| {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, "1"));
+        k == "cached" && matches!(v, "1" | "true" | "")
+    })
+}
+
+/// `GET /slots[?cached=1]`.
+pub(super) async fn slots(State(app): State<Arc<App>>, RawQuery(q): RawQuery) -> Json<Value> {
+    let cached = wants_cached(q.as_deref());
     let out: Vec<Value> = app
         .slots
         .iter()
@@ -196,7 +209,7 @@ pub(super) async fn slots(State(app): State<Arc<App>>) -> Json<Value> {
                 .lock()
                 .map(|p| p.clone())
                 .unwrap_or_else(|p| p.into_inner().clone());
-            json!({
+            let mut v = json!({
                 "id": i,
                 "n_ctx": app.n_ctx,
                 "is_processing": s.busy.load(Ordering::Relaxed),
@@ -218,7 +231,30 @@ pub(super) async fn slots(State(app): State<Arc<App>>) -> Json<Value> {
                     "reused_last": pc.reused,
                     "miss_reason": pc.miss,
                 },
-            })
+            });
+            if cached {
+                let r = s
+                    .residency
+                    .lock()
+                    .map(|r| r.clone())
+                    .unwrap_or_else(|p| p.into_inner().clone());
+                let tok = &app.model.tokenizer;
+                // a character split over tokens shows on the one completing it
+                let mut utf8 = crate::generate::Utf8Stream::default();
+                let pieces: Vec<String> = r
+                    .tokens
+                    .iter()
+                    .map(|&t| utf8.push(&tok.token_bytes(t, true)))
+                    .collect();
+                // 3 decimals are plenty for a colour
+                let kept: Vec<f64> = r
+                    .kept
+                    .iter()
+                    .map(|&k| (k as f64 * 1e3).round() / 1e3)
+                    .collect();
+                v["cache_view"] = json!({"pieces": pieces, "kept": kept});
+            }
+            v
         })
         .collect();
     Json(Value::Array(out))

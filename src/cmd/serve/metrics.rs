@@ -44,6 +44,17 @@ pub(super) struct SlotKv {
     pub(super) policy: std::sync::Mutex<(Option<String>, Option<usize>)>,
     /// Prompt-prefix reuse of its last request.
     pub(super) prompt_cache: std::sync::Mutex<PromptCache>,
+    /// Which tokens of its last conversation are still cached (`/slots?cached=1`).
+    pub(super) residency: std::sync::Mutex<Residency>,
+}
+
+/// The tokens a slot's cache was fed (prompt + generated, positions 0..)
+/// and, per position, the share of its (layer, KV-head) entries still
+/// resident: 1 = cached, 0 = evicted (token-uniform caches give only these).
+#[derive(Debug, Default, Clone)]
+pub(super) struct Residency {
+    pub(super) tokens: Vec<u32>,
+    pub(super) kept: Vec<f32>,
 }
 
 /// A slot's prompt cache, as `/slots` reports it.

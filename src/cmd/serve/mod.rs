@@ -6,6 +6,8 @@
 //! GET  /v1/models             the loaded model
 //! GET  /health                {"status":"ok", …} (open even with --api-key)
 //! GET  /metrics               Prometheus text format
+//! GET  /tokenize, /detokenize, /props, /slots[?cached=1]   llama-server's (see `llama`)
+//! GET  /                      the web chat (see `web`)
 //! ```
 //!
 //! - The weights are memory-mapped once and shared; `--parallel N` worker
@@ -33,7 +35,8 @@
 //!
 //! Files: `routes` (router, handlers, auth), `api` (request parsing,
 //! response JSON, errors), `slots` (worker threads and job running), `sse`
-//! (streaming), `metrics` (Prometheus). The model is loaded once as a
+//! (streaming), `metrics` (Prometheus), `llama` (llama-server's
+//! endpoints), `web` (the chat page's static files). The model is loaded once as a
 //! [`Loaded`](crate::load::Loaded) and shared by the workers through an
 //! [`Arc`].
 
@@ -43,6 +46,7 @@ mod metrics;
 mod routes;
 mod slots;
 mod sse;
+mod web;
 
 pub use api::ApiError;
 

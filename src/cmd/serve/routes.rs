@@ -7,6 +7,7 @@ use super::api::{parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev
 use super::llama::{self, read_json};
 use super::metrics::metrics;
 use super::sse::stream_response;
+use super::web;
 use super::{now_s, App};
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -35,6 +36,10 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/props", get(llama::props))
         .route("/slots", get(llama::slots))
         .route("/metrics", get(metrics))
+        .route("/", get(web::index))
+        .route("/index.html", get(web::index))
+        .route("/app.js", get(web::app_js))
+        .route("/style.css", get(web::style))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(app.clone(), auth))
@@ -185,7 +190,8 @@ fn bearer_token(h: &str) -> Option<&str> {
 
 async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
-        if req.uri().path() != "/health" {
+        let path = req.uri().path();
+        if path != "/health" && !web::PATHS.contains(&path) {
             let got = req
                 .headers()
                 .get(header::AUTHORIZATION)
@@ -218,6 +224,7 @@ async fn track(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         "/detokenize" => "/detokenize",
         "/props" => "/props",
         "/slots" => "/slots",
+        "/" | "/index.html" | "/app.js" | "/style.css" => "/ (web chat)",
         _ => "other",
     };
     let resp = next.run(req).await;

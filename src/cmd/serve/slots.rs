@@ -319,6 +319,18 @@ fn run_job<'e>(
         pc.cached = c.tokens.len();
         pc.intact = c.intact;
     }
+    if let Ok(mut r) = slot.residency.lock() {
+        // per position, the share of its (layer, KV-head) entries resident
+        let share = 1.0 / sess.kv.n_streams() as f32;
+        r.kept.clear();
+        r.kept.resize(c.tokens.len(), 0.0);
+        for (_, pos) in sess.kv.cells.live() {
+            if let Some(k) = r.kept.get_mut(pos as usize) {
+                *k += share;
+            }
+        }
+        r.tokens.clone_from(&c.tokens);
+    }
     let done = Done {
         finish,
         prompt_tokens: ids.len(),
@@ -328,6 +340,11 @@ fn run_job<'e>(
         gen_ms: stats.gen_ms,
         evicted: sess.n_evicted,
         peak_kv: sess.kv.peak_live,
+        slot: idx,
+        live_kv: sess.kv.resident_tokens(),
+        capacity_kv: slot.capacity_tokens.load(Ordering::Relaxed),
+        policy: job.kv.policy.clone(),
+        budget: job.kv.budget,
     };
     if let Ok(mut m) = app.metrics.lock() {
         m.prompt_tokens += done.prompt_tokens as u64;
