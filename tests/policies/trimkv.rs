@@ -430,6 +430,7 @@ mod train {
             rope_style: RopeStyle::Normal,
             rope_pos_scale: 1.0,
             tied_output: false,
+            features: kvrun::model::Features::plain(4),
         };
         let mut rng = Rng::new(42);
         let r = &mut rng;
