@@ -19,6 +19,16 @@ use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::sample::argmax;
 use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+/// One of these tests at a time: each runs kvrun's and llama.cpp's
+/// spinning thread pools (2 threads each), and two of them side by side on
+/// a 2-core machine starve each other's pools (measured: the two Gemma
+/// tests took over 15 minutes together, about a minute one after the other).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Logit rows of `ids` at the positions `keep` selects, three ways:
 /// kvrun (prefill in chunks of `chunk`), llama.cpp batched, llama.cpp one
@@ -121,6 +131,7 @@ pub fn assert_parity(
 /// the window's edge mid-chunk).
 #[test]
 fn gemma3_logits_match_llama_cpp() {
+    let _one = one_at_a_time();
     let path = util::gemma_model();
     let lm = ggml_sys::LlamaModel::load_plain(path.to_str().unwrap()).unwrap();
     let text = util::wikitext(20000);
@@ -143,6 +154,7 @@ fn gemma3_logits_match_llama_cpp() {
 /// tokens on this model, and two summation orders fork at them.
 #[test]
 fn gemma3_greedy_64_tokens() {
+    let _one = one_at_a_time();
     let path = util::gemma_model();
     let g = Gguf::open(&path).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
@@ -258,6 +270,7 @@ pub fn synth_model(arch: &'static str, shape: &str) -> util::TempFile {
 /// fork at one of them: measured 1/5 identical for qwen3 and qwen3moe,
 /// 5/5 for gemma3; how many stay identical is printed, not asserted.)
 fn synth_matches(arch: &'static str, shape: &str) {
+    let _one = one_at_a_time();
     let f = synth_model(arch, shape);
     let lm = ggml_sys::LlamaModel::load_plain(f.0.to_str().unwrap()).unwrap();
     let text = util::wikitext(2000);
@@ -356,6 +369,7 @@ fn synth_phi3_matches_llama_cpp() {
 /// whatever the budget; the budgeted cache holds only the global layers.
 #[test]
 fn gemma3_window_cache_holds_exactly_the_window() {
+    let _one = one_at_a_time();
     let f = synth_model("gemma3", "tiny");
     let g = Gguf::open(&f.0).unwrap();
     let w = Weights::from_gguf(&g).unwrap();

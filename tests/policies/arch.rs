@@ -29,7 +29,7 @@ fn every_policy_within_budget(arch: &'static str, shape: &str) {
     let w = Weights::from_gguf(&g).unwrap();
     let c = &w.config;
     let (nl, nkv) = (c.n_cache_layers(), c.n_kv_heads);
-    let budget = 32;
+    let budget = 48;
     let toks: Vec<u32> = (0..220u32).map(|i| 1000 + (i * 7919) % 20000).collect();
     let mut ran = 0;
     for name in names() {
