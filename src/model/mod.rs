@@ -625,6 +625,8 @@ impl<'a, B: Backend + 'a> Weights<'a, B> {
                     Ok(None)
                 }
             };
+            // in block order, so a missing tensor is named in that order
+            let attn_norm = vecf(&p("attn_norm.weight"), d)?;
             // phi3 fuses q, k, v into one matrix and gate, up into another
             let (wq, wk, wv) = if src.has(&p("attn_qkv.weight")) {
                 let fused = p("attn_qkv.weight");
@@ -688,7 +690,7 @@ impl<'a, B: Backend + 'a> Weights<'a, B> {
                 }
             };
             layers.push(LayerWeights {
-                attn_norm: vecf(&p("attn_norm.weight"), d)?,
+                attn_norm,
                 wq,
                 wk,
                 wv,
