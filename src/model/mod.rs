@@ -307,7 +307,7 @@ impl Config {
                 format!("{rope_base} is not a usable RoPE base (finite, above 1)"),
             ));
         }
-        let features = Self::features_from_gguf(g, arch, n_layers, head_dim, dim, rope_base)?;
+        let features = Self::features_from_gguf(g, arch, n_layers, head_dim, dim)?;
         let vocab = g
             .info("token_embd.weight")
             .map(|t| t.dims.get(1).copied().unwrap_or(0) as usize)
@@ -347,7 +347,6 @@ impl Config {
         n_layers: usize,
         head_dim: usize,
         dim: usize,
-        rope_base: f32,
     ) -> Result<Features> {
         let k = |s: &str| format!("{}.{s}", arch.name());
         let bad = |key: String, what: String| Error::BadMetadata {
@@ -425,7 +424,6 @@ impl Config {
                 }
             }
         }
-        let _ = rope_base;
         if let Some(a) = g.get_f32_opt(&k("rope.scaling.attn_factor"))? {
             if !(a.is_finite() && a > 0.0) {
                 return Err(bad(
