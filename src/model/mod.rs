@@ -137,6 +137,17 @@ impl Features {
             n_ctx_orig: 0,
         }
     }
+
+    /// Whether the block is the plain llama block. The original context
+    /// length is ignored: it only matters with LongRoPE factors, which a
+    /// plain block has none of.
+    pub fn is_plain(&self, head_dim: usize) -> bool {
+        *self
+            == Features {
+                n_ctx_orig: self.n_ctx_orig,
+                ..Features::plain(head_dim)
+            }
+    }
 }
 
 /// Hyperparameters of a decoder-only transformer.

@@ -71,7 +71,7 @@ impl Base {
     pub fn from_weights(w: &Weights<'_>, max_pos: usize, dt: DType) -> Result<Base> {
         let c = w.config.clone();
         // the trainer's forward pass is the plain llama block
-        if c.features != crate::model::Features::plain(c.head_dim) {
+        if !c.features.is_plain(c.head_dim) {
             return Err(candle_core::Error::Msg(format!(
                 "train gates: the {} architecture is not supported (llama and qwen2 models only)",
                 c.arch.name()

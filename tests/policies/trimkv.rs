@@ -661,3 +661,35 @@ fn shipped_gates_run_from_the_cli() {
         );
     }
 }
+
+/// Regression: the trainer's plain-block check compared the whole feature
+/// set, so a llama file's context length (kept for LongRoPE) made it refuse
+/// every llama model. A llama file is accepted; a gemma3 block is refused.
+#[test]
+fn train_gates_accepts_llama_files_and_refuses_other_blocks() {
+    use kvrun::format::synth::{self, Mix, Recipe, Spec};
+    use kvrun::train::model::Base;
+    let gg = Gguf::open(&util::default_model()).unwrap();
+    let w = Weights::from_gguf(&gg).unwrap();
+    assert!(
+        w.config.features.n_ctx_orig > 0,
+        "the file names its context"
+    );
+    assert!(w.config.features.is_plain(w.config.head_dim));
+    Base::from_weights(&w, 16, candle_core::DType::F32).unwrap();
+
+    let f = util::TempFile::new("train-gemma3.gguf");
+    let recipe = Recipe {
+        shape: synth::shape("tiny"),
+        mix: Some(Mix::Q8_0),
+        arch: Some("gemma3"),
+    };
+    let header = util::shared("r1-distill-qwen-7b.header.gguf");
+    synth::write_file(&header, &recipe, &f.0, &Spec::default()).unwrap();
+    let g = Gguf::open(&f.0).unwrap();
+    let w = Weights::from_gguf(&g).unwrap();
+    let e = Base::from_weights(&w, 16, candle_core::DType::F32)
+        .err()
+        .expect("gemma3 refused");
+    assert!(e.to_string().contains("gemma3"), "{e}");
+}
