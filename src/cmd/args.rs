@@ -38,6 +38,14 @@ pub struct ModelArgs {
     /// `chat_template_kwargs: {"enable_thinking": false}`.
     #[arg(long = "reasoning", default_value = "auto", value_parser = ["on", "off", "auto"])]
     pub reasoning: String,
+    /// Chat template instead of the model's own: a built-in name (chatml,
+    /// gemma) or Jinja source. A model without a template of its own
+    /// (a base model) otherwise runs prompts as plain text.
+    #[arg(long = "chat-template", conflicts_with = "chat_template_file")]
+    pub chat_template: Option<String>,
+    /// Read the chat template (Jinja source) from a file.
+    #[arg(long = "chat-template-file")]
+    pub chat_template_file: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -50,12 +58,29 @@ impl ModelArgs {
         }
     }
 
-    /// The model's chat template with `--reasoning` applied.
+    /// The chat template (`--chat-template[-file]`, else the model's own)
+    /// with `--reasoning` applied.
     pub fn chat_template(
         &self,
         m: &crate::load::Loaded,
     ) -> Result<Option<crate::chat::ChatTemplate>> {
-        Ok(m.chat_template()?.map(|mut t| {
+        use crate::chat::ChatTemplate;
+        let t = match (&self.chat_template, &self.chat_template_file) {
+            (Some(a), _) => Some(
+                ChatTemplate::from_arg(a, &m.tokenizer)
+                    .map_err(|e| Error::arg("--chat-template", e.to_string()))?,
+            ),
+            (None, Some(f)) => {
+                let src = read_text(f, "--chat-template-file")?;
+                Some(
+                    ChatTemplate::for_tokenizer(&src, &m.tokenizer).map_err(|e| {
+                        Error::arg("--chat-template-file", format!("{}: {e}", f.display()))
+                    })?,
+                )
+            }
+            (None, None) => m.chat_template()?,
+        };
+        Ok(t.map(|mut t| {
             t.enable_thinking = self.enable_thinking();
             t
         }))

@@ -186,7 +186,10 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let tmpl = r.model.chat_template(&m)?.ok_or_else(|| {
         Error::arg(
             "-m/--model",
-            format!("{}: the model has no chat template", path.display()),
+            format!(
+                "{}: the model has no chat template (a base model?); choose one with --chat-template chatml|gemma|JINJA",
+                path.display()
+            ),
         )
     })?;
     let n_ctx = if r.ctx_size <= 0 {

@@ -93,7 +93,7 @@ impl Checkpoint {
     /// The chat template, if the model has one.
     pub fn chat_template(&self) -> Result<Option<ChatTemplate>> {
         let t = match self {
-            Checkpoint::Gguf(g) => ChatTemplate::from_gguf_or_builtin(g),
+            Checkpoint::Gguf(g) => ChatTemplate::from_gguf(g),
             Checkpoint::Hf(h) => h.chat_template(),
         };
         t.map_err(|e| in_file(self.path(), e))

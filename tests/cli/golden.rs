@@ -142,3 +142,58 @@ fn timing_lines_and_token_limit() {
         .lines()
         .any(|l| l.starts_with("kvrun:       total time =")));
 }
+
+/// `--chat-template NAME|JINJA` and `--chat-template-file` replace the
+/// model's template: greedy text equals `--raw` over the same rendering; a
+/// model without a template of its own (Gemma 3 270M, a base model) runs
+/// the prompt as plain text with a note; an unknown name is one line.
+#[test]
+fn chat_template_flags_replace_the_models_template() {
+    let m = util::default_model();
+    let m = m.to_str().unwrap();
+    let q = "Name a prime number.";
+    let rendered = format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n");
+    let gen = |extra: &[&str]| {
+        let mut args = vec!["-m", m, "-n", "12", "--temp", "0", "-t", "1"];
+        args.extend_from_slice(extra);
+        let (out, err, ok) = kvrun(&args);
+        assert!(ok, "{extra:?}: {err}");
+        out
+    };
+    let raw = gen(&["--raw", "-p", &rendered]);
+    assert_eq!(gen(&["--chat-template", "chatml", "-p", q]), raw);
+    // (Jinja drops a template's one trailing newline, so the generation
+    // prompt's newline is written as a string)
+    let f = util::TempFile::new("tmpl.jinja");
+    std::fs::write(
+        &f.0,
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}\n",
+    )
+    .unwrap();
+    let fp = f.0.to_str().unwrap();
+    assert_eq!(gen(&["--chat-template-file", fp, "-p", q]), raw);
+    // the model's own template (a default system prompt) differs
+    assert_ne!(gen(&["-p", q]), raw);
+
+    let (_, err, ok) = kvrun(&["-m", m, "--chat-template", "nope", "-p", q, "-n", "1"]);
+    assert!(!ok);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--chat-template") && err.contains("chatml, gemma"),
+        "{err}"
+    );
+
+    let g = util::gemma_model();
+    let (_, err, ok) = kvrun(&[
+        "-m",
+        g.to_str().unwrap(),
+        "-p",
+        "Hello",
+        "-n",
+        "1",
+        "-t",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("no chat template"), "{err}");
+}

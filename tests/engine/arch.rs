@@ -405,15 +405,17 @@ fn synth_qwen3moe_matches_llama_cpp() {
     synth_matches("qwen3moe", "tiny-moe");
 }
 
-/// Gemma 3's GGUF carries no chat template: the built-in Gemma turn format
-/// renders (system text opens the first user turn), and its markers are
-/// single control tokens.
+/// The Gemma 3 270M file is the base model and carries no chat template;
+/// the built-in Gemma turn format (`--chat-template gemma`) renders (system
+/// text opens the first user turn), and its markers are single control
+/// tokens.
 #[test]
 fn gemma3_builtin_chat_template_renders() {
     use kvrun::chat::{ChatTemplate, Message};
     let g = Gguf::open(&util::gemma_model()).unwrap();
     assert!(ChatTemplate::from_gguf(&g).unwrap().is_none());
-    let t = ChatTemplate::from_gguf_or_builtin(&g).unwrap().unwrap();
+    let tok = kvrun::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+    let t = ChatTemplate::from_arg("gemma", &tok).unwrap();
     let msgs = [
         Message::new("system", "Be brief."),
         Message::new("user", "Hi"),
@@ -424,7 +426,6 @@ fn gemma3_builtin_chat_template_renders() {
         t.render(&msgs, true).unwrap(),
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n"
     );
-    let tok = kvrun::tokenizer::Tokenizer::from_gguf(&g).unwrap();
     let ids = tok.encode("<start_of_turn>model\n", false, true).unwrap();
     assert_eq!(ids.len(), 3, "{ids:?}: <start_of_turn> model \\n");
 }

@@ -116,7 +116,7 @@ pub fn top2_margin(l: &[f32]) -> f32 {
 /// beforehand).
 pub fn gemma_model() -> PathBuf {
     static FETCH: std::sync::Once = std::sync::Once::new();
-    let p = root().join("models").join("gemma-3-270m-it.Q4_K_M.gguf");
+    let p = root().join("models").join("gemma-3-270m.Q4_K_M.gguf");
     FETCH.call_once(|| {
         if !p.exists() {
             let _ = std::process::Command::new("bash")
