@@ -28,8 +28,9 @@ pub struct SynthArgs {
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
     /// Reshape to a named shape (r1-distill-qwen-1.5b, r1-distill-qwen-7b,
-    /// r1-distill-qwen-14b, tiny), keeping the header's architecture,
-    /// tokenizer and vocabulary.
+    /// r1-distill-qwen-14b, r1-distill-llama-8b, qwen3-8b, qwen3-30b-a3b,
+    /// qwen3-30b-a3b-8l, phi4-mini, tiny, tiny-moe), keeping the header's
+    /// architecture, tokenizer and vocabulary.
     #[arg(long)]
     pub shape: Option<String>,
     /// Retype to a llama.cpp quantization mix (Q4_K_M, Q5_K_M, Q8_0, Q4_0):
