@@ -601,15 +601,19 @@ pub(crate) fn check_ctx_alloc(
 
 /// Say on stderr what the context size does to the run: a context beyond
 /// the model's training is allowed but warned about, and a KV budget larger
-/// than the context is clamped to it (it could never evict).
-pub(crate) fn context_notes(c: &crate::model::Config, n_ctx: usize, kv: &KvArgs) {
+/// than the context is clamped to it (it could never evict) where `clamps`
+/// (a policy that splits its budget unevenly keeps it as given).
+pub(crate) fn context_notes(c: &crate::model::Config, n_ctx: usize, kv: &KvArgs, clamps: bool) {
     if n_ctx > c.n_ctx_train {
         eprintln!(
             "kvrun: warning: -c/--ctx-size {n_ctx} is beyond the model's trained context ({}); quality may degrade past it",
             c.n_ctx_train
         );
     }
-    if let Some(b) = kv.kv_budget.filter(|&b| b > n_ctx && kv.policy != "full") {
+    if let Some(b) = kv
+        .kv_budget
+        .filter(|&b| clamps && b > n_ctx && kv.policy != "full")
+    {
         eprintln!(
             "kvrun: --kv-budget {b} is larger than the context (-c/--ctx-size {n_ctx}): clamped to {n_ctx}, so nothing is evicted"
         );

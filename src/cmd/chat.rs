@@ -198,7 +198,8 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         r.ctx_size as usize
     };
     let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
-    context_notes(&w.config, n_ctx, &r.kv);
+    // (chat clamps every policy's budget, below)
+    context_notes(&w.config, n_ctx, &r.kv, true);
     // With a policy the budgeted cache holds the conversation however long
     // it grows: positions are not limited by -c, which only caps the budget.
     // Without one, the oldest turns are dropped when the context fills

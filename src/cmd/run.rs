@@ -100,11 +100,15 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         });
     }
     check_ctx_alloc(&w.config, n_ctx, n_threads)?;
-    context_notes(&w.config, n_ctx, &a.kv);
     let seed = resolve_seed(a.seed);
     let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
     let mut sess =
         a.kv.session(w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;
+    let clamps = sess
+        .policy
+        .as_ref()
+        .is_some_and(|p| p.rule.caps_each_stream());
+    context_notes(&w.config, n_ctx, &a.kv, clamps);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.display_prompt {

@@ -191,6 +191,23 @@ fn r02_huge_sizes_are_clamped_or_refused() {
         assert!(err.contains("clamped to 256"), "{err}");
         assert!(err.contains("budget=256"), "{err}");
     }
+    // regression: a policy that splits its budget unevenly keeps it as
+    // given, and the note no longer says it was clamped
+    let (_, err) = ok(&[
+        "-m",
+        &m,
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "-c",
+        "256",
+        "--policy",
+        "pyramidkv",
+        "--kv-budget",
+        "300",
+    ]);
+    assert!(!err.contains("clamped"), "{err}");
     ok(&[
         "-m",
         &m,

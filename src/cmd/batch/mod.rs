@@ -788,7 +788,7 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     // the points as applied: a budget beyond the context is the context
     let mut points: Vec<(KvArgs, PointKey)> = Vec::new();
     for kv in grid {
-        crate::cmd::args::context_notes(&w.config, n_ctx, &kv);
+        crate::cmd::args::context_notes(&w.config, n_ctx, &kv, true);
         let key = (kv.policy.clone(), kv.kv_budget.map(|b| b.min(n_ctx.max(1))));
         if points.iter().any(|(_, k)| *k == key) {
             eprintln!(
