@@ -5,7 +5,8 @@
 
 use half::f16;
 use kvrun::backend::cpu::decode_attn::attend_group_probs;
-use kvrun::backend::cpu::matmul::matmul_q;
+use kvrun::backend::cpu::isa::Level;
+use kvrun::backend::cpu::matmul::matmul_q_at;
 use kvrun::backend::cpu::prefill_attn_kernels::attend_prefill_group;
 use kvrun::backend::cpu::qgemm_x86::{
     q4_1_q8_1_tile_available, tile_q4_1_q8_1_scalar, TileScales, MR, NT,
@@ -332,36 +333,52 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
 
 type KTile<const N: usize> = fn(usize, &[&[u8]; 4], &[&[u8]; N]) -> [[f32; N]; 4];
 
-/// A K-quant's tiles (4 tokens for prefill, 1 for decoding, at every SIMD
-/// level this CPU runs) and their scalar model equal ggml's `vec_dot` with
-/// Q8_K bit for bit, on fresh random data.
-fn k_tile_matches_ggml(
+/// The SIMD levels above the portable loops this CPU runs; the ones it
+/// lacks are named on stderr (their paths go untested here).
+fn simd_levels() -> Vec<Level> {
+    use kvrun::backend::cpu::isa::detected;
+    let (run, skip): (Vec<Level>, Vec<Level>) = [Level::Avx2, Level::Avx512, Level::Avx512Vnni]
+        .into_iter()
+        .partition(|&l| l <= detected());
+    for l in skip {
+        eprintln!("skipping the {l} kernels: this CPU lacks them");
+    }
+    run
+}
+
+/// A tile kernel family of the `qgemm_q4k` call shape (4 tokens for
+/// prefill, 1 for decoding, at every SIMD level this CPU runs) and its
+/// scalar model equal ggml's `vec_dot` with the activation format of `dt`
+/// bit for bit, on fresh random data.
+fn tile_matches_ggml(
     dt: DType,
     seed: u64,
-    tile_for4: fn(kvrun::backend::cpu::isa::Level) -> Option<KTile<4>>,
-    tile_for1: fn(kvrun::backend::cpu::isa::Level) -> Option<KTile<1>>,
+    tile_for4: fn(Level) -> Option<KTile<4>>,
+    tile_for1: fn(Level) -> Option<KTile<1>>,
     tile_scalar: KTile<4>,
 ) {
-    use kvrun::backend::cpu::isa::Level;
     const KMR: usize = 4;
     let seed = seed ^ std::process::id() as u64;
     eprintln!("{dt} seed {seed}");
     let mut r = Rng::new(seed);
     let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
-    for &n_in in &[256usize, 768, 3584] {
-        let nb = n_in / 256;
+    let bl = dt.block_len();
+    let mut simd_seen = 0;
+    for n_in in [bl, 256, 768, 3584] {
+        let nb = n_in / bl;
         let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
         let (w, act) = quant_problem(dt, &mut r, KMR, n_in, 4);
         let rows: [&[u8]; KMR] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
         let toks: [&[u8]; 4] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
         let scalar = tile_scalar(nb, &rows, &toks);
         let mut simd = Vec::new();
-        for level in [Level::Avx2, Level::Avx512Vnni] {
+        for level in simd_levels() {
             if let (Some(f4), Some(f1)) = (tile_for4(level), tile_for1(level)) {
                 let one: Vec<[[f32; 1]; KMR]> = (0..4).map(|t| f1(nb, &rows, &[toks[t]])).collect();
                 simd.push((level, f4(nb, &rows, &toks), one));
             }
         }
+        simd_seen = simd.len();
         for i in 0..KMR {
             for t in 0..4 {
                 let g = tr.dot(n_in, rows[i], toks[t]);
@@ -392,12 +409,13 @@ fn k_tile_matches_ggml(
             }
         }
     }
+    eprintln!("{dt}: scalar model and {simd_seen} SIMD level(s) checked");
 }
 
 #[test]
 fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
     use kvrun::backend::cpu::qgemm_q4k::{tile_for, tile_scalar};
-    k_tile_matches_ggml(
+    tile_matches_ggml(
         DType::Q4K,
         0x5eed_0412,
         tile_for::<4>,
@@ -409,7 +427,7 @@ fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
 #[test]
 fn q6_k_tile_matches_ggml_vec_dot_bit_for_bit() {
     use kvrun::backend::cpu::qgemm_q6k::{tile_for, tile_scalar};
-    k_tile_matches_ggml(
+    tile_matches_ggml(
         DType::Q6K,
         0x5eed_0614,
         tile_for::<4>,
@@ -418,6 +436,33 @@ fn q6_k_tile_matches_ggml_vec_dot_bit_for_bit() {
     );
 }
 
+#[test]
+fn q8_0_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q8_0};
+    tile_matches_ggml(
+        DType::Q8_0,
+        0x5eed_0800,
+        tile_for::<W_Q8_0, 4>,
+        tile_for::<W_Q8_0, 1>,
+        tile_scalar::<W_Q8_0, 4>,
+    );
+}
+
+#[test]
+fn q4_0_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q4_0};
+    tile_matches_ggml(
+        DType::Q4_0,
+        0x5eed_0400,
+        tile_for::<W_Q4_0, 4>,
+        tile_for::<W_Q4_0, 1>,
+        tile_scalar::<W_Q4_0, 4>,
+    );
+}
+
+/// `matmul_q` at every kernel level this CPU runs equals ggml's `vec_dot`
+/// row by row, bit for bit: row counts not a multiple of the tile's, token
+/// counts not a multiple of its width, decoding (1 token), 1-3 threads.
 #[test]
 fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
     let mut r = Rng::new(0x7113d);
@@ -434,15 +479,25 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q6K, 18, 256, 7),
         (DType::Q6K, 37, 768, 5),
         (DType::Q6K, 9, 512, 1),
+        (DType::Q8_0, 18, 64, 7),
+        (DType::Q8_0, 37, 640, 5),
+        (DType::Q8_0, 9, 96, 1),
+        (DType::Q8_0, 4, 32, 4),
+        (DType::Q4_0, 18, 64, 7),
+        (DType::Q4_0, 37, 640, 5),
+        (DType::Q4_0, 9, 96, 1),
+        (DType::Q4_0, 4, 32, 4),
     ] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
         let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
         let ab = tr.act_bytes(n_in);
-        for threads in [1, 2, 3] {
+        // every kernel level this CPU runs, the portable one (ggml) included
+        let levels = std::iter::once(Level::Portable).chain(simd_levels());
+        for (level, threads) in levels.flat_map(|l| [1, 2, 3].map(|n| (l, n))) {
             let pool = ThreadPool::new(threads);
             let mut out = vec![f32::NAN; n_tok * n_out];
-            matmul_q(&pool, &m, &act, n_tok, &mut out);
+            matmul_q_at(&pool, &m, &act, n_tok, &mut out, level);
             for t in 0..n_tok {
                 for i in 0..n_out {
                     let g = tr.dot(n_in, m.row(i), &act[t * ab..(t + 1) * ab]);
@@ -450,7 +505,7 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
                     assert_eq!(
                         v.to_bits(),
                         g.to_bits(),
-                        "{n_out}x{n_in} tok {t} row {i}: {v} vs {g}"
+                        "{dt} {level} {n_out}x{n_in} tok {t} row {i}: {v} vs {g}"
                     );
                 }
             }

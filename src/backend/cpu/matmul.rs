@@ -1,12 +1,16 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
 //! GGUF storage type, usually borrowed from the memory map) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
-//! `ggml-sys`, with cache blocking for batched prefill and the Q4_1 tile
-//! kernel of `qgemm_x86` where the CPU has it.
+//! `ggml-sys`, with cache blocking for batched prefill, and our own tile
+//! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q6_K,
+//! Q8_0 and Q4_0 (`qgemm_q4k`, `qgemm_q6k`, `qgemm_q8_0`, prefill and
+//! decode).
 
+use super::isa::{self, Level};
 use super::pool::{split, SharedMut, ThreadPool};
+use super::qgemm_q8_0::{W_Q4_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_q4k, qgemm_q6k};
+use super::{qgemm_q4k, qgemm_q6k, qgemm_q8_0};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -137,20 +141,48 @@ pub fn quantize_acts(pool: &ThreadPool, w: &QMat<'_>, x: &[f32], n_tok: usize, a
 
 /// out (n_tok, n_out) = act @ W^T with activations already converted by
 /// `quantize_acts` for a matrix of the same format; split by output rows
-/// (tiles of ROW_TILE rows, each tile swept over every token).
+/// (tiles of ROW_TILE rows, each tile swept over every token). Runs the
+/// kernels of this process's SIMD level (`isa::level()`).
 pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
-    if n_tok >= NT && w.dtype == DType::Q4_1 {
-        if let Some(tile) = qgemm_x86::q4_1_q8_1_tile() {
+    matmul_q_at(pool, w, act, n_tok, out, isa::level());
+}
+
+/// [`matmul_q`] with the kernels of SIMD level `level` (those above what
+/// the CPU runs are skipped), so one process can run every path.
+pub fn matmul_q_at(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    level: Level,
+) {
+    if n_tok >= NT && w.dtype == DType::Q4_1 && level >= Level::Avx512Vnni {
+        if let Some(tile) = qgemm_x86::q4_1_q8_1_tile_available() {
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
         }
     }
     let (tile_n, tile_1) = match w.dtype {
-        DType::Q4K => (qgemm_q4k::tile::<NT>(), qgemm_q4k::tile::<1>()),
-        DType::Q6K => (qgemm_q6k::tile::<NT>(), qgemm_q6k::tile::<1>()),
+        DType::Q4K => (
+            qgemm_q4k::tile_for::<NT>(level),
+            qgemm_q4k::tile_for::<1>(level),
+        ),
+        DType::Q6K => (
+            qgemm_q6k::tile_for::<NT>(level),
+            qgemm_q6k::tile_for::<1>(level),
+        ),
+        DType::Q8_0 => (
+            qgemm_q8_0::tile_for::<W_Q8_0, NT>(level),
+            qgemm_q8_0::tile_for::<W_Q8_0, 1>(level),
+        ),
+        DType::Q4_0 => (
+            qgemm_q8_0::tile_for::<W_Q4_0, NT>(level),
+            qgemm_q8_0::tile_for::<W_Q4_0, 1>(level),
+        ),
         _ => (None, None),
     };
     if let (true, Some(tile)) = (n_tok >= NT, tile_n) {
-        return matmul_q_tiled(pool, w, act, n_tok, out, Tile::KQuant(tile));
+        return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Rows(tile));
     }
     if let (1, Some(tile)) = (n_tok, tile_1) {
         return matvec_k(pool, w, act, out, tile);
@@ -184,8 +216,9 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
 enum Tile {
     /// Q4_1 × Q8_1, with the block scales gathered per tile beforehand.
     Q4_1(qgemm_x86::TileFn),
-    /// A K-quant × Q8_K (Q4_K, Q6_K; scales unpacked inside the kernel).
-    KQuant(qgemm_q4k::TileFn<NT>),
+    /// The `qgemm_q4k` call shape (Q4_K, Q6_K × Q8_K; Q8_0, Q4_0 × Q8_0):
+    /// block scales read inside the kernel.
+    Rows(qgemm_q4k::TileFn<NT>),
 }
 
 /// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
@@ -250,7 +283,7 @@ fn matmul_q_tiled(
                 for m in 0..n_micro {
                     let res = match tile {
                         Tile::Q4_1(f) => f(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]),
-                        Tile::KQuant(f) => f(nb, &rows[m], &a),
+                        Tile::Rows(f) => f(nb, &rows[m], &a),
                     };
                     let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
                     for j in 0..n_t {
@@ -267,8 +300,9 @@ fn matmul_q_tiled(
     });
 }
 
-/// One token through a K-quant matrix with a 4-row tile: the rows split
-/// between threads in blocks of `MR`, the activation shared by all.
+/// One token through a matrix with a 4-row tile of the `qgemm_q4k` call
+/// shape: the rows split between threads in blocks of `MR`, the activation
+/// shared by all.
 fn matvec_k(
     pool: &ThreadPool,
     w: &QMat<'_>,

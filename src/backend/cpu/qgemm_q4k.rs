@@ -143,11 +143,6 @@ pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
     None
 }
 
-/// The tile matmuls use in this process: the one of `isa::level()`.
-pub fn tile<const N: usize>() -> Option<TileFn<N>> {
-    tile_for::<N>(super::isa::level())
-}
-
 #[cfg(target_arch = "x86_64")]
 fn tile_avx2<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -> [[f32; N]; MR] {
     check(nb, w, a);

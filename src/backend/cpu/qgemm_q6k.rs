@@ -51,7 +51,7 @@ fn q6(x: &[u8], e: usize) -> i32 {
 
 /// ggml's `hsum_float_8`.
 #[inline]
-fn hsum8(acc: &[f32; 8]) -> f32 {
+pub(crate) fn hsum8(acc: &[f32; 8]) -> f32 {
     let h: [f32; 4] = std::array::from_fn(|i| acc[4 + i] + acc[i]);
     (h[0] + h[2]) + (h[1] + h[3])
 }
@@ -108,11 +108,6 @@ pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = level;
     None
-}
-
-/// The tile matmuls use in this process: the one of `isa::level()`.
-pub fn tile<const N: usize>() -> Option<TileFn<N>> {
-    tile_for::<N>(super::isa::level())
 }
 
 #[cfg(target_arch = "x86_64")]

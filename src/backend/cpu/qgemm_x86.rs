@@ -72,8 +72,8 @@ pub type TileFn =
     fn(usize, &[&[u8]; MR], &TileScales, &[&[u8]; NT], &TileScales) -> [[f32; NT]; MR];
 
 /// The fastest Q4_1 × Q8_1 tile kernel this CPU can run, if any beats
-/// row-by-row `vec_dot` (AVX-512 VNNI), whatever `KVRUN_CPU` says (the
-/// kernel tests use this).
+/// row-by-row `vec_dot` (AVX-512 VNNI), whatever `KVRUN_CPU` says
+/// (`matmul_q_at` asks for it at level avx512vnni only).
 pub fn q4_1_q8_1_tile_available() -> Option<TileFn> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -82,16 +82,6 @@ pub fn q4_1_q8_1_tile_available() -> Option<TileFn> {
         }
     }
     None
-}
-
-/// The tile kernel matmuls use in this process: the available one, unless
-/// `KVRUN_CPU` caps the level below it.
-pub fn q4_1_q8_1_tile() -> Option<TileFn> {
-    if super::isa::at_least(super::isa::Level::Avx512Vnni) {
-        q4_1_q8_1_tile_available()
-    } else {
-        None
-    }
 }
 
 fn check_tile(nb: usize, w: &[&[u8]; MR], ws: &TileScales, a: &[&[u8]; NT], as_: &TileScales) {

@@ -1,0 +1,312 @@
+//! Q8_0 × Q8_0 and Q4_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
+//! weight rows × `N` tokens per call, with the call shape of
+//! [`super::qgemm_q4k`] (`N` = 4 for batched prefill, 1 for decoding), so
+//! each weight block is loaded and unpacked once for `N` tokens and each
+//! activation block (and its block sums) once for `MR` rows.
+//!
+//! Both weight types are 32-weight blocks with an f16 scale `d` in front:
+//! Q8_0 holds 32 i8 weights, Q4_0 16 bytes of nibbles (weight i < 16 is
+//! the low nibble of byte i, weight i ≥ 16 the high nibble of byte i − 16),
+//! each nibble q standing for q − 8. Activations are Q8_0 (ggml's format
+//! for both).
+//!
+//! Per (row, token) the arithmetic is that of ggml's x86
+//! `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_q4_0_q8_0` (AVX2 branch) lane
+//! for lane, so results agree with it bit for bit (tests/engine/kernels.rs):
+//! per block, 8 i32 lanes, lane k = Σ of the 4 products of weights
+//! 4k..4k+3 with their activations (exact integers), then
+//! `acc = fma(dx·dy, lanes, acc)` with `dx·dy` one f32 product; result
+//! ggml's `hsum_float_8(acc)`.
+//!
+//! How the lanes are formed (any exact way gives the same integers):
+//! - VNNI: weights as unsigned bytes u = w + o (o = 128 for Q8_0, a flip of
+//!   the sign bit; o = 8 for Q4_0, the raw nibble), so one `vpdpbusd` of u
+//!   with the activation, started from −o·(the activation's 4-byte group
+//!   sums), is Σ w·y. The group sums are made once per token and block.
+//! - AVX2: Q8_0 by ggml's sign trick (`maddubs(|w|, sign(y, w))`, pairs
+//!   added by `madd`); Q4_0 as `maddubs(nibbles, y)` + the same −8·sums.
+//!
+//! [`tile_scalar`] is the scalar model of that arithmetic. The weight type
+//! is a const parameter, [`W_Q8_0`] or [`W_Q4_0`].
+
+use super::isa::{detected, Level};
+use super::qgemm_q4k::{TileFn, MR};
+use super::qgemm_q6k::hsum8;
+use half::f16;
+
+/// The const parameter of a Q8_0 weight matrix.
+pub const W_Q8_0: u8 = 0;
+/// The const parameter of a Q4_0 weight matrix.
+pub const W_Q4_0: u8 = 1;
+
+/// Bytes of a Q8_0 block: `d` (f16), `qs[32]` (i8).
+pub const Q8_0_BYTES: usize = 34;
+/// Bytes of a Q4_0 block: `d` (f16), `qs[16]` (nibbles).
+pub const Q4_0_BYTES: usize = 18;
+
+/// Bytes of one weight block of type `W`.
+const fn block_bytes(w: u8) -> usize {
+    if w == W_Q4_0 {
+        Q4_0_BYTES
+    } else {
+        Q8_0_BYTES
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+fn check<const W: u8, const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) {
+    assert!(W == W_Q8_0 || W == W_Q4_0, "q8_0 tile: unknown weight type");
+    assert!(
+        w.iter().all(|r| r.len() >= nb * block_bytes(W)),
+        "q8_0 tile: weight row too short"
+    );
+    assert!(
+        a.iter().all(|r| r.len() >= nb * Q8_0_BYTES),
+        "q8_0 tile: activation row too short"
+    );
+}
+
+/// Weight `i` (0..32) of the block `x` of type `W`, as its integer value.
+#[inline]
+fn weight<const W: u8>(x: &[u8], i: usize) -> i32 {
+    if W == W_Q4_0 {
+        let b = x[2 + i % 16];
+        let q = if i < 16 { b & 0x0f } else { b >> 4 };
+        q as i32 - 8
+    } else {
+        x[2 + i] as i8 as i32
+    }
+}
+
+/// Scalar model of the tile (see the module doc).
+pub fn tile_scalar<const W: u8, const N: usize>(
+    nb: usize,
+    w: &[&[u8]; MR],
+    a: &[&[u8]; N],
+) -> [[f32; N]; MR] {
+    check::<W, N>(nb, w, a);
+    let bw = block_bytes(W);
+    let mut out = [[0f32; N]; MR];
+    for r in 0..MR {
+        for t in 0..N {
+            let mut acc = [0f32; 8];
+            for b in 0..nb {
+                let x = &w[r][b * bw..(b + 1) * bw];
+                let y = &a[t][b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
+                let d = f16_at(x, 0) * f16_at(y, 0);
+                for (k, s) in acc.iter_mut().enumerate() {
+                    let lane: i32 = (4 * k..4 * k + 4)
+                        .map(|i| weight::<W>(x, i) * y[2 + i] as i8 as i32)
+                        .sum();
+                    *s = d.mul_add(lane as f32, *s);
+                }
+            }
+            out[r][t] = hsum8(&acc);
+        }
+    }
+    out
+}
+
+/// The SIMD tile of `N` tokens for weight type `W` at kernel level
+/// `level` (AVX-512 VNNI, or AVX2 for the avx2 and avx512 levels), if this
+/// CPU runs it.
+pub fn tile_for<const W: u8, const N: usize>(level: Level) -> Option<TileFn<N>> {
+    if level > detected() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        match level {
+            Level::Avx512Vnni => return Some(tile_vnni::<W, N>),
+            Level::Avx2 | Level::Avx512 => return Some(tile_avx2::<W, N>),
+            Level::Portable => {}
+        }
+    }
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_avx2<const W: u8, const N: usize>(
+    nb: usize,
+    w: &[&[u8]; MR],
+    a: &[&[u8]; N],
+) -> [[f32; N]; MR] {
+    check::<W, N>(nb, w, a);
+    // SAFETY: handed out (tile_for) only where the CPU has AVX2, FMA and
+    // F16C (isa level avx2 or above); every row holds nb blocks (checked
+    // just above), which bounds all loads.
+    unsafe { tile_avx2_impl::<W, N>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_vnni<const W: u8, const N: usize>(
+    nb: usize,
+    w: &[&[u8]; MR],
+    a: &[&[u8]; N],
+) -> [[f32; N]; MR] {
+    check::<W, N>(nb, w, a);
+    // SAFETY: handed out (tile_for) only where the CPU has AVX-512
+    // F/BW/VL/VNNI (isa level avx512vnni, which includes AVX2, FMA, F16C:
+    // isa::detect checks those first); every row holds nb blocks (checked
+    // just above), which bounds all loads.
+    unsafe { tile_vnni_impl::<W, N>(nb, w, a) }
+}
+
+/// The f32 scale of block `b` of every row in `p` (`bytes` per block).
+///
+/// # Safety
+/// Every pointer must have block `b` (`bytes` each) readable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scales<const K: usize>(p: &[*const u8; K], b: usize, bytes: usize) -> [f32; K] {
+    std::array::from_fn(|k| {
+        // SAFETY: block b of row k is readable (the caller's contract).
+        let bits = unsafe { p[k].add(b * bytes).cast::<u16>().read_unaligned() };
+        f16::from_bits(bits).to_f32()
+    })
+}
+
+/// The 32 weights of the Q4_0 block at `x` as unsigned nibbles (weight + 8),
+/// in weight order.
+///
+/// # Safety
+/// `x` must point to a readable Q4_0 block; AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn nibbles(x: *const u8) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: the block's 16 quant bytes follow its 2-byte scale; AVX2 is
+    // the caller's contract.
+    unsafe {
+        let q = _mm_loadu_si128(x.add(2).cast());
+        let qq = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+        _mm256_and_si256(qq, _mm256_set1_epi8(0x0f))
+    }
+}
+
+/// The tile's 8-lane accumulators reduced by ggml's `hsum_float_8`.
+///
+/// # Safety
+/// AVX must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce<const N: usize>(acc: &[[std::arch::x86_64::__m256; N]; MR]) -> [[f32; N]; MR] {
+    let mut out = [[0f32; N]; MR];
+    for r in 0..MR {
+        for t in 0..N {
+            let mut x = [0f32; 8];
+            // SAFETY: x holds 8 floats; AVX is the caller's contract.
+            unsafe { std::arch::x86_64::_mm256_storeu_ps(x.as_mut_ptr(), acc[r][t]) };
+            out[r][t] = hsum8(&x);
+        }
+    }
+    out
+}
+
+/// AVX2 tile: lanes by `maddubs` + `madd` (see the module doc).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_avx2_impl<const W: u8, const N: usize>(
+    nb: usize,
+    w: &[&[u8]; MR],
+    a: &[&[u8]; N],
+) -> [[f32; N]; MR] {
+    use std::arch::x86_64::*;
+    let bw = block_bytes(W);
+    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
+    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+    let ones16 = _mm256_set1_epi16(1);
+    let ones8 = _mm256_set1_epi8(1);
+    let mut acc = [[_mm256_setzero_ps(); N]; MR];
+    for b in 0..nb {
+        // SAFETY (all loads): b < nb and each row holds nb blocks.
+        let yd = unsafe { scales(&ap, b, Q8_0_BYTES) };
+        let xd = unsafe { scales(&wp, b, bw) };
+        let ys: [__m256i; N] = std::array::from_fn(|t| unsafe {
+            _mm256_loadu_si256(ap[t].add(b * Q8_0_BYTES + 2).cast())
+        });
+        // Q4_0: −8 · the 4-byte group sums of each token's block
+        let corr: [__m256i; N] = std::array::from_fn(|t| {
+            if W == W_Q4_0 {
+                let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, ys[t]), ones16);
+                _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, 3))
+            } else {
+                _mm256_setzero_si256()
+            }
+        });
+        for r in 0..MR {
+            let x = unsafe { wp[r].add(b * bw) };
+            // Q4_0: the nibbles; Q8_0: the weights and their absolute values
+            let (q, ax) = if W == W_Q4_0 {
+                let u = unsafe { nibbles(x) };
+                (u, u)
+            } else {
+                let q = unsafe { _mm256_loadu_si256(x.add(2).cast()) };
+                (q, _mm256_sign_epi8(q, q))
+            };
+            for t in 0..N {
+                let lanes = if W == W_Q4_0 {
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ys[t]), ones16);
+                    _mm256_add_epi32(p, corr[t])
+                } else {
+                    let sy = _mm256_sign_epi8(ys[t], q);
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones16)
+                };
+                let d = _mm256_set1_ps(xd[r] * yd[t]);
+                acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[r][t]);
+            }
+        }
+    }
+    // SAFETY: AVX is enabled in this function.
+    unsafe { reduce(&acc) }
+}
+
+/// AVX-512 VNNI tile: one `vpdpbusd` per (row, token, block) on unsigned
+/// weights, started from the token's offset correction (see the module doc).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tile_vnni_impl<const W: u8, const N: usize>(
+    nb: usize,
+    w: &[&[u8]; MR],
+    a: &[&[u8]; N],
+) -> [[f32; N]; MR] {
+    use std::arch::x86_64::*;
+    let bw = block_bytes(W);
+    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
+    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+    // o: the unsigned offset of a weight byte (as a u8 for vpdpbusd)
+    let off = _mm256_set1_epi8(if W == W_Q4_0 { 8 } else { -128 });
+    let mut acc = [[_mm256_setzero_ps(); N]; MR];
+    for b in 0..nb {
+        // SAFETY (all loads): b < nb and each row holds nb blocks.
+        let yd = unsafe { scales(&ap, b, Q8_0_BYTES) };
+        let xd = unsafe { scales(&wp, b, bw) };
+        let ys: [__m256i; N] = std::array::from_fn(|t| unsafe {
+            _mm256_loadu_si256(ap[t].add(b * Q8_0_BYTES + 2).cast())
+        });
+        // −o · the 4-byte group sums of each token's block
+        let corr: [__m256i; N] = std::array::from_fn(|t| {
+            let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), off, ys[t]);
+            _mm256_sub_epi32(_mm256_setzero_si256(), s)
+        });
+        for r in 0..MR {
+            let x = unsafe { wp[r].add(b * bw) };
+            let u = if W == W_Q4_0 {
+                unsafe { nibbles(x) }
+            } else {
+                _mm256_xor_si256(unsafe { _mm256_loadu_si256(x.add(2).cast()) }, off)
+            };
+            for t in 0..N {
+                let lanes = _mm256_dpbusd_epi32(corr[t], u, ys[t]);
+                let d = _mm256_set1_ps(xd[r] * yd[t]);
+                acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[r][t]);
+            }
+        }
+    }
+    // SAFETY: AVX is enabled in this function.
+    unsafe { reduce(&acc) }
+}
