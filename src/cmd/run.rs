@@ -81,11 +81,6 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     } else {
         a.model.chat_template(&m)?
     };
-    if tmpl.is_none() && !a.raw {
-        eprintln!(
-            "kvrun: the model has no chat template: the prompt is sent as plain text (--chat-template to choose one)"
-        );
-    }
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     let ids = prompt_tokens(tok, tmpl.as_ref(), &prompt, system.as_deref(), a.raw)?;
     let n_ctx = if a.ctx_size == 0 {
@@ -109,6 +104,12 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         .as_ref()
         .is_some_and(|p| p.rule.caps_each_stream());
     context_notes(&w.config, n_ctx, &a.kv, clamps);
+    // (said once everything is checked, so an error stays one line)
+    if tmpl.is_none() && !a.raw {
+        eprintln!(
+            "kvrun: the model has no chat template: the prompt is sent as plain text (--chat-template to choose one)"
+        );
+    }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.display_prompt {
