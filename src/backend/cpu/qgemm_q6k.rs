@@ -142,6 +142,7 @@ unsafe fn tile_avx512_impl<const N: usize>(
     });
     let mut acc = [[_mm256_setzero_ps(); N]; MR];
     for b in 0..nb {
+        super::qgemm_q4k::prefetch_next_tile::<N>(&wp, nb, Q6_K_BYTES, b);
         // per token: dy and its 16 block sums (its q8 is loaded where used)
         let mut yd = [0f32; N];
         let mut bsums = [_mm256_setzero_si256(); N];

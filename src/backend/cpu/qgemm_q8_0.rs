@@ -30,6 +30,8 @@
 //! is a const parameter, [`W_Q8_0`] or [`W_Q4_0`].
 
 use super::isa::{detected, Level};
+#[cfg(target_arch = "x86_64")]
+use super::qgemm_q4k::prefetch_next_tile;
 use super::qgemm_q4k::{TileFn, MR};
 use super::qgemm_q6k::hsum8;
 use half::f16;
@@ -121,39 +123,33 @@ pub fn tile_for<const W: u8, const N: usize>(level: Level) -> Option<TileFn<N>> 
     #[cfg(target_arch = "x86_64")]
     {
         match level {
-            Level::Avx512Vnni => return Some(tile_vnni::<W, N>),
-            Level::Avx2 | Level::Avx512 => return Some(tile_avx2::<W, N>),
+            Level::Avx512Vnni => return Some(tile_simd::<W, N, true>),
+            Level::Avx2 | Level::Avx512 => return Some(tile_simd::<W, N, false>),
             Level::Portable => {}
         }
     }
     None
 }
 
+/// The SIMD tile (`VNNI`: the AVX-512 VNNI one, else AVX2).
 #[cfg(target_arch = "x86_64")]
-fn tile_avx2<const W: u8, const N: usize>(
+fn tile_simd<const W: u8, const N: usize, const VNNI: bool>(
     nb: usize,
     w: &[&[u8]; MR],
     a: &[&[u8]; N],
 ) -> [[f32; N]; MR] {
     check::<W, N>(nb, w, a);
     // SAFETY: handed out (tile_for) only where the CPU has AVX2, FMA and
-    // F16C (isa level avx2 or above); every row holds nb blocks (checked
-    // just above), which bounds all loads.
-    unsafe { tile_avx2_impl::<W, N>(nb, w, a) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn tile_vnni<const W: u8, const N: usize>(
-    nb: usize,
-    w: &[&[u8]; MR],
-    a: &[&[u8]; N],
-) -> [[f32; N]; MR] {
-    check::<W, N>(nb, w, a);
-    // SAFETY: handed out (tile_for) only where the CPU has AVX-512
-    // F/BW/VL/VNNI (isa level avx512vnni, which includes AVX2, FMA, F16C:
-    // isa::detect checks those first); every row holds nb blocks (checked
-    // just above), which bounds all loads.
-    unsafe { tile_vnni_impl::<W, N>(nb, w, a) }
+    // F16C (isa level avx2 or above), and with VNNI only where it also has
+    // AVX-512 F/BW/VL/VNNI (level avx512vnni); every row holds nb blocks
+    // (checked just above), which bounds all loads.
+    unsafe {
+        if VNNI {
+            tile_vnni_impl::<W, N>(nb, w, a)
+        } else {
+            tile_avx2_impl::<W, N>(nb, w, a)
+        }
+    }
 }
 
 /// The f32 scale of block `b` of every row in `p` (`bytes` per block).
@@ -168,6 +164,42 @@ unsafe fn scales<const K: usize>(p: &[*const u8; K], b: usize, bytes: usize) -> 
         let bits = unsafe { p[k].add(b * bytes).cast::<u16>().read_unaligned() };
         f16::from_bits(bits).to_f32()
     })
+}
+
+/// What every tile takes from block `b` before its products: pointers to
+/// the weight rows' blocks, their scales, the tokens' scales and quants
+/// (and the prefetch of the next tile when decoding).
+///
+/// # Safety
+/// Block `b` (`bw` bytes per weight block) of every row must be readable;
+/// AVX must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+unsafe fn block_start<const N: usize>(
+    w: &[&[u8]; MR],
+    a: &[&[u8]; N],
+    nb: usize,
+    bw: usize,
+    b: usize,
+) -> (
+    [*const u8; MR],
+    [f32; MR],
+    [f32; N],
+    [std::arch::x86_64::__m256i; N],
+) {
+    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
+    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+    // SAFETY: block b of every row is readable (the caller's contract).
+    let (xd, yd) = unsafe { (scales(&wp, b, bw), scales(&ap, b, Q8_0_BYTES)) };
+    prefetch_next_tile::<N>(&wp, nb, bw, b);
+    // SAFETY: as above; a block's quants follow its 2-byte scale; AVX is the
+    // caller's contract.
+    let xs = std::array::from_fn(|r| unsafe { wp[r].add(b * bw) });
+    let ys = std::array::from_fn(|t| unsafe {
+        std::arch::x86_64::_mm256_loadu_si256(ap[t].add(b * Q8_0_BYTES + 2).cast())
+    });
+    (xs, xd, yd, ys)
 }
 
 /// The 32 weights of the Q4_0 block at `x` as unsigned nibbles (weight + 8),
@@ -217,18 +249,12 @@ unsafe fn tile_avx2_impl<const W: u8, const N: usize>(
 ) -> [[f32; N]; MR] {
     use std::arch::x86_64::*;
     let bw = block_bytes(W);
-    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
     let ones16 = _mm256_set1_epi16(1);
     let ones8 = _mm256_set1_epi8(1);
     let mut acc = [[_mm256_setzero_ps(); N]; MR];
     for b in 0..nb {
         // SAFETY (all loads): b < nb and each row holds nb blocks.
-        let yd = unsafe { scales(&ap, b, Q8_0_BYTES) };
-        let xd = unsafe { scales(&wp, b, bw) };
-        let ys: [__m256i; N] = std::array::from_fn(|t| unsafe {
-            _mm256_loadu_si256(ap[t].add(b * Q8_0_BYTES + 2).cast())
-        });
+        let (xs, xd, yd, ys) = unsafe { block_start::<N>(w, a, nb, bw, b) };
         // Q4_0: −8 · the 4-byte group sums of each token's block
         let corr: [__m256i; N] = std::array::from_fn(|t| {
             if W == W_Q4_0 {
@@ -239,7 +265,7 @@ unsafe fn tile_avx2_impl<const W: u8, const N: usize>(
             }
         });
         for r in 0..MR {
-            let x = unsafe { wp[r].add(b * bw) };
+            let x = xs[r];
             // Q4_0: the nibbles; Q8_0: the weights and their absolute values
             let (q, ax) = if W == W_Q4_0 {
                 let u = unsafe { nibbles(x) };
@@ -276,25 +302,19 @@ unsafe fn tile_vnni_impl<const W: u8, const N: usize>(
 ) -> [[f32; N]; MR] {
     use std::arch::x86_64::*;
     let bw = block_bytes(W);
-    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
     // o: the unsigned offset of a weight byte (as a u8 for vpdpbusd)
     let off = _mm256_set1_epi8(if W == W_Q4_0 { 8 } else { -128 });
     let mut acc = [[_mm256_setzero_ps(); N]; MR];
     for b in 0..nb {
         // SAFETY (all loads): b < nb and each row holds nb blocks.
-        let yd = unsafe { scales(&ap, b, Q8_0_BYTES) };
-        let xd = unsafe { scales(&wp, b, bw) };
-        let ys: [__m256i; N] = std::array::from_fn(|t| unsafe {
-            _mm256_loadu_si256(ap[t].add(b * Q8_0_BYTES + 2).cast())
-        });
+        let (xs, xd, yd, ys) = unsafe { block_start::<N>(w, a, nb, bw, b) };
         // −o · the 4-byte group sums of each token's block
         let corr: [__m256i; N] = std::array::from_fn(|t| {
             let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), off, ys[t]);
             _mm256_sub_epi32(_mm256_setzero_si256(), s)
         });
         for r in 0..MR {
-            let x = unsafe { wp[r].add(b * bw) };
+            let x = xs[r];
             let u = if W == W_Q4_0 {
                 unsafe { nibbles(x) }
             } else {
