@@ -40,8 +40,9 @@ pub fn kvrun_bin() -> PathBuf {
 /// Which of kvrun's kernels run in this process (the CPU's level capped
 /// by `KVRUN_CPU`): the float summation orders differ between them (the
 /// AVX-512 attention and VNNI GEMM paths sum in another order than the
-/// portable loops), so exact golden outputs are recorded per profile. kvrun
-/// has no AVX2 kernel of its own: `portable` and `avx2` are one profile.
+/// portable loops), so exact golden outputs are recorded per profile.
+/// kvrun's AVX2 kernels (the Q4_K, Q8_0 and Q4_0 tiles) are bit-identical
+/// to ggml's `vec_dot`, so `portable` and `avx2` are one profile.
 pub fn kernel_profile() -> &'static str {
     profile_of(kvrun::backend::cpu::isa::level())
 }
