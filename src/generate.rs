@@ -143,9 +143,8 @@ impl<'w> Session<'w, Cpu> {
     }
 
     /// A CPU session for one generation from an `n_prompt`-token prompt
-    /// under `cfg`: the policy built for `model`, a clear error when a kept
-    /// prompt cannot fit next to the recent window, the prompt marked,
-    /// cache type and position mode applied.
+    /// under `cfg` (see `for_config_on`).
+    #[allow(clippy::too_many_arguments)]
     pub fn for_config(
         w: &'w Weights<'w>,
         cfg: &PolicyConfig,
@@ -156,6 +155,35 @@ impl<'w> Session<'w, Cpu> {
         n_batch: usize,
         n_prompt: usize,
     ) -> Result<Session<'w>> {
+        Session::for_config_on(
+            Cpu::new(n_threads),
+            w,
+            cfg,
+            seed,
+            model,
+            n_ctx,
+            n_batch,
+            n_prompt,
+        )
+    }
+}
+
+impl<'w, B: Backend> Session<'w, B> {
+    /// A session on `backend` for one generation from an `n_prompt`-token
+    /// prompt under `cfg`: the policy built for `model`, a clear error when a kept
+    /// prompt cannot fit next to the recent window, the prompt marked,
+    /// cache type and position mode applied.
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_config_on(
+        backend: B,
+        w: &'w Weights<'w, B>,
+        cfg: &PolicyConfig,
+        seed: u64,
+        model: &std::path::Path,
+        n_ctx: usize,
+        n_batch: usize,
+        n_prompt: usize,
+    ) -> Result<Session<'w, B>> {
         // a budget beyond the context is the context (defaults that depend
         // on the budget, like the recent window, follow the clamped value)
         // (only where the budget caps each stream: a pyramid's or a shared
@@ -167,7 +195,7 @@ impl<'w> Session<'w, Cpu> {
             built = cfg.build(seed, model)?;
         }
         let mut s = match built {
-            None => Session::new(w, n_ctx, n_threads, n_batch),
+            None => Session::on(backend, w, n_ctx, n_batch),
             Some(p) => {
                 let e = &p.evictor;
                 if e.keep_prompt_until > 0
@@ -184,7 +212,7 @@ impl<'w> Session<'w, Cpu> {
                             .f(Field::PromptPolicy),
                     ));
                 }
-                let mut s = Session::with_policy(w, n_ctx, n_threads, n_batch, p)?;
+                let mut s = Session::with_policy_on(backend, w, n_ctx, n_batch, p)?;
                 s.protect_prompt(n_prompt);
                 s
             }
@@ -192,9 +220,7 @@ impl<'w> Session<'w, Cpu> {
         s.configure(cfg)?;
         Ok(s)
     }
-}
 
-impl<'w, B: Backend> Session<'w, B> {
     /// A full-cache session on `backend`.
     pub fn on(backend: B, w: &'w Weights<'w, B>, n_ctx: usize, n_batch: usize) -> Session<'w, B> {
         Self::build(backend, w, n_ctx, n_ctx, n_batch, None)

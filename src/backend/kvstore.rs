@@ -170,6 +170,12 @@ pub trait KvAccess: Sync {
     fn layer_base(&self, layer: usize) -> usize;
     /// The K/V storage.
     fn store(&self) -> &dyn KvStore;
+    /// Where a step's K/V values go, for a backend that writes them
+    /// itself: for each token `i < n` and KV head `g`, in that order
+    /// (`out[i · n_kv_heads + g]`), the storage unit (value, or q8_0 block)
+    /// of the store where head `g`'s row of token `i` starts (`slots` as
+    /// the cache assigned them, as `write_token` reads them).
+    fn write_units(&self, layer: usize, n: usize, slots: &[u32], out: &mut Vec<u64>);
     /// Store token `i` of a step of `n` tokens (`slots` as the cache
     /// assigned them) for `layer`: K and V rows of kv_dim.
     fn write_token(

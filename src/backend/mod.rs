@@ -11,10 +11,9 @@
 //!
 //! - [`cpu`]: the CPU backend (thread pool, quantized GEMM for x86, decode
 //!   and prefill attention kernels, the scalar reference kernels).
-//! - [`cuda`]: the NVIDIA backend's place; without the `cuda` feature it is
-//!   a stub that can never be constructed (`Cuda::new` returns a one-line
-//!   error), which proves at compile time that the model code runs on any
-//!   backend (`cuda::tests`).
+//! - [`cuda`]: the NVIDIA backend (feature `cuda`): kvrun's own kernels
+//!   (kernels/*.cu) through the driver API; without the feature, a stub
+//!   that can never be constructed.
 //!
 //! Nothing here imports the model, the policies or the cache: those layers
 //! sit above and depend on this one.
@@ -110,7 +109,7 @@ impl Device {
     pub fn check(self) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
-            Device::Cuda(n) => cuda::Cuda::new(n).map(|_| ()),
+            Device::Cuda(n) => cuda::Cuda::new(n, 1).map(|_| ()),
         }
     }
 }
@@ -146,6 +145,13 @@ pub trait Backend: std::fmt::Debug + Send + Sync + Sized + 'static {
     /// Host threads for the work around the forward pass (scorers ranking
     /// cache entries run on the host whatever device computes the model).
     fn host_pool(&self) -> &cpu::pool::ThreadPool;
+    /// The first failure of an operation since the backend was made (a
+    /// device backend's launches and copies cannot return errors through
+    /// the ops below; the forward pass asks here once per step). The CPU
+    /// cannot fail this way.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
 
     // ---- weights and buffers
     /// Take a matrix of `dtype` rows (raw GGUF blocks, usually mapped).

@@ -36,7 +36,7 @@ pub mod viz;
 
 pub use args::{KvArgs, ModelArgs, RunArgs, SamplingArgs};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::load::Loaded;
 use args::{normalize_args, resolve_model};
 use clap::{Parser, Subcommand};
@@ -97,6 +97,64 @@ pub fn load_model(m: &ModelArgs) -> Result<Loaded> {
     // a device this build or machine cannot use fails before any loading
     crate::backend::Device::parse(&m.device)?.check()?;
     Loaded::open(&resolve_model(&m.model)?)
+}
+
+/// The device a command computes on: `--device`, or `-ngl N` (llama.cpp's
+/// habit: any N > 0 puts every layer on the first GPU, 0 none; kvrun does
+/// not split a model between devices).
+pub fn resolve_device(m: &ModelArgs, gpu_layers: Option<&str>) -> Result<crate::backend::Device> {
+    use crate::backend::Device;
+    let dev = Device::parse(&m.device)?;
+    let Some(n) = gpu_layers else {
+        return Ok(dev);
+    };
+    let n: i64 = match n {
+        "all" | "auto" => -1,
+        _ => n.parse().map_err(|_| {
+            Error::arg(
+                "-ngl/--gpu-layers",
+                format!("'{n}' is not a layer count (a number, or all)"),
+            )
+        })?,
+    };
+    Ok(match (dev, n) {
+        (Device::Cpu, 0) => Device::Cpu,
+        (Device::Cpu, _) => Device::Cuda(0),
+        (Device::Cuda(_), 0) => {
+            return Err(Error::arg(
+                "-ngl/--gpu-layers",
+                "0 layers on the GPU contradicts --device cuda (drop one of them)",
+            ))
+        }
+        (d, _) => d,
+    })
+}
+
+/// The model's weights uploaded to `b`, after checking that the GPU
+/// kernels can run its shapes and the cache settings.
+pub fn device_weights<'a>(
+    b: &crate::backend::cuda::Cuda,
+    m: &'a Loaded,
+    kv: &args::KvArgs,
+) -> Result<crate::model::Weights<'a, crate::backend::cuda::Cuda>> {
+    if kv.pos_mode()? == crate::kv::PosMode::Cache {
+        return Err(Error::arg(
+            "--pos-mode",
+            "cache (StreamingLLM position shift) is not supported with --device cuda yet; use --pos-mode absolute",
+        ));
+    }
+    let g = match m.checkpoint() {
+        crate::load::Checkpoint::Gguf(g) => g,
+        crate::load::Checkpoint::Hf(_) => {
+            return Err(Error::arg(
+                "--device",
+                "cuda: Hugging Face (safetensors) checkpoints run on the CPU only for now; convert the model to GGUF",
+            ))
+        }
+    };
+    let c = &m.weights().config;
+    crate::backend::cuda::plan::check_attention_shape(c.n_heads, c.n_kv_heads, c.head_dim)?;
+    crate::model::Weights::from_gguf_on(b, g)
 }
 
 /// The policy table shown in `--help`, from the registry.

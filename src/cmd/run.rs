@@ -2,6 +2,7 @@
 //! llama-completion): prompt from -p/-f, chat template unless --raw, tokens
 //! streamed to stdout, timings and KV statistics on stderr.
 
+use crate::backend::{Backend, Device};
 use crate::cmd::args::{
     check_ctx_alloc, context_notes, read_text, resolve_model, resolve_seed, resolve_threads,
     RunArgs,
@@ -9,7 +10,7 @@ use crate::cmd::args::{
 use crate::cmd::prompt::prompt_tokens;
 use crate::cmd::{interrupt, load_model};
 use crate::error::{Error, Result};
-use crate::generate::{generate, GenOptions};
+use crate::generate::{generate, GenOptions, Session};
 use crate::sample::Sampler;
 use std::io::Write;
 
@@ -96,70 +97,132 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
     }
     check_ctx_alloc(&w.config, n_ctx, n_threads)?;
     let seed = resolve_seed(a.seed);
-    let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
-    let mut sess =
-        a.kv.session(w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;
-    let clamps = sess
-        .policy
-        .as_ref()
-        .is_some_and(|p| p.rule.caps_each_stream());
-    context_notes(&w.config, n_ctx, &a.kv, clamps);
-    // (said once everything is checked, so an error stays one line)
-    if tmpl.is_none() && !a.raw {
-        eprintln!(
-            "kvrun: the model has no chat template: the prompt is sent as plain text (--chat-template to choose one)"
-        );
-    }
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    if a.display_prompt {
-        let _ = write!(out, "{}", tok.decode(&ids, true));
-    }
-    let opts = GenOptions {
-        n_predict: a.n_predict,
-        ignore_eos: a.ignore_eos,
+    let run = Tail {
+        a,
+        tok,
+        ids: &ids,
+        n_ctx,
+        seed,
+        no_template: tmpl.is_none() && !a.raw,
+        load_ms,
     };
-    interrupt::install();
-    let stats = generate(&mut sess, tok, &mut sampler, &ids, &opts, |piece| {
-        // A closed pipe (e.g. `| head`) ends generation quietly, so does Ctrl-C.
-        out.write_all(piece.as_bytes())
-            .and_then(|_| out.flush())
-            .is_ok()
-            && !interrupt::requested()
-    })?;
-    let _ = writeln!(out);
-    if stats.stop == crate::generate::StopReason::ContextFull {
-        eprintln!(
-            "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size{} for longer output",
-            if sess.policy.is_some() { "" } else { " or use --policy with --kv-budget" }
-        );
-    }
-    if !a.no_perf {
-        eprintln!("kvrun: load time = {load_ms:10.2} ms");
-        eprint!("{}", stats.timing_lines("kvrun"));
-        eprintln!(
-            "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak){}",
-            a.kv.policy,
-            sess.kv.ty,
-            sess.policy
-                .as_ref()
-                .map(|p| p.evictor.budget.to_string())
-                .unwrap_or_else(|| "none".into()),
-            sess.n_evicted,
-            sess.kv.resident_tokens(),
-            sess.kv.peak_live,
-            sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
-            match sess.kv.layout() {
-                crate::kv::Layout::Streams => format!(
-                    " streams={} entries={} peak_entries={}",
-                    sess.kv.n_streams(),
-                    sess.kv.cells.n_live(),
-                    sess.kv.peak_entries
-                ),
-                crate::kv::Layout::Uniform => String::new(),
-            }
-        );
+    match crate::cmd::resolve_device(&a.model, a.gpu_layers.as_deref())? {
+        Device::Cpu => {
+            let sess =
+                a.kv.session(w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;
+            run.generate(sess)?;
+        }
+        Device::Cuda(ordinal) => {
+            let t = std::time::Instant::now();
+            let b = crate::backend::cuda::Cuda::new(ordinal, n_threads)?;
+            let wd = crate::cmd::device_weights(&b, &m, &a.kv)?;
+            let cfg = a.kv.config()?;
+            let sess = crate::generate::Session::for_config_on(
+                b,
+                &wd,
+                &cfg,
+                seed,
+                &path,
+                n_ctx,
+                a.batch_size,
+                ids.len(),
+            )?;
+            let run = Tail {
+                load_ms: run.load_ms + t.elapsed().as_secs_f64() * 1e3,
+                ..run
+            };
+            run.generate(sess)?;
+        }
     }
     // Ctrl-C: the text and the timings are out, the exit status says so
     interrupt::check()
+}
+
+/// What the one-shot run does once its session is made, on any backend.
+struct Tail<'r> {
+    a: &'r RunArgs,
+    tok: &'r crate::tokenizer::Tokenizer,
+    ids: &'r [u32],
+    n_ctx: usize,
+    seed: u64,
+    no_template: bool,
+    load_ms: f64,
+}
+
+impl Tail<'_> {
+    /// Notes, then generation streamed to stdout, then the timings.
+    fn generate<B: Backend>(&self, mut sess: Session<'_, B>) -> Result<()> {
+        let Tail {
+            a,
+            tok,
+            ids,
+            n_ctx,
+            seed,
+            no_template,
+            load_ms,
+        } = *self;
+        let mut sampler = Sampler::new(a.sampling.config(0.8, seed));
+        let clamps = sess
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.rule.caps_each_stream());
+        context_notes(&sess.w.config, n_ctx, &a.kv, clamps);
+        // (said once everything is checked, so an error stays one line)
+        if no_template {
+            eprintln!(
+                "kvrun: the model has no chat template: the prompt is sent as plain text (--chat-template to choose one)"
+            );
+        }
+        let stdout = std::io::stdout();
+        let mut out = stdout.lock();
+        if a.display_prompt {
+            let _ = write!(out, "{}", tok.decode(ids, true));
+        }
+        let opts = GenOptions {
+            n_predict: a.n_predict,
+            ignore_eos: a.ignore_eos,
+        };
+        interrupt::install();
+        let stats = generate(&mut sess, tok, &mut sampler, ids, &opts, |piece| {
+            // A closed pipe (e.g. `| head`) ends generation quietly, so does Ctrl-C.
+            out.write_all(piece.as_bytes())
+                .and_then(|_| out.flush())
+                .is_ok()
+                && !interrupt::requested()
+        })?;
+        let _ = writeln!(out);
+        if stats.stop == crate::generate::StopReason::ContextFull {
+            eprintln!(
+                "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size{} for longer output",
+                if sess.policy.is_some() { "" } else { " or use --policy with --kv-budget" }
+            );
+        }
+        if !a.no_perf {
+            eprintln!("kvrun: load time = {load_ms:10.2} ms");
+            eprint!("{}", stats.timing_lines("kvrun"));
+            eprintln!(
+                "kvrun: kv: policy={} type={} budget={} evicted={} occupancy={} peak={} ({:.2} MiB peak){}",
+                a.kv.policy,
+                sess.kv.ty,
+                sess.policy
+                    .as_ref()
+                    .map(|p| p.evictor.budget.to_string())
+                    .unwrap_or_else(|| "none".into()),
+                sess.n_evicted,
+                sess.kv.resident_tokens(),
+                sess.kv.peak_live,
+                sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
+                match sess.kv.layout() {
+                    crate::kv::Layout::Streams => format!(
+                        " streams={} entries={} peak_entries={}",
+                        sess.kv.n_streams(),
+                        sess.kv.cells.n_live(),
+                        sess.kv.peak_entries
+                    ),
+                    crate::kv::Layout::Uniform => String::new(),
+                }
+            );
+        }
+        Ok(())
+    }
 }

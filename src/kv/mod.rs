@@ -722,4 +722,21 @@ impl KvAccess for KvCache {
     ) {
         KvCache::write_token(self, layer, i, n, slots, k, v)
     }
+    fn write_units(&self, layer: usize, n: usize, slots: &[u32], out: &mut Vec<u64>) {
+        let (hu, nk) = (self.head_units as u64, self.n_kv_heads);
+        out.clear();
+        for i in 0..n {
+            for g in 0..nk {
+                out.push(match &self.streams {
+                    // a stream's row holds one head
+                    Some(st) => slots[st.id(layer, g) * n + i] as u64 * hu,
+                    // a token's row holds every head, in order
+                    None => {
+                        let row = (self.layer_base(layer) + slots[i] as usize) as u64;
+                        (row * nk as u64 + g as u64) * hu
+                    }
+                });
+            }
+        }
+    }
 }

@@ -195,6 +195,8 @@ pub fn forward<'s, B: Backend>(
     }
     s.logits.clear();
     forward_chunk(b, w, s, kv, tokens, pos0, n_out, io)?;
+    // a device backend reports here what failed during the step
+    b.check()?;
     Ok(&s.logits)
 }
 
