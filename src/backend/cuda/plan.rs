@@ -282,7 +282,18 @@ mod tests {
                 let x: Vec<f32> = (0..n)
                     .map(|i| rng.normal() * [0.02, 1.0, 30.0][i / 256 % 3])
                     .collect();
-                let q = ggml_sys::quantize_ref(d.ggml_id(), &x);
+                let q = match d {
+                    DType::F32 => bytemuck::cast_slice(&x).to_vec(),
+                    DType::F16 | DType::BF16 => {
+                        let mut q = vec![0u8; 2 * n];
+                        match d {
+                            DType::F16 => crate::quant::quantize_row_f16(&x, &mut q),
+                            _ => crate::quant::quantize_row_bf16(&x, &mut q),
+                        }
+                        q
+                    }
+                    _ => ggml_sys::quantize_ref(d.ggml_id(), &x),
+                };
                 assert_eq!(q.len(), d.row_bytes(n));
                 let mut want = vec![0f32; n];
                 crate::quant::dequantize_row(d, &q, &mut want);
