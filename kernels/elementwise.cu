@@ -156,3 +156,17 @@ extern "C" __global__ void sum_groups(const float *__restrict__ src, float *__re
         dst[(size_t)t * width + c] = a;
     }
 }
+
+// Σ of n4 float4 values per block into out[blockIdx.x]: a streaming read
+// for measuring the device's read bandwidth (`kvrun bench`'s roofline).
+extern "C" __global__ void read_sum(const float4 *__restrict__ x, long long n4,
+                                    float *__restrict__ out) {
+    float a = 0.0f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4;
+         i += (long long)gridDim.x * blockDim.x) {
+        float4 v = x[i];
+        a += v.x + v.y + v.z + v.w;
+    }
+    a = block_sum(a);
+    if (threadIdx.x == 0) out[blockIdx.x] = a;
+}

@@ -269,7 +269,7 @@ impl KvArgs {
 
     /// Apply the cache settings that hold with and without a policy
     /// (`--cache-type`, `--pos-mode`) to a fresh session.
-    pub fn configure(&self, s: &mut Session<'_>) -> Result<()> {
+    pub fn configure<B: crate::backend::Backend>(&self, s: &mut Session<'_, B>) -> Result<()> {
         s.configure(&self.config()?)
     }
 

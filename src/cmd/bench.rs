@@ -9,11 +9,13 @@
 //! The llama.cpp side needs the `oracle` Cargo feature (on by default);
 //! without it the table has kvrun's rows only and one line says why.
 
+use crate::backend::Backend;
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
-use crate::cmd::load_model;
+use crate::cmd::load_model_any_device;
 use crate::error::{Error, Result};
 use crate::generate::Session;
 use crate::model::llama::Logits;
+use crate::model::Weights;
 use clap::Args;
 use std::time::Instant;
 
@@ -104,7 +106,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         return Err(Error::arg("-r/--repetitions", "must be at least 1"));
     }
     a.kv.check()?;
-    let model = load_model(&a.model)?;
+    let model = load_model_any_device(&a.model)?;
     let w = model.weights();
     let c = &w.config;
     let name = model.name();
@@ -125,94 +127,50 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         tests.push((format!("tg{}{at}", a.n_gen), a.n_gen));
     }
 
-    // kvrun: one session per policy (`--policy a,b,c`), measured
-    // interleaved (rep by rep) so that machine noise hits them alike
+    // kvrun: one session per policy, on the asked device
+    let device = crate::cmd::resolve_device(&a.model, None)?;
     let policies: Vec<&str> = a.kv.policy.split(',').map(str::trim).collect();
-    let n_ctx_ours = n_ctx + a.n_gen * (a.reps + 1);
-    let mut sessions = Vec::new();
-    for p in &policies {
-        let kv = KvArgs {
-            policy: (*p).to_owned(),
-            // a budget beyond the context holds the context
-            kv_budget: a.kv.kv_budget.map(|b| b.min(n_ctx_ours)),
-            ..a.kv.clone()
-        };
-        let mut s = match kv.build(0, &path)? {
-            None => Session::new(w, n_ctx_ours, n_threads, 512),
-            Some(pol) => Session::with_policy(w, n_ctx_ours, n_threads, 512, pol)?,
-        };
-        kv.configure(&mut s)?;
-        sessions.push(s);
-    }
-    // the depth context is context, not a prompt to protect
-    let setup = |s: &mut Session<'_>| -> Result<()> {
-        s.reset();
-        s.protect_prompt(0);
-        s.feed(ctx_toks, Logits::Last).map(|_| ())
+    let side = KvrunSide {
+        a,
+        path: &path,
+        policies: &policies,
+        tests: &tests,
+        n_ctx,
+        ctx_toks,
+        toks,
     };
-    // ours[test][policy] = tokens/s of each repetition
-    let mut ours: Vec<Vec<Vec<f64>>> = Vec::new();
-    for (t, n) in &tests {
-        let n = *n;
-        let pp = t.starts_with("pp");
-        let run = |s: &mut Session<'_>| -> Result<()> {
-            if pp {
-                // with --prompt-compress once the pp tokens are the prompt
-                // (prefilled whole, then compressed once)
-                if s.policy.as_ref().is_some_and(|p| p.compress_once) {
-                    s.protect_prompt(s.n_past + n);
-                }
-                s.feed(&toks[..n], Logits::Last).map(|_| ())
-            } else {
-                for &tk in &toks[..n] {
-                    s.feed(&[tk], Logits::Last)?;
-                }
-                Ok(())
+    let (ours, kv_lines, device_note) = match device {
+        crate::backend::Device::Cpu => side.run(w, || Ok(crate::backend::Host::new(n_threads)))?,
+        crate::backend::Device::Cuda(ordinal) => {
+            let b = crate::backend::cuda::Cuda::new(ordinal, n_threads)?;
+            let t = Instant::now();
+            let wd = crate::cmd::device_weights(&b, &model, &a.kv)?;
+            let up_s = t.elapsed().as_secs_f64();
+            let (o, l, _) = side.run(&wd, || Ok(b.sibling(n_threads)))?;
+            let gbs = b.read_bandwidth()?;
+            let bytes = model.checkpoint().n_bytes() as f64;
+            let mut note = format!(
+                "{}: weights uploaded in {up_s:.2} s; device read bandwidth {gbs:.0} GB/s (measured), so decoding this {:.2} GiB file is bounded near {:.1} t/s",
+                b.name(),
+                bytes / (1u64 << 30) as f64,
+                gbs * 1e9 / bytes
+            );
+            if let Some(i) = tests.iter().position(|(t, _)| t.starts_with("tg")) {
+                let tg = mean_sd(&o[i][0]).0;
+                note.push_str(&format!(
+                    "; {} reaches {:.0}% of that roofline",
+                    tests[i].0,
+                    100.0 * tg * bytes / (gbs * 1e9)
+                ));
             }
-        };
-        // tg at depth continues from the previous repetition (a budgeted
-        // cache is in its steady state; prefilling the depth again per
-        // repetition would dominate the run); everything else starts afresh
-        let fresh_each = pp || a.depth == 0;
-        for s in sessions.iter_mut() {
-            setup(s)?;
-            run(s)?;
+            (o, l, Some(note))
         }
-        let mut res = vec![Vec::with_capacity(a.reps); sessions.len()];
-        for _ in 0..a.reps {
-            for (pi, s) in sessions.iter_mut().enumerate() {
-                if fresh_each {
-                    setup(s)?;
-                }
-                let t0 = Instant::now();
-                run(s)?;
-                res[pi].push(n as f64 / t0.elapsed().as_secs_f64());
-            }
-        }
-        ours.push(res);
-    }
-    let kv_lines: Vec<String> = policies
-        .iter()
-        .zip(&sessions)
-        .map(|(p, sess)| {
-            format!(
-                "kvrun KV: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
-                a.kv.kv_budget
-                    .filter(|_| crate::policy::find(p).is_some_and(|d| d.budgeted()))
-                    .map(|b| b.to_string())
-                    .unwrap_or_else(|| "none".into()),
-                sess.kv.peak_live,
-                sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
-                sess.n_evicted,
-                sess.state.prob_exports
-            )
-        })
-        .collect();
-    drop(sessions);
+    };
+    let no_llama = a.no_llama || device != crate::backend::Device::Cpu;
     let rss_kvrun = peak_rss_bytes();
 
     // llama.cpp
-    let theirs = if a.no_llama {
+    let theirs = if no_llama {
         vec![None; tests.len()]
     } else {
         llama_side(a, &path, &tests, n_ctx, n_threads, ctx_toks, toks)?
@@ -247,7 +205,13 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x | - |");
         }
     }
-    if !a.no_llama && !cfg!(feature = "oracle") {
+    if let Some(n) = &device_note {
+        println!("{n}");
+        if !a.no_llama {
+            println!("llama.cpp: not measured: the llama.cpp linked here runs on the CPU only");
+        }
+    }
+    if !no_llama && !cfg!(feature = "oracle") {
         println!("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)");
     }
     for l in &kv_lines {
@@ -328,4 +292,120 @@ fn llama_side(
     _toks: &[u32],
 ) -> Result<Vec<Option<Vec<f64>>>> {
     Ok(vec![None; tests.len()])
+}
+
+/// The kvrun half of a bench run, on any backend.
+struct KvrunSide<'r> {
+    a: &'r BenchArgs,
+    path: &'r std::path::Path,
+    policies: &'r [&'r str],
+    tests: &'r [(String, usize)],
+    n_ctx: usize,
+    ctx_toks: &'r [u32],
+    toks: &'r [u32],
+}
+
+/// tokens/s of each repetition, per test and policy.
+type Rates = Vec<Vec<Vec<f64>>>;
+
+impl KvrunSide<'_> {
+    /// One session per policy (`--policy a,b,c`), measured interleaved (rep
+    /// by rep) so that machine noise hits them alike; the tokens/s and a
+    /// KV line per policy.
+    fn run<'w, B: Backend>(
+        &self,
+        w: &'w Weights<'w, B>,
+        backend: impl Fn() -> Result<B>,
+    ) -> Result<(Rates, Vec<String>, Option<String>)> {
+        let KvrunSide {
+            a,
+            path,
+            policies,
+            tests,
+            n_ctx,
+            ctx_toks,
+            toks,
+        } = *self;
+        let n_ctx_ours = n_ctx + a.n_gen * (a.reps + 1);
+        let mut sessions = Vec::new();
+        for p in policies {
+            let kv = KvArgs {
+                policy: (*p).to_owned(),
+                // a budget beyond the context holds the context
+                kv_budget: a.kv.kv_budget.map(|b| b.min(n_ctx_ours)),
+                ..a.kv.clone()
+            };
+            let mut s = match kv.build(0, path)? {
+                None => Session::on(backend()?, w, n_ctx_ours, 512),
+                Some(pol) => Session::with_policy_on(backend()?, w, n_ctx_ours, 512, pol)?,
+            };
+            kv.configure(&mut s)?;
+            sessions.push(s);
+        }
+        // the depth context is context, not a prompt to protect
+        let setup = |s: &mut Session<'_, B>| -> Result<()> {
+            s.reset();
+            s.protect_prompt(0);
+            s.feed(ctx_toks, Logits::Last).map(|_| ())
+        };
+        // ours[test][policy] = tokens/s of each repetition
+        let mut ours: Vec<Vec<Vec<f64>>> = Vec::new();
+        for (t, n) in tests {
+            let n = *n;
+            let pp = t.starts_with("pp");
+            let run = |s: &mut Session<'_, B>| -> Result<()> {
+                if pp {
+                    // with --prompt-compress once the pp tokens are the prompt
+                    // (prefilled whole, then compressed once)
+                    if s.policy.as_ref().is_some_and(|p| p.compress_once) {
+                        s.protect_prompt(s.n_past + n);
+                    }
+                    s.feed(&toks[..n], Logits::Last).map(|_| ())
+                } else {
+                    for &tk in &toks[..n] {
+                        s.feed(&[tk], Logits::Last)?;
+                    }
+                    Ok(())
+                }
+            };
+            // tg at depth continues from the previous repetition (a budgeted
+            // cache is in its steady state; prefilling the depth again per
+            // repetition would dominate the run); everything else starts afresh
+            let fresh_each = pp || a.depth == 0;
+            for s in sessions.iter_mut() {
+                setup(s)?;
+                run(s)?;
+            }
+            let mut res = vec![Vec::with_capacity(a.reps); sessions.len()];
+            for _ in 0..a.reps {
+                for (pi, s) in sessions.iter_mut().enumerate() {
+                    if fresh_each {
+                        setup(s)?;
+                    }
+                    let t0 = Instant::now();
+                    run(s)?;
+                    res[pi].push(n as f64 / t0.elapsed().as_secs_f64());
+                }
+            }
+            ours.push(res);
+        }
+        let kv_lines: Vec<String> = policies
+            .iter()
+            .zip(&sessions)
+            .map(|(p, sess)| {
+                format!(
+                    "kvrun KV: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
+                    a.kv.kv_budget
+                        .filter(|_| crate::policy::find(p).is_some_and(|d| d.budgeted()))
+                        .map(|b| b.to_string())
+                        .unwrap_or_else(|| "none".into()),
+                    sess.kv.peak_live,
+                    sess.kv.peak_bytes() as f64 / (1 << 20) as f64,
+                    sess.n_evicted,
+                    sess.state.prob_exports
+                )
+            })
+            .collect();
+        Ok((ours, kv_lines, None))
+    }
 }

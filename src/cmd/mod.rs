@@ -94,7 +94,18 @@ pub enum Cmd {
 /// tokenizer, with the tokenizer checked against the embedding. Every
 /// command loads through here.
 pub fn load_model(m: &ModelArgs) -> Result<Loaded> {
-    // a device this build or machine cannot use fails before any loading
+    if crate::backend::Device::parse(&m.device)? != crate::backend::Device::Cpu {
+        return Err(Error::arg(
+            "--device",
+            format!("{}: this command runs on the CPU only for now (the one-shot command and `kvrun bench` run on the GPU)", m.device),
+        ));
+    }
+    Loaded::open(&resolve_model(&m.model)?)
+}
+
+/// `load_model` for the commands that run on any device: a device this
+/// build or machine cannot use fails before any loading.
+pub fn load_model_any_device(m: &ModelArgs) -> Result<Loaded> {
     crate::backend::Device::parse(&m.device)?.check()?;
     Loaded::open(&resolve_model(&m.model)?)
 }

@@ -8,7 +8,7 @@ use crate::cmd::args::{
     RunArgs,
 };
 use crate::cmd::prompt::prompt_tokens;
-use crate::cmd::{interrupt, load_model};
+use crate::cmd::{interrupt, load_model_any_device};
 use crate::error::{Error, Result};
 use crate::generate::{generate, GenOptions, Session};
 use crate::sample::Sampler;
@@ -75,7 +75,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         _ => None,
     };
     let t_load = std::time::Instant::now();
-    let m = load_model(&a.model)?;
+    let m = load_model_any_device(&a.model)?;
     let (w, tok) = (m.weights(), &m.tokenizer);
     let tmpl = if a.raw {
         None

@@ -81,6 +81,7 @@ struct Funcs {
     kv_store_rows: CudaFunction,
     kv_read_rows: CudaFunction,
     kv_move_rows: CudaFunction,
+    read_sum: CudaFunction,
 }
 
 /// Device buffers for the small host arrays some operations carry (token
@@ -175,6 +176,7 @@ impl Dev {
             kv_store_rows: find("kv_store_rows")?,
             kv_read_rows: find("kv_read_rows")?,
             kv_move_rows: find("kv_move_rows")?,
+            read_sum: find("read_sum")?,
         };
         Ok(Dev {
             ordinal,
@@ -334,6 +336,68 @@ impl Cuda {
         Ok(Cuda {
             dev: Arc::new(Dev::open(ordinal)?),
             pool: ThreadPool::new(n_host_threads.max(1)),
+        })
+    }
+
+    /// Another handle on the same GPU (shared kernels and stream), with its
+    /// own host threads: one per session.
+    pub fn sibling(&self, n_host_threads: usize) -> Cuda {
+        Cuda {
+            dev: self.dev.clone(),
+            pool: ThreadPool::new(n_host_threads.max(1)),
+        }
+    }
+
+    /// The device's read bandwidth in GB/s: a 1 GiB streaming read, timed
+    /// over 5 passes after a warm-up.
+    pub fn read_bandwidth(&self) -> Result<f64> {
+        let d = self.dev();
+        let n = 1usize << 28; // floats: 1 GiB
+        let buf = d
+            .stream
+            .alloc_zeros::<f32>(n)
+            .map_err(|e| drv("allocating the bandwidth probe", e))?;
+        let blocks = 4096usize;
+        let out = d
+            .stream
+            .alloc_zeros::<f32>(blocks)
+            .map_err(|e| drv("allocating the bandwidth probe", e))?;
+        let (xp, op, n4) = (d.ptr(&buf), d.ptr(&out), (n / 4) as i64);
+        let l = plan::Launch {
+            grid: (blocks as u32, 1, 1),
+            block: (256, 1, 1),
+        };
+        let pass = || {
+            d.launch("read_sum", &d.f.read_sum, l, |a| {
+                a.arg(&xp).arg(&n4).arg(&op);
+            })
+        };
+        pass();
+        d.stream
+            .synchronize()
+            .map_err(|e| drv("bandwidth probe", e))?;
+        let t = std::time::Instant::now();
+        for _ in 0..5 {
+            pass();
+        }
+        d.stream
+            .synchronize()
+            .map_err(|e| drv("bandwidth probe", e))?;
+        self.check()?;
+        Ok(5.0 * (4 * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// An activation buffer holding `v` (tests and tools feed the ops
+    /// through it).
+    pub fn act_from(&self, v: &[f32]) -> Result<DevBuf> {
+        let data = self
+            .dev
+            .stream
+            .clone_htod(v)
+            .map_err(|e| drv("uploading", e))?;
+        Ok(DevBuf {
+            len: v.len(),
+            data: Some(data),
         })
     }
 

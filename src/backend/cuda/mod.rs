@@ -16,7 +16,7 @@ pub mod plan;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::{driver_present, has_kernels, ptx_modules, Cuda, CudaKv};
+pub use device::{driver_present, has_kernels, ptx_modules, Cuda, CudaKv, DevBuf, DevMat};
 
 #[cfg(not(feature = "cuda"))]
 mod stub;

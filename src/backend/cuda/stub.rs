@@ -29,6 +29,17 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// Another handle on the same GPU (never called: no `Cuda` exists).
+    pub fn sibling(&self, _n_host_threads: usize) -> Cuda {
+        match self.never {}
+    }
+    /// The device's read bandwidth (never called).
+    pub fn read_bandwidth(&self) -> Result<f64> {
+        match self.never {}
+    }
+}
+
 /// Device memory (stub: never exists).
 #[derive(Debug)]
 pub struct DeviceBuf {
