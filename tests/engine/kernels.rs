@@ -425,6 +425,18 @@ fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
 }
 
 #[test]
+fn q5_k_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::qgemm_q5k::{tile_for, tile_scalar};
+    tile_matches_ggml(
+        DType::Q5K,
+        0x5eed_0513,
+        tile_for::<4>,
+        tile_for::<1>,
+        tile_scalar::<4>,
+    );
+}
+
+#[test]
 fn q6_k_tile_matches_ggml_vec_dot_bit_for_bit() {
     use kvrun::backend::cpu::qgemm_q6k::{tile_for, tile_scalar};
     tile_matches_ggml(
@@ -460,6 +472,18 @@ fn q4_0_tile_matches_ggml_vec_dot_bit_for_bit() {
     );
 }
 
+#[test]
+fn q5_0_tile_matches_ggml_vec_dot_bit_for_bit() {
+    use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q5_0};
+    tile_matches_ggml(
+        DType::Q5_0,
+        0x5eed_0500,
+        tile_for::<W_Q5_0, 4>,
+        tile_for::<W_Q5_0, 1>,
+        tile_scalar::<W_Q5_0, 4>,
+    );
+}
+
 /// `matmul_q` at every kernel level this CPU runs equals ggml's `vec_dot`
 /// row by row, bit for bit: row counts not a multiple of the tile's, token
 /// counts not a multiple of its width, decoding (1 token), 1-3 threads.
@@ -476,6 +500,10 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4K, 5, 512, 1),
         (DType::Q4K, 64, 1024, 1),
         (DType::Q4K, 4, 256, 4),
+        (DType::Q5K, 18, 256, 7),
+        (DType::Q5K, 37, 768, 5),
+        (DType::Q5K, 5, 512, 1),
+        (DType::Q5K, 4, 256, 4),
         (DType::Q6K, 18, 256, 7),
         (DType::Q6K, 37, 768, 5),
         (DType::Q6K, 9, 512, 1),
@@ -487,6 +515,10 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4_0, 37, 640, 5),
         (DType::Q4_0, 9, 96, 1),
         (DType::Q4_0, 4, 32, 4),
+        (DType::Q5_0, 18, 64, 7),
+        (DType::Q5_0, 37, 640, 5),
+        (DType::Q5_0, 9, 96, 1),
+        (DType::Q5_0, 4, 32, 4),
     ] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);

@@ -2,15 +2,15 @@
 //! GGUF storage type, usually borrowed from the memory map) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
 //! `ggml-sys`, with cache blocking for batched prefill, and our own tile
-//! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q6_K,
-//! Q8_0 and Q4_0 (`qgemm_q4k`, `qgemm_q6k`, `qgemm_q8_0`, prefill and
-//! decode).
+//! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K,
+//! Q6_K, Q8_0, Q4_0 and Q5_0 (`qgemm_q4k`, `qgemm_q5k`, `qgemm_q6k`,
+//! `qgemm_q8_0`, prefill and decode).
 
 use super::isa::{self, Level};
 use super::pool::{split, SharedMut, ThreadPool};
-use super::qgemm_q8_0::{W_Q4_0, W_Q8_0};
+use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_q4k, qgemm_q6k, qgemm_q8_0};
+use super::{qgemm_q4k, qgemm_q5k, qgemm_q6k, qgemm_q8_0};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -167,6 +167,10 @@ pub fn matmul_q_at(
             qgemm_q4k::tile_for::<NT>(level),
             qgemm_q4k::tile_for::<1>(level),
         ),
+        DType::Q5K => (
+            qgemm_q5k::tile_for::<NT>(level),
+            qgemm_q5k::tile_for::<1>(level),
+        ),
         DType::Q6K => (
             qgemm_q6k::tile_for::<NT>(level),
             qgemm_q6k::tile_for::<1>(level),
@@ -178,6 +182,10 @@ pub fn matmul_q_at(
         DType::Q4_0 => (
             qgemm_q8_0::tile_for::<W_Q4_0, NT>(level),
             qgemm_q8_0::tile_for::<W_Q4_0, 1>(level),
+        ),
+        DType::Q5_0 => (
+            qgemm_q8_0::tile_for::<W_Q5_0, NT>(level),
+            qgemm_q8_0::tile_for::<W_Q5_0, 1>(level),
         ),
         _ => (None, None),
     };
@@ -216,7 +224,8 @@ pub fn matmul_q_at(
 enum Tile {
     /// Q4_1 × Q8_1, with the block scales gathered per tile beforehand.
     Q4_1(qgemm_x86::TileFn),
-    /// The `qgemm_q4k` call shape (Q4_K, Q6_K × Q8_K; Q8_0, Q4_0 × Q8_0):
+    /// The `qgemm_q4k` call shape (Q4_K, Q5_K, Q6_K × Q8_K; Q8_0, Q4_0,
+    /// Q5_0 × Q8_0):
     /// block scales read inside the kernel.
     Rows(qgemm_q4k::TileFn<NT>),
 }

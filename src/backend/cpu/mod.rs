@@ -8,7 +8,8 @@
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
 //! - `qgemm_q4k`: the Q4_K × Q8_K tile kernel (AVX-512 VNNI), prefill and
 //!   decode; `qgemm_q6k`: Q6_K × Q8_K (AVX-512 VNNI), likewise;
-//! - `qgemm_q8_0`: Q8_0 × Q8_0 and Q4_0 × Q8_0 tile kernels (AVX-512 VNNI,
+//!   `qgemm_q5k`: Q5_K × Q8_K (AVX-512 VNNI, AVX2), likewise;
+//! - `qgemm_q8_0`: Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI,
 //!   AVX2), prefill and decode;
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
 //! - `attention`: one layer's attention step (prefill and decode paths,
@@ -32,6 +33,7 @@ pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod qgemm_q4k;
+pub mod qgemm_q5k;
 pub mod qgemm_q6k;
 pub mod qgemm_q8_0;
 pub mod qgemm_x86;

@@ -43,7 +43,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// `q` must point to 12 readable bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-unsafe fn unpack16(q: *const u8) -> [u32; 4] {
+pub(super) unsafe fn unpack16(q: *const u8) -> [u32; 4] {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -149,7 +149,8 @@ pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
 /// takes next from a contiguous `QMat`) one tile ahead. Only a hint (it
 /// doubles one thread's decoding speed on a 1.5B Q8_0 model): an address
 /// outside the matrix is never read, just not usefully prefetched. Used by
-/// every tile of this call shape (`qgemm_q4k`, `qgemm_q6k`, `qgemm_q8_0`).
+/// every tile of this call shape (`qgemm_q4k`, `qgemm_q5k`, `qgemm_q6k`,
+/// `qgemm_q8_0`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn prefetch_next_tile<const N: usize>(

@@ -1,17 +1,19 @@
-//! Q8_0 × Q8_0 and Q4_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
+//! Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
 //! weight rows × `N` tokens per call, with the call shape of
 //! [`super::qgemm_q4k`] (`N` = 4 for batched prefill, 1 for decoding), so
 //! each weight block is loaded and unpacked once for `N` tokens and each
 //! activation block (and its block sums) once for `MR` rows.
 //!
-//! Both weight types are 32-weight blocks with an f16 scale `d` in front:
+//! The weight types are 32-weight blocks with an f16 scale `d` in front:
 //! Q8_0 holds 32 i8 weights, Q4_0 16 bytes of nibbles (weight i < 16 is
 //! the low nibble of byte i, weight i ≥ 16 the high nibble of byte i − 16),
-//! each nibble q standing for q − 8. Activations are Q8_0 (ggml's format
-//! for both).
+//! each nibble q standing for q − 8. Q5_0 holds a little-endian u32 `qh`
+//! (bit i: the 5th bit of weight i), then Q4_0's 16 bytes of nibbles; each
+//! 5-bit q stands for q − 16. Activations are Q8_0 (ggml's format for all
+//! three).
 //!
 //! Per (row, token) the arithmetic is that of ggml's x86
-//! `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_q4_0_q8_0` (AVX2 branch) lane
+//! `ggml_vec_dot_q8_0_q8_0` / `_q4_0_q8_0` / `_q5_0_q8_0` (AVX2 branch) lane
 //! for lane, so results agree with it bit for bit (tests/engine/kernels.rs):
 //! per block, 8 i32 lanes, lane k = Σ of the 4 products of weights
 //! 4k..4k+3 with their activations (exact integers), then
@@ -20,14 +22,16 @@
 //!
 //! How the lanes are formed (any exact way gives the same integers):
 //! - VNNI: weights as unsigned bytes u = w + o (o = 128 for Q8_0, a flip of
-//!   the sign bit; o = 8 for Q4_0, the raw nibble), so one `vpdpbusd` of u
+//!   the sign bit; o = 8 for Q4_0, the raw nibble; o = 16 for Q5_0, the raw
+//!   5-bit value, its high bits added under a byte mask), so one `vpdpbusd` of u
 //!   with the activation, started from −o·(the activation's 4-byte group
 //!   sums), is Σ w·y. The group sums are made once per token and block.
 //! - AVX2: Q8_0 by ggml's sign trick (`maddubs(|w|, sign(y, w))`, pairs
-//!   added by `madd`); Q4_0 as `maddubs(nibbles, y)` + the same −8·sums.
+//!   added by `madd`); Q4_0 and Q5_0 as `maddubs(u, y)` + the same −o·sums
+//!   (Q5_0's high bits spread from `qh` to bytes by a shuffle and compare).
 //!
 //! [`tile_scalar`] is the scalar model of that arithmetic. The weight type
-//! is a const parameter, [`W_Q8_0`] or [`W_Q4_0`].
+//! is a const parameter, [`W_Q8_0`], [`W_Q4_0`] or [`W_Q5_0`].
 
 use super::isa::{detected, Level};
 #[cfg(target_arch = "x86_64")]
@@ -40,18 +44,32 @@ use half::f16;
 pub const W_Q8_0: u8 = 0;
 /// The const parameter of a Q4_0 weight matrix.
 pub const W_Q4_0: u8 = 1;
+/// The const parameter of a Q5_0 weight matrix.
+pub const W_Q5_0: u8 = 2;
 
 /// Bytes of a Q8_0 block: `d` (f16), `qs[32]` (i8).
 pub const Q8_0_BYTES: usize = 34;
 /// Bytes of a Q4_0 block: `d` (f16), `qs[16]` (nibbles).
 pub const Q4_0_BYTES: usize = 18;
+/// Bytes of a Q5_0 block: `d` (f16), `qh` (u32), `qs[16]` (nibbles).
+pub const Q5_0_BYTES: usize = 22;
 
 /// Bytes of one weight block of type `W`.
 const fn block_bytes(w: u8) -> usize {
-    if w == W_Q4_0 {
-        Q4_0_BYTES
-    } else {
-        Q8_0_BYTES
+    match w {
+        W_Q4_0 => Q4_0_BYTES,
+        W_Q5_0 => Q5_0_BYTES,
+        _ => Q8_0_BYTES,
+    }
+}
+
+/// The unsigned offset o of a weight of type `W` (its stored value is w + o;
+/// 0 for Q8_0, whose bytes are the signed weights).
+const fn offset(w: u8) -> i32 {
+    match w {
+        W_Q4_0 => 8,
+        W_Q5_0 => 16,
+        _ => 0,
     }
 }
 
@@ -61,7 +79,10 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 fn check<const W: u8, const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) {
-    assert!(W == W_Q8_0 || W == W_Q4_0, "q8_0 tile: unknown weight type");
+    assert!(
+        W == W_Q8_0 || W == W_Q4_0 || W == W_Q5_0,
+        "q8_0 tile: unknown weight type"
+    );
     assert!(
         w.iter().all(|r| r.len() >= nb * block_bytes(W)),
         "q8_0 tile: weight row too short"
@@ -75,13 +96,18 @@ fn check<const W: u8, const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]
 /// Weight `i` (0..32) of the block `x` of type `W`, as its integer value.
 #[inline]
 fn weight<const W: u8>(x: &[u8], i: usize) -> i32 {
-    if W == W_Q4_0 {
-        let b = x[2 + i % 16];
-        let q = if i < 16 { b & 0x0f } else { b >> 4 };
-        q as i32 - 8
-    } else {
-        x[2 + i] as i8 as i32
+    if W == W_Q8_0 {
+        return x[2 + i] as i8 as i32;
     }
+    // the nibbles follow the scale (Q4_0) or the scale and qh (Q5_0)
+    let qs = if W == W_Q5_0 { 6 } else { 2 };
+    let b = x[qs + i % 16];
+    let mut q = if i < 16 { b & 0x0f } else { b >> 4 };
+    if W == W_Q5_0 {
+        let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+        q |= (((qh >> i) & 1) as u8) << 4;
+    }
+    q as i32 - offset(W)
 }
 
 /// Scalar model of the tile (see the module doc).
@@ -202,21 +228,62 @@ unsafe fn block_start<const N: usize>(
     (xs, xd, yd, ys)
 }
 
-/// The 32 weights of the Q4_0 block at `x` as unsigned nibbles (weight + 8),
-/// in weight order.
+/// The 32 nibbles at `qs` (16 bytes: Q4_0's weights + 8, or Q5_0's low 4
+/// bits), in weight order.
 ///
 /// # Safety
-/// `x` must point to a readable Q4_0 block; AVX2 must be available.
+/// `qs` must point to 16 readable bytes; AVX2 must be available.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn nibbles(x: *const u8) -> std::arch::x86_64::__m256i {
+unsafe fn nibbles(qs: *const u8) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
-    // SAFETY: the block's 16 quant bytes follow its 2-byte scale; AVX2 is
-    // the caller's contract.
+    // SAFETY: qs points to 16 readable bytes and AVX2 is available (the
+    // caller's contract).
     unsafe {
-        let q = _mm_loadu_si128(x.add(2).cast());
+        let q = _mm_loadu_si128(qs.cast());
         let qq = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
         _mm256_and_si256(qq, _mm256_set1_epi8(0x0f))
+    }
+}
+
+/// The `qh` word of the Q5_0 block at `x`: bit i is the 5th bit of weight i.
+///
+/// # Safety
+/// `x` must point to a readable Q5_0 block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q5_0_high(x: *const u8) -> u32 {
+    // SAFETY: qh is bytes 2..6 of the block (the caller's contract).
+    unsafe { x.add(2).cast::<u32>().read_unaligned() }
+}
+
+/// The 32 unsigned weights (weight + 16, 0..32) of the Q5_0 block at `x`
+/// with AVX2 only: byte i of `qh` broadcast to the 8 bytes of its weights,
+/// each tested against its own bit, 16 where it is set.
+///
+/// # Safety
+/// `x` must point to a readable Q5_0 block; AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q5_0_avx2(x: *const u8) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: the block's nibbles are bytes 6..22 of it (the caller's
+    // contract), as is AVX2.
+    let (lo, qh) = unsafe { (nibbles(x.add(6)), q5_0_high(x)) };
+    // byte i of the vector: byte i / 8 of qh (shuffles stay in 128-bit
+    // halves; the broadcast puts all 4 bytes in both)
+    // SAFETY: AVX2 is available (the caller's contract); registers only.
+    unsafe {
+        let pick = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)))
     }
 }
 
@@ -255,27 +322,38 @@ unsafe fn tile_avx2_impl<const W: u8, const N: usize>(
     for b in 0..nb {
         // SAFETY (all loads): b < nb and each row holds nb blocks.
         let (xs, xd, yd, ys) = unsafe { block_start::<N>(w, a, nb, bw, b) };
-        // Q4_0: −8 · the 4-byte group sums of each token's block
+        // Q4_0, Q5_0: −o · the 4-byte group sums of each token's block
+        // (o = 8 or 16, a shift by 3 or 4)
         let corr: [__m256i; N] = std::array::from_fn(|t| {
-            if W == W_Q4_0 {
-                let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, ys[t]), ones16);
-                _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, 3))
-            } else {
+            if W == W_Q8_0 {
                 _mm256_setzero_si256()
+            } else {
+                let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, ys[t]), ones16);
+                let os = if W == W_Q5_0 {
+                    _mm256_slli_epi32(s, 4)
+                } else {
+                    _mm256_slli_epi32(s, 3)
+                };
+                _mm256_sub_epi32(_mm256_setzero_si256(), os)
             }
         });
         for r in 0..MR {
             let x = xs[r];
-            // Q4_0: the nibbles; Q8_0: the weights and their absolute values
+            // Q4_0, Q5_0: the unsigned weights; Q8_0: the weights and their
+            // absolute values
             let (q, ax) = if W == W_Q4_0 {
-                let u = unsafe { nibbles(x) };
+                let u = unsafe { nibbles(x.add(2)) };
+                (u, u)
+            } else if W == W_Q5_0 {
+                // SAFETY: x is a whole Q5_0 block (as for all loads above).
+                let u = unsafe { q5_0_avx2(x) };
                 (u, u)
             } else {
                 let q = unsafe { _mm256_loadu_si256(x.add(2).cast()) };
                 (q, _mm256_sign_epi8(q, q))
             };
             for t in 0..N {
-                let lanes = if W == W_Q4_0 {
+                let lanes = if W != W_Q8_0 {
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ys[t]), ones16);
                     _mm256_add_epi32(p, corr[t])
                 } else {
@@ -303,7 +381,8 @@ unsafe fn tile_vnni_impl<const W: u8, const N: usize>(
     use std::arch::x86_64::*;
     let bw = block_bytes(W);
     // o: the unsigned offset of a weight byte (as a u8 for vpdpbusd)
-    let off = _mm256_set1_epi8(if W == W_Q4_0 { 8 } else { -128 });
+    let off = _mm256_set1_epi8(if W == W_Q8_0 { -128 } else { offset(W) as i8 });
+    let sixteen = _mm256_set1_epi8(16);
     let mut acc = [[_mm256_setzero_ps(); N]; MR];
     for b in 0..nb {
         // SAFETY (all loads): b < nb and each row holds nb blocks.
@@ -316,7 +395,12 @@ unsafe fn tile_vnni_impl<const W: u8, const N: usize>(
         for r in 0..MR {
             let x = xs[r];
             let u = if W == W_Q4_0 {
-                unsafe { nibbles(x) }
+                unsafe { nibbles(x.add(2)) }
+            } else if W == W_Q5_0 {
+                // 16 added to the nibbles whose bit in qh is set
+                // SAFETY: x is a whole Q5_0 block (as for all loads above).
+                let (lo, qh) = unsafe { (nibbles(x.add(6)), q5_0_high(x)) };
+                _mm256_mask_add_epi8(lo, qh, lo, sixteen)
             } else {
                 _mm256_xor_si256(unsafe { _mm256_loadu_si256(x.add(2).cast()) }, off)
             };
