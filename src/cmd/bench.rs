@@ -76,6 +76,12 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Reset the peak RSS (VmHWM) to the current RSS (Linux `clear_refs` 5);
+/// where that is not possible the peak stays as it is.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 /// Like `measure`, with an untimed `setup` (e.g. prefilling the context
 /// depth) before every run.
 #[cfg(feature = "oracle")]
@@ -139,14 +145,14 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         ctx_toks,
         toks,
     };
-    let (ours, kv_lines, device_note) = match device {
+    let (ours, kv_lines, device_note, kv_peak) = match device {
         crate::backend::Device::Cpu => side.run(w, || Ok(crate::backend::Host::new(n_threads)))?,
         crate::backend::Device::Cuda(ordinal) => {
             let b = crate::backend::cuda::Cuda::new(ordinal, n_threads)?;
             let t = Instant::now();
             let wd = crate::cmd::device_weights(&b, &model, &a.kv)?;
             let up_s = t.elapsed().as_secs_f64();
-            let (o, l, _) = side.run(&wd, || Ok(b.sibling(n_threads)))?;
+            let (o, l, _, p) = side.run(&wd, || Ok(b.sibling(n_threads)))?;
             let gbs = b.read_bandwidth()?;
             let bytes = model.checkpoint().n_bytes() as f64;
             let mut note = format!(
@@ -163,11 +169,26 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
                     100.0 * tg * bytes / (gbs * 1e9)
                 ));
             }
-            (o, l, Some(note))
+            (o, l, Some(note), p)
         }
     };
     let no_llama = a.no_llama || device != crate::backend::Device::Cpu;
+    // the roofline: this machine's read bandwidth with the same threads,
+    // and the bytes a decoded token reads (every weight but the embedding
+    // table, plus the live KV)
     let rss_kvrun = peak_rss_bytes();
+    let gbs = match device {
+        crate::backend::Device::Cpu => {
+            let g = crate::backend::Host::new(n_threads).read_bandwidth();
+            // the probe's buffer is gone: forget its peak, so the whole
+            // run's peak RSS below is the engines' own
+            reset_peak_rss();
+            Some(g)
+        }
+        _ => None,
+    };
+    let weight_bytes = decode_weight_bytes(model.checkpoint());
+    let kv_token_bytes = (2 * c.n_cache_layers() * c.kv_dim() * 2) as f64;
 
     // llama.cpp
     let theirs = if no_llama {
@@ -177,10 +198,22 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     };
 
     println!(
-        "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} |",
+        "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} | read/token | roofline |",
         policies[0]
     );
-    println!("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |");
+    // decoding reads every weight and the live KV once per token; prefill
+    // is bound by compute, so it gets no roofline
+    let roof = |t: &str, m: f64, kv: f64| -> (String, String) {
+        if !t.starts_with("tg") {
+            return ("-".into(), "-".into());
+        }
+        let bytes = weight_bytes + kv;
+        let frac = gbs.map_or("-".into(), |g| {
+            format!("{:.0}%", 100.0 * m * bytes / (g * 1e9))
+        });
+        (format!("{:.1} MB", bytes / 1e6), frac)
+    };
     for (i, (t, _)) in tests.iter().enumerate() {
         let first = mean_sd(&ours[i][0]).0;
         for (pi, p) in policies.iter().enumerate() {
@@ -192,8 +225,9 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
                 } else {
                     format!("kvrun {p}")
                 };
+            let (rb, rf) = roof(t, m, kv_peak[pi]);
             println!(
-                "| {name} | {size_mib:.2} MiB | {n_threads} | {engine} | {t} | {m:.2} ± {sd:.2} | {} | {:.1}% |",
+                "| {name} | {size_mib:.2} MiB | {n_threads} | {engine} | {t} | {m:.2} ± {sd:.2} | {} | {:.1}% | {rb} | {rf} |",
                 ratio
                     .map(|r| format!("{r:.2}x"))
                     .unwrap_or_else(|| "-".into()),
@@ -202,7 +236,9 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         }
         if let Some(r) = &theirs[i] {
             let (m, sd) = mean_sd(r);
-            println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x | - |");
+            // llama.cpp keeps every token: depth plus the test's tokens
+            let (rb, rf) = roof(t, m, kv_token_bytes * (a.depth + tests[i].1) as f64);
+            println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x | - | {rb} | {rf} |");
         }
     }
     if let Some(n) = &device_note {
@@ -217,13 +253,19 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     for l in &kv_lines {
         println!("{l}");
     }
+    if let Some(g) = gbs {
+        println!(
+            "roofline: {g:.1} GB/s read bandwidth measured with {n_threads} threads; a decoded token reads {:.1} MB of weights plus the live KV (peak)",
+            weight_bytes / 1e6
+        );
+    }
     if let Some(b) = rss_kvrun {
         println!(
             "peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB",
             b as f64 / (1 << 20) as f64
         );
     }
-    if let Some(b) = peak_rss_bytes() {
+    if let Some(b) = peak_rss_bytes().map(|p| p.max(rss_kvrun.unwrap_or(0))) {
         println!(
             "peak RSS of the whole run: {:.1} MiB",
             b as f64 / (1 << 20) as f64
@@ -316,7 +358,7 @@ impl KvrunSide<'_> {
         &self,
         w: &'w Weights<'w, B>,
         backend: impl Fn() -> Result<B>,
-    ) -> Result<(Rates, Vec<String>, Option<String>)> {
+    ) -> Result<(Rates, Vec<String>, Option<String>, Vec<f64>)> {
         let KvrunSide {
             a,
             path,
@@ -406,6 +448,25 @@ impl KvrunSide<'_> {
                 )
             })
             .collect();
-        Ok((ours, kv_lines, None))
+        let peaks = sessions.iter().map(|s| s.kv.peak_bytes() as f64).collect();
+        Ok((ours, kv_lines, None, peaks))
+    }
+}
+
+/// Bytes of weights a decoded token reads: every tensor but the embedding
+/// table (one row of it is read), unless the table is also the output head.
+/// A mixture of experts reads only its chosen experts, so this bounds it
+/// from above.
+fn decode_weight_bytes(ck: &crate::load::Checkpoint) -> f64 {
+    match ck {
+        crate::load::Checkpoint::Gguf(g) => {
+            let tied = !g.tensors.iter().any(|t| t.name == "output.weight");
+            g.tensors
+                .iter()
+                .filter(|t| tied || t.name != "token_embd.weight")
+                .filter_map(|t| t.n_bytes())
+                .sum::<u64>() as f64
+        }
+        other => other.n_bytes() as f64,
     }
 }

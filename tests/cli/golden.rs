@@ -197,3 +197,63 @@ fn chat_template_flags_replace_the_models_template() {
     assert!(ok, "{err}");
     assert!(err.contains("no chat template"), "{err}");
 }
+
+/// `kvrun bench` measures the machine's read bandwidth and prints, for
+/// decoding rows, the bytes a token reads and the fraction of that
+/// roofline reached (prefill rows are bound by compute: none).
+#[test]
+fn bench_prints_the_read_per_token_and_the_roofline() {
+    let m = util::default_model();
+    let (out, err, ok) = kvrun(&[
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-t",
+        "2",
+        "--no-llama",
+    ]);
+    assert!(ok, "{err}");
+    let header = out
+        .lines()
+        .find(|l| l.starts_with("| model"))
+        .expect("table header");
+    assert!(header.ends_with("| read/token | roofline |"), "{header}");
+    let cells = |test: &str| -> Vec<String> {
+        let row = out
+            .lines()
+            .find(|l| l.contains(&format!("| {test} |")))
+            .unwrap_or_else(|| panic!("no {test} row in {out}"));
+        row.split('|')
+            .map(|c| c.trim().to_owned())
+            .filter(|c| !c.is_empty())
+            .collect()
+    };
+    let pp = cells("pp8");
+    assert_eq!(&pp[pp.len() - 2..], ["-", "-"], "{pp:?}");
+    let tg = cells("tg4");
+    let mb: f64 = tg[tg.len() - 2]
+        .strip_suffix(" MB")
+        .unwrap()
+        .parse()
+        .unwrap();
+    // SmolLM2's weights (tied embedding: all of them) plus a few tokens of KV
+    assert!((90.0..110.0).contains(&mb), "{tg:?}");
+    let pct: f64 = tg[tg.len() - 1].strip_suffix('%').unwrap().parse().unwrap();
+    assert!(pct > 0.0, "{tg:?}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("roofline:"))
+        .expect("roofline line");
+    let gbs: f64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(gbs > 0.5, "{line}");
+}

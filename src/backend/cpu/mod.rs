@@ -62,6 +62,42 @@ impl Cpu {
             pool: ThreadPool::new(n_threads),
         }
     }
+
+    /// This machine's read bandwidth in GB/s with the pool's threads: a
+    /// 512 MiB buffer (first written, so every page is resident) summed
+    /// three times after a warm-up pass, each thread streaming its own
+    /// contiguous part (`kvrun bench`'s roofline).
+    pub fn read_bandwidth(&self) -> f64 {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let n = 64usize << 20; // u64 words
+        let buf: Vec<u64> = (0..n as u64).collect();
+        let nt = self.pool.n_threads();
+        let sink = AtomicU64::new(0);
+        let pass = || {
+            self.pool.run(|t| {
+                let (a, b) = pool::split(n, t, nt);
+                // eight independent sums, so the loop is bound by loads
+                let mut acc = [0u64; 8];
+                for c in buf[a..b].chunks_exact(8) {
+                    for (x, &y) in acc.iter_mut().zip(c) {
+                        *x = x.wrapping_add(y);
+                    }
+                }
+                sink.fetch_add(
+                    acc.iter().fold(0, |s, &x| s.wrapping_add(x)),
+                    Ordering::Relaxed,
+                );
+            })
+        };
+        pass();
+        let t = std::time::Instant::now();
+        for _ in 0..3 {
+            pass();
+        }
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(sink.load(Ordering::Relaxed));
+        3.0 * (8 * n) as f64 / secs / 1e9
+    }
 }
 
 /// Takes weights for the CPU without a running backend: matrices keep the
