@@ -422,6 +422,15 @@ impl Cuda {
         }
     }
 
+    /// x[i] = f(x[i], y[i]) for i < len (kernels taking (x, y, len)).
+    fn pairwise(&self, name: &str, f: &CudaFunction, x: &mut DevBuf, y: &DevBuf, len: usize) {
+        let d = self.dev();
+        let (xp, yp, l64) = (Self::ptr(x, &d.stream), Self::ptr(y, &d.stream), len as i64);
+        self.elementwise(name, f, len, |a| {
+            a.arg(&xp).arg(&yp).arg(&l64);
+        });
+    }
+
     /// y (n, n_out) = x (n, n_in) · wᵀ into device memory at `y`.
     fn matmul_into(&self, w: &DevMat, x: u64, n: usize, y: u64) {
         let d = self.dev();
@@ -776,22 +785,18 @@ impl Backend for Cuda {
         // the layer's head records and any entry list not yet on the device
         let mut table = std::mem::take(&mut sc.table);
         sc.cache.layer(kv, layer, st.n_kv_heads, &mut table);
-        let need = sc.cache.needed(&table);
-        if sc.entries.as_ref().is_none_or(|b| b.len() < need) {
+        if let Some((words, keep)) = sc.cache.grow(sc.entries.as_ref().map(|b| b.len()), &table) {
             // grow, keeping the lists this step already uploaded
-            let Some(mut nb) = d.alloc::<u32>(2 * need.next_power_of_two()) else {
+            let Some(mut nb) = d.alloc::<u32>(words) else {
                 sc.table = table;
                 return;
             };
-            if let Some(old) = &sc.entries {
-                let keep = (2 * table.upload_at).min(old.len());
-                if keep > 0 {
-                    d.note(
-                        "growing the entry list",
-                        d.stream
-                            .memcpy_dtod(&old.slice(0..keep), &mut nb.slice_mut(0..keep)),
-                    );
-                }
+            if let (Some(old), true) = (&sc.entries, keep > 0) {
+                d.note(
+                    "growing the entry list",
+                    d.stream
+                        .memcpy_dtod(&old.slice(0..keep), &mut nb.slice_mut(0..keep)),
+                );
             }
             sc.entries = Some(nb);
         }
@@ -935,26 +940,10 @@ impl Backend for Cuda {
         });
     }
     fn swiglu(&self, gate: &mut DevBuf, up: &DevBuf, n: usize, width: usize) {
-        let d = self.dev();
-        let (gp, upp, len) = (
-            Self::ptr(gate, &d.stream),
-            Self::ptr(up, &d.stream),
-            (n * width) as i64,
-        );
-        self.elementwise("swiglu", &d.f.swiglu, len as usize, |a| {
-            a.arg(&gp).arg(&upp).arg(&len);
-        });
+        self.pairwise("swiglu", &self.dev.f.swiglu, gate, up, n * width);
     }
     fn geglu(&self, gate: &mut DevBuf, up: &DevBuf, n: usize, width: usize) {
-        let d = self.dev();
-        let (gp, upp, len) = (
-            Self::ptr(gate, &d.stream),
-            Self::ptr(up, &d.stream),
-            (n * width) as i64,
-        );
-        self.elementwise("geglu", &d.f.geglu, len as usize, |a| {
-            a.arg(&gp).arg(&upp).arg(&len);
-        });
+        self.pairwise("geglu", &self.dev.f.geglu, gate, up, n * width);
     }
     fn rmsnorm_rows(&self, x: &mut DevBuf, w: &DevBuf, eps: f32, rows: usize) {
         let d = self.dev();
@@ -1037,15 +1026,7 @@ impl Backend for Cuda {
         });
     }
     fn add(&self, x: &mut DevBuf, y: &DevBuf, n: usize, width: usize) {
-        let d = self.dev();
-        let (xp, yp, len) = (
-            Self::ptr(x, &d.stream),
-            Self::ptr(y, &d.stream),
-            (n * width) as i64,
-        );
-        self.elementwise("add_vec", &d.f.add_vec, len as usize, |a| {
-            a.arg(&xp).arg(&yp).arg(&len);
-        });
+        self.pairwise("add_vec", &self.dev.f.add_vec, x, y, n * width);
     }
 }
 

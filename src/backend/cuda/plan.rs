@@ -191,6 +191,21 @@ impl EntryCache {
         t.upload_at + t.new_entries.len() / 2
     }
 
+    /// Whether the step's device list (`cap_words` u32 words, None before
+    /// the first) must grow before `t` is uploaded: the new size in words
+    /// (a power of two, two words an entry) and the words to keep (the
+    /// lists this step already uploaded).
+    pub fn grow(&self, cap_words: Option<usize>, t: &LayerTable) -> Option<(usize, usize)> {
+        let need = 2 * self.needed(t);
+        match cap_words {
+            Some(c) if c >= need => None,
+            c => Some((
+                need.next_power_of_two().max(128),
+                (2 * t.upload_at).min(c.unwrap_or(0)),
+            )),
+        }
+    }
+
     /// The records of `layer`'s `n_kv_heads` heads, and the entries not yet
     /// uploaded this step (each head's live entries in memory order).
     pub fn layer(
@@ -254,8 +269,8 @@ mod tests {
     /// by build.rs.
     mod host {
         extern "C" {
-            pub fn kvrun_host_deq32(ty: i32, row: *const u8, s: i32, out: *mut f32);
-            pub fn kvrun_host_block_bytes(ty: i32) -> i32;
+            pub(super) fn kvrun_host_deq32(ty: i32, row: *const u8, s: i32, out: *mut f32);
+            pub(super) fn kvrun_host_block_bytes(ty: i32) -> i32;
         }
     }
 
@@ -336,6 +351,28 @@ mod tests {
         assert_eq!(elementwise_launch(0).grid.0, 1);
         assert_eq!(elementwise_launch(257).grid.0, 2);
         assert_eq!(elementwise_launch(1 << 30).grid.0, 8192);
+    }
+
+    #[test]
+    fn the_entry_list_grows_keeping_what_the_step_uploaded() {
+        let mut c = EntryCache::default();
+        let mut t = LayerTable {
+            new_entries: vec![0; 2 * 40],
+            ..Default::default()
+        };
+        assert_eq!(c.grow(None, &t), Some((128, 0)));
+        assert_eq!(c.grow(Some(128), &t), None);
+        // a later layer of the same step adds 30 entries after 40
+        c.used = 40;
+        t.upload_at = 40;
+        t.new_entries = vec![0; 2 * 30];
+        assert_eq!(c.grow(Some(128), &t), Some((256, 80)));
+        assert_eq!(c.grow(Some(140), &t), None);
+        // a new step starts over
+        c.begin_step();
+        t.upload_at = 0;
+        t.new_entries = vec![0; 2 * 112];
+        assert_eq!(c.grow(Some(128), &t), Some((256, 0)));
     }
 
     #[test]
