@@ -27,8 +27,8 @@ pub struct ModelArgs {
     /// Threads (default: all cores).
     #[arg(short = 't', long = "threads")]
     pub threads: Option<i64>,
-    /// Compute device: cpu, cuda or cuda:N (CUDA needs a build with the
-    /// `cuda` feature and an NVIDIA driver).
+    /// Compute device: cpu, cuda or cuda:N (the one-shot command and bench;
+    /// CUDA needs a build that found nvcc and an NVIDIA driver).
     #[arg(long = "device", default_value = "cpu")]
     pub device: String,
     /// Thinking for chat templates with a switch (Qwen3's
@@ -394,7 +394,8 @@ pub struct RunArgs {
     /// Single turn (accepted for llama-cli compatibility; one-shot is the default).
     #[arg(long = "single-turn", hide = true)]
     pub single_turn: bool,
-    /// GPU layers (accepted for compatibility; this build runs on the CPU).
+    /// GPU layers, as llama.cpp's -ngl: any N > 0 (or `all`) runs every
+    /// layer on GPU 0 (`--device cuda`), 0 on the CPU.
     #[arg(long = "gpu-layers", hide = true)]
     pub gpu_layers: Option<String>,
 }
