@@ -350,6 +350,10 @@ struct KvrunSide<'r> {
 /// tokens/s of each repetition, per test and policy.
 type Rates = Vec<Vec<Vec<f64>>>;
 
+/// What the kvrun half measured: the rates, a KV line and the peak KV bytes
+/// per policy, and a note from the device.
+type Measured = (Rates, Vec<String>, Option<String>, Vec<f64>);
+
 impl KvrunSide<'_> {
     /// One session per policy (`--policy a,b,c`), measured interleaved (rep
     /// by rep) so that machine noise hits them alike; the tokens/s and a
@@ -358,7 +362,7 @@ impl KvrunSide<'_> {
         &self,
         w: &'w Weights<'w, B>,
         backend: impl Fn() -> Result<B>,
-    ) -> Result<(Rates, Vec<String>, Option<String>, Vec<f64>)> {
+    ) -> Result<Measured> {
         let KvrunSide {
             a,
             path,

@@ -134,12 +134,12 @@ pub fn n_splits(max_entries: usize) -> usize {
 /// on the device, so a step never meets a shape it cannot compute)
 pub fn check_attention_shape(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Result<()> {
     let bad = |what: String| Err(Error::Other(format!("--device cuda: {what}")));
-    if head_dim == 0 || head_dim % 32 != 0 || head_dim > MAX_HEAD_DIM {
+    if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > MAX_HEAD_DIM {
         return bad(format!(
             "head dimension {head_dim} is not supported (a multiple of 32 up to {MAX_HEAD_DIM})"
         ));
     }
-    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || n_heads / n_kv_heads > MAX_GROUP {
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || n_heads / n_kv_heads > MAX_GROUP {
         return bad(format!(
             "{n_heads} query heads over {n_kv_heads} KV heads are not supported (at most {MAX_GROUP} per KV head)"
         ));
@@ -149,7 +149,7 @@ pub fn check_attention_shape(n_heads: usize, n_kv_heads: usize, head_dim: usize)
 
 /// Can the matmul kernels read rows of `n_in` values of `dtype`?
 pub fn check_matrix(dtype: DType, n_in: usize) -> Result<()> {
-    if n_in % 32 != 0 {
+    if !n_in.is_multiple_of(32) {
         return Err(Error::Other(format!(
             "--device cuda: rows of {n_in} {dtype:?} values are not supported (the kernels read 32 values at a time)"
         )));
