@@ -59,7 +59,7 @@ else
 fi
 q15="synth:$header:r1-distill-qwen-1.5b:Q8_0"
 step bench-1.5b-q8 120 "$bin" bench -m "$q15" --device "$dev" -p $pp -n $tg -r $reps -t 16 --no-llama
-step bench-1.5b-depth 200 "$bin" bench -m "$q15" --device "$dev" -p 0 -n 64 -r 2 -d $depth \
+step bench-1.5b-depth 300 "$bin" bench -m "$q15" --device "$dev" -p 0 -n 64 -r 2 -d $depth \
   --policy full,window,h2o,snapkv,epikv --kv-budget $budget -t 16 --no-llama
 if [ "${KVRUN_GPU_BENCH_7B:-1}" = 1 ]; then
   step bench-7b-q4km 200 "$bin" bench -m "synth:$header:Q4_K_M" --device "$dev" -p $pp -n $tg -r $reps -t 16 --no-llama
