@@ -160,6 +160,8 @@ pub trait KvAccess: Sync {
     /// The entries KV head `g` of `layer` attends over, by position or
     /// (`memory_order`) by row.
     fn head(&self, layer: usize, g: usize, memory_order: bool) -> HeadView<'_>;
+    /// Layers the cache holds.
+    fn n_layers(&self) -> usize;
     /// Positions of the live entries in position order (token-uniform
     /// layout; the shared list).
     fn live_positions(&self) -> &[i64];

@@ -145,31 +145,23 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         ctx_toks,
         toks,
     };
-    let (ours, kv_lines, device_note, kv_peak) = match device {
-        crate::backend::Device::Cpu => side.run(w, || Ok(crate::backend::Host::new(n_threads)))?,
+    let ((ours, kv_lines, kv_peak), device_note, device_gbs) = match device {
+        crate::backend::Device::Cpu => (
+            side.run(w, || Ok(crate::backend::Host::new(n_threads)))?,
+            None,
+            None,
+        ),
         crate::backend::Device::Cuda(ordinal) => {
             let b = crate::backend::cuda::Cuda::new(ordinal, n_threads)?;
             let t = Instant::now();
             let wd = crate::cmd::device_weights(&b, &model, &a.kv)?;
-            let up_s = t.elapsed().as_secs_f64();
-            let (o, l, _, p) = side.run(&wd, || Ok(b.sibling(n_threads)))?;
-            let gbs = b.read_bandwidth()?;
-            let bytes = model.checkpoint().n_bytes() as f64;
-            let mut note = format!(
-                "{}: weights uploaded in {up_s:.2} s; device read bandwidth {gbs:.0} GB/s (measured), so decoding this {:.2} GiB file is bounded near {:.1} t/s",
+            let note = format!(
+                "{}: weights uploaded in {:.2} s",
                 b.name(),
-                bytes / (1u64 << 30) as f64,
-                gbs * 1e9 / bytes
+                t.elapsed().as_secs_f64()
             );
-            if let Some(i) = tests.iter().position(|(t, _)| t.starts_with("tg")) {
-                let tg = mean_sd(&o[i][0]).0;
-                note.push_str(&format!(
-                    "; {} reaches {:.0}% of that roofline",
-                    tests[i].0,
-                    100.0 * tg * bytes / (gbs * 1e9)
-                ));
-            }
-            (o, l, Some(note), p)
+            let m = side.run(&wd, || Ok(b.sibling(n_threads)))?;
+            (m, Some(note), Some(b.read_bandwidth()?))
         }
     };
     let no_llama = a.no_llama || device != crate::backend::Device::Cpu;
@@ -178,6 +170,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     // table, plus the live KV)
     let rss_kvrun = peak_rss_bytes();
     let gbs = match device {
+        crate::backend::Device::Cuda(_) => device_gbs,
         crate::backend::Device::Cpu => {
             let g = crate::backend::Host::new(n_threads).read_bandwidth();
             // the probe's buffer is gone: forget its peak, so the whole
@@ -185,7 +178,6 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             reset_peak_rss();
             Some(g)
         }
-        _ => None,
     };
     let weight_bytes = decode_weight_bytes(model.checkpoint());
     let kv_token_bytes = (2 * c.n_cache_layers() * c.kv_dim() * 2) as f64;
@@ -255,7 +247,11 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     }
     if let Some(g) = gbs {
         println!(
-            "roofline: {g:.1} GB/s read bandwidth measured with {n_threads} threads; a decoded token reads {:.1} MB of weights plus the live KV (peak)",
+            "roofline: {g:.1} GB/s read bandwidth measured {}; a decoded token reads {:.1} MB of weights plus the live KV (peak)",
+            match device {
+                crate::backend::Device::Cpu => format!("with {n_threads} threads"),
+                d => format!("on {d}"),
+            },
             weight_bytes / 1e6
         );
     }
@@ -350,9 +346,9 @@ struct KvrunSide<'r> {
 /// tokens/s of each repetition, per test and policy.
 type Rates = Vec<Vec<Vec<f64>>>;
 
-/// What the kvrun half measured: the rates, a KV line and the peak KV bytes
-/// per policy, and a note from the device.
-type Measured = (Rates, Vec<String>, Option<String>, Vec<f64>);
+/// What the kvrun half measured: the rates, and a KV line and the peak KV
+/// bytes per policy.
+type Measured = (Rates, Vec<String>, Vec<f64>);
 
 impl KvrunSide<'_> {
     /// One session per policy (`--policy a,b,c`), measured interleaved (rep
@@ -453,7 +449,7 @@ impl KvrunSide<'_> {
             })
             .collect();
         let peaks = sessions.iter().map(|s| s.kv.peak_bytes() as f64).collect();
-        Ok((ours, kv_lines, None, peaks))
+        Ok((ours, kv_lines, peaks))
     }
 }
 

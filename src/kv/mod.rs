@@ -699,6 +699,9 @@ impl KvAccess for KvCache {
     fn head(&self, layer: usize, g: usize, memory_order: bool) -> HeadView<'_> {
         KvCache::head(self, layer, g, memory_order)
     }
+    fn n_layers(&self) -> usize {
+        self.n_layers
+    }
     fn live_positions(&self) -> &[i64] {
         &self.live_pos
     }

@@ -8,16 +8,16 @@
 //!   host sees them only through the explicit read-backs of the `Backend`
 //!   trait (logits, hidden-state taps, the exported mass) and the K/V
 //!   store's batched reads (scorers that rank by keys or values).
-//! - The cache's metadata stays on the host. Each step uploads the entry
-//!   lists attention reads (once per step for a token-uniform cache,
-//!   whatever the depth: `plan::EntryCache`) and each layer its head
-//!   records; eviction frees slots in the metadata and never moves K/V.
+//! - The cache's metadata stays on the host. Each step uploads, in one
+//!   copy per cache, the head records and entry lists attention reads in
+//!   every layer (`plan::StepTables`); eviction frees slots in the metadata
+//!   and never moves K/V.
 //! - An operation that fails (a launch, an allocation) cannot return an
 //!   error through the trait, so the first failure is kept and `check`,
 //!   called at the end of every forward step, returns it as a one-line
 //!   error.
 
-use super::plan::{self, EntryCache, LayerTable, MatKernel};
+use super::plan::{self, MatKernel, StepTables};
 use crate::backend::cpu::pool::ThreadPool;
 use crate::backend::kvstore::{quantize_q8_0, BlockQ8_0};
 use crate::backend::{AttnStep, Backend, KvAccess, KvStore, KvType, MassMode, Rope, RopeStyle};
@@ -93,6 +93,9 @@ struct Uploads {
     f32s: Option<CudaSlice<f32>>,
     u64s: Option<CudaSlice<u64>>,
     tmp: Option<CudaSlice<f32>>,
+    /// Host staging of `kv_write`'s storage units (kept, so a decoded
+    /// token allocates nothing).
+    units: Vec<u64>,
     /// RoPE frequency factors, uploaded once per distinct table.
     freq: Vec<(Vec<f32>, CudaSlice<f32>)>,
 }
@@ -283,7 +286,7 @@ pub struct DevMat {
     n_in: usize,
     n_out: usize,
     row_bytes: usize,
-    data: Option<CudaSlice<u8>>,
+    data: CudaSlice<u8>,
 }
 
 /// An f32 buffer on the device (weights vectors and activations).
@@ -303,10 +306,16 @@ pub struct CudaScratch {
     row_ml: Option<CudaSlice<f32>>,
     mass: Option<CudaSlice<f32>>,
     exported: bool,
-    entries: Option<CudaSlice<u32>>,
-    heads: Option<CudaSlice<u32>>,
-    cache: EntryCache,
-    table: LayerTable,
+    /// This step's attention records of the budgeted cache ([0]) and of the
+    /// sliding-window layers' cache ([1]), and their device copies.
+    tables: [StepTables; 2],
+    tables_dev: [Option<CudaSlice<u32>>; 2],
+}
+
+/// Which of a scratch's two caches a step attends over: the sliding-window
+/// layers' own (`window > 0`) or the budgeted one.
+fn cache_index(st: &AttnStep) -> usize {
+    usize::from(st.window > 0)
 }
 
 /// An NVIDIA GPU.
@@ -387,7 +396,7 @@ impl Cuda {
         Ok(5.0 * (4 * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
     }
 
-    /// An activation buffer holding `v` (tests and tools feed the ops
+    /// A device buffer holding `v` (weight vectors; tests feed the ops
     /// through it).
     pub fn act_from(&self, v: &[f32]) -> Result<DevBuf> {
         let data = self
@@ -442,7 +451,7 @@ impl Cuda {
             MatKernel::Mmv(_) => &d.f.mmv[3],
             MatKernel::Tile => &d.f.tile,
         };
-        let wp = w.data.as_ref().map_or(0, |b| d.ptr(b));
+        let wp = d.ptr(&w.data);
         let (ty, rb) = (plan::type_code(w.dtype), w.row_bytes as u64);
         let (n_in, n_out, n_tok) = (w.n_in as i32, w.n_out as i32, n as i32);
         d.launch(k.name(), f, l, |b| {
@@ -507,19 +516,11 @@ impl Backend for Cuda {
             n_in,
             n_out,
             row_bytes,
-            data: Some(data),
+            data,
         })
     }
     fn vector(&self, v: Vec<f32>) -> Result<DevBuf> {
-        let data = self
-            .dev
-            .stream
-            .clone_htod(&v[..])
-            .map_err(|e| drv("uploading weights", e))?;
-        Ok(DevBuf {
-            len: v.len(),
-            data: Some(data),
-        })
+        self.act_from(&v)
     }
     fn act(&self, len: usize) -> DevBuf {
         DevBuf {
@@ -562,15 +563,13 @@ impl Backend for Cuda {
     }
     fn mat_row(&self, m: &DevMat, r: usize, out: &mut [f32]) {
         let mut bytes = vec![0u8; m.row_bytes];
-        if let Some(d) = &m.data {
-            self.dev.note(
-                "reading back a weight row",
-                self.dev.stream.memcpy_dtoh(
-                    &d.slice(r * m.row_bytes..(r + 1) * m.row_bytes),
-                    &mut bytes[..],
-                ),
-            );
-        }
+        self.dev.note(
+            "reading back a weight row",
+            self.dev.stream.memcpy_dtoh(
+                &m.data.slice(r * m.row_bytes..(r + 1) * m.row_bytes),
+                &mut bytes[..],
+            ),
+        );
         crate::quant::dequantize_row(m.dtype, &bytes, &mut out[..m.n_in]);
     }
     fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
@@ -586,7 +585,7 @@ impl Backend for Cuda {
             table.row_bytes as u64,
             table.n_in as i32,
         );
-        let wp = table.data.as_ref().map_or(0, |b| d.ptr(b));
+        let wp = d.ptr(&table.data);
         let xp = Self::ptr(x, &d.stream);
         let l = plan::Launch {
             grid: (tokens.len() as u32, 1, 1),
@@ -727,11 +726,11 @@ impl Backend for Cuda {
             return;
         };
         let (kp, vp, ty) = (store.kp(), store.vp(), plan::kv_code(store.ty));
-        let mut units = Vec::with_capacity(n * 8);
+        let mut up = d.up.lock().unwrap_or_else(|p| p.into_inner());
+        let mut units = std::mem::take(&mut up.units);
         kv.write_units(layer, n, slots, &mut units);
         let n_kv = units.len() / n.max(1);
         let hd = kv_dim / n_kv.max(1);
-        let mut up = d.up.lock().unwrap_or_else(|p| p.into_inner());
         let up_p = d.upload(&mut up.u64s, &units);
         let (kxp, vxp) = (Self::ptr(k, &d.stream), Self::ptr(v, &d.stream));
         let (kd, nk, hdi) = (kv_dim as i32, n_kv as i32, hd as i32);
@@ -750,9 +749,14 @@ impl Backend for Cuda {
                 .arg(&kp)
                 .arg(&vp);
         });
+        up.units = units;
     }
     fn begin_attention(&self, sc: &mut CudaScratch, kv: &dyn KvAccess, st: &AttnStep) {
-        sc.cache.begin_step();
+        // every layer's records in one copy
+        let c = cache_index(st);
+        sc.tables[c].build(kv, st.n_kv_heads);
+        self.dev()
+            .upload(&mut sc.tables_dev[c], &sc.tables[c].words);
         if st.mass != MassMode::None {
             let n = kv.n_slots();
             let d = self.dev();
@@ -782,40 +786,22 @@ impl Backend for Cuda {
             d.fail("cuda: the cache's K/V store is not on this device".into());
             return;
         };
-        // the layer's head records and any entry list not yet on the device
-        let mut table = std::mem::take(&mut sc.table);
-        sc.cache.layer(kv, layer, st.n_kv_heads, &mut table);
-        if let Some((words, keep)) = sc.cache.grow(sc.entries.as_ref().map(|b| b.len()), &table) {
-            // grow, keeping the lists this step already uploaded
-            let Some(mut nb) = d.alloc::<u32>(words) else {
-                sc.table = table;
-                return;
-            };
-            if let (Some(old), true) = (&sc.entries, keep > 0) {
-                d.note(
-                    "growing the entry list",
-                    d.stream
-                        .memcpy_dtod(&old.slice(0..keep), &mut nb.slice_mut(0..keep)),
-                );
-            }
-            sc.entries = Some(nb);
-        }
-        let ent = sc.entries.as_mut().expect("entry list allocated above");
-        if !table.new_entries.is_empty() {
-            let at = 2 * table.upload_at;
-            d.note(
-                "uploading entry lists",
-                d.stream.memcpy_htod(
-                    &table.new_entries[..],
-                    &mut ent.slice_mut(at..at + table.new_entries.len()),
-                ),
-            );
-        }
-        let ep = d.ptr(ent);
-        let hp = d.upload(&mut sc.heads, &table.heads);
-        let n_split = plan::n_splits(table.max_entries);
-        let max_entries = table.max_entries;
-        sc.table = table;
+        // the layer's head records and the entry lists, uploaded at
+        // begin_attention
+        let c = cache_index(st);
+        let (t, Some(buf)) = (&sc.tables[c], &sc.tables_dev[c]) else {
+            return;
+        };
+        let Some(&max_entries) = t.max_entries.get(layer) else {
+            d.fail(format!(
+                "cuda: attention for layer {layer} before its records were built"
+            ));
+            return;
+        };
+        let base = d.ptr(buf);
+        let hp = base + 4 * t.heads_offset(layer) as u64;
+        let ep = base + 4 * t.entries_offset() as u64;
+        let n_split = plan::n_splits(max_entries);
         let (n, nh, hd) = (st.n, st.n_heads, st.head_dim);
         let group = nh / st.n_kv_heads;
         let parts = n * nh * n_split;

@@ -5,10 +5,10 @@
 //! - Launch shapes of the matmul, element-wise and attention kernels.
 //! - The attention records of a layer (kernels/attention.cu): one head
 //!   record per KV head {first entry, entry count, unit base lo/hi, unit
-//!   stride} and the entry lists (slot, position) they point into. Entry
-//!   lists are uploaded once per step: a token-uniform cache shows every
-//!   layer and head the same list, so it crosses the bus once per step
-//!   whatever the depth of the model (`EntryCache`).
+//!   stride} and the entry lists (slot, position) they point into, for
+//!   every layer, built and uploaded once per step (`StepTables`); a
+//!   token-uniform cache shows every layer and head the same list, so it is
+//!   stored once whatever the depth of the model.
 //! - The split-K partition of attention: `ATT_CHUNK` entries per block.
 
 use crate::backend::{KvAccess, KvType};
@@ -157,105 +157,84 @@ pub fn check_matrix(dtype: DType, n_in: usize) -> Result<()> {
     Ok(())
 }
 
-/// Which entry lists were uploaded in this step, and where (entry index
-/// in the step's device list).
+/// The attention records of every layer of one cache for one step, built
+/// on the host once per step and uploaded in one copy: `words` holds the
+/// head records of layer 0, 1, … (`HEAD_REC_WORDS` each, `n_kv_heads` a
+/// layer), then the entry lists as (slot, position) pairs. A list shown to
+/// several layers or heads (a token-uniform cache shows every one the same
+/// list) is stored once.
 #[derive(Debug, Default)]
-pub struct EntryCache {
-    /// (slots pointer, positions pointer, length, first entry) of each list.
+pub struct StepTables {
+    /// Head records, then entries (u32 words).
+    pub words: Vec<u32>,
+    /// Largest entry count over the heads of each layer.
+    pub max_entries: Vec<usize>,
+    n_kv_heads: usize,
+    /// (slots pointer, positions pointer, length, first entry) of each list
+    /// stored.
     lists: Vec<(usize, usize, usize, u32)>,
-    /// Entries uploaded this step.
-    used: usize,
 }
 
-/// One layer's attention records.
-#[derive(Debug, Default)]
-pub struct LayerTable {
-    /// (n_kv_heads · HEAD_REC_WORDS,) head records.
-    pub heads: Vec<u32>,
-    /// (slot, position) pairs to upload at entry `upload_at`.
-    pub new_entries: Vec<u32>,
-    pub upload_at: usize,
-    /// Largest entry count over the heads.
-    pub max_entries: usize,
-}
-
-impl EntryCache {
-    /// A new step: the cache's lists may have changed.
-    pub fn begin_step(&mut self) {
+impl StepTables {
+    /// Build the records of `kv`'s layers (each head's live entries in
+    /// memory order).
+    pub fn build(&mut self, kv: &dyn KvAccess, n_kv_heads: usize) {
+        let n_layers = kv.n_layers();
+        self.n_kv_heads = n_kv_heads;
         self.lists.clear();
-        self.used = 0;
-    }
-
-    /// Entries the step's device list must hold after `t` is uploaded.
-    pub fn needed(&self, t: &LayerTable) -> usize {
-        t.upload_at + t.new_entries.len() / 2
-    }
-
-    /// Whether the step's device list (`cap_words` u32 words, None before
-    /// the first) must grow before `t` is uploaded: the new size in words
-    /// (a power of two, two words an entry) and the words to keep (the
-    /// lists this step already uploaded).
-    pub fn grow(&self, cap_words: Option<usize>, t: &LayerTable) -> Option<(usize, usize)> {
-        let need = 2 * self.needed(t);
-        match cap_words {
-            Some(c) if c >= need => None,
-            c => Some((
-                need.next_power_of_two().max(128),
-                (2 * t.upload_at).min(c.unwrap_or(0)),
-            )),
-        }
-    }
-
-    /// The records of `layer`'s `n_kv_heads` heads, and the entries not yet
-    /// uploaded this step (each head's live entries in memory order).
-    pub fn layer(
-        &mut self,
-        kv: &dyn KvAccess,
-        layer: usize,
-        n_kv_heads: usize,
-        t: &mut LayerTable,
-    ) {
-        t.heads.clear();
-        t.new_entries.clear();
-        t.upload_at = self.used;
-        t.max_entries = 0;
-        let base_row = kv.layer_base(layer) as u64;
-        for g in 0..n_kv_heads {
-            let h = kv.head(layer, g, true);
-            let key = (
-                h.slots.as_ptr() as usize,
-                h.pos.as_ptr() as usize,
-                h.slots.len(),
-            );
-            let first = match self
-                .lists
-                .iter()
-                .find(|l| (l.0, l.1, l.2) == key)
-                .map(|l| l.3)
-            {
-                Some(f) => f,
-                None => {
-                    let f = self.used as u32;
-                    for (&s, &p) in h.slots.iter().zip(h.pos) {
-                        t.new_entries.push(s);
-                        t.new_entries.push(p as u32);
+        self.max_entries.clear();
+        self.words.clear();
+        self.words.resize(self.entries_offset_for(n_layers), 0);
+        let mut n_entries = 0u32;
+        for layer in 0..n_layers {
+            let base_row = kv.layer_base(layer) as u64;
+            let mut max = 0;
+            for g in 0..n_kv_heads {
+                let h = kv.head(layer, g, true);
+                let key = (
+                    h.slots.as_ptr() as usize,
+                    h.pos.as_ptr() as usize,
+                    h.slots.len(),
+                );
+                let first = match self.lists.iter().find(|l| (l.0, l.1, l.2) == key) {
+                    Some(l) => l.3,
+                    None => {
+                        for (&s, &p) in h.slots.iter().zip(h.pos) {
+                            self.words.extend_from_slice(&[s, p as u32]);
+                        }
+                        self.lists.push((key.0, key.1, key.2, n_entries));
+                        n_entries += h.slots.len() as u32;
+                        n_entries - h.slots.len() as u32
                     }
-                    self.used += h.slots.len();
-                    self.lists.push((key.0, key.1, key.2, f));
-                    f
-                }
-            };
-            // entry e of this head starts at unit (layer_base + slot) · stride + off
-            let base = base_row * h.stride as u64 + h.off as u64;
-            t.heads.extend_from_slice(&[
-                first,
-                h.slots.len() as u32,
-                base as u32,
-                (base >> 32) as u32,
-                h.stride as u32,
-            ]);
-            t.max_entries = t.max_entries.max(h.slots.len());
+                };
+                // entry e of this head starts at unit (layer_base + slot) · stride + off
+                let base = base_row * h.stride as u64 + h.off as u64;
+                let at = self.heads_offset(layer) + g * HEAD_REC_WORDS;
+                self.words[at..at + HEAD_REC_WORDS].copy_from_slice(&[
+                    first,
+                    h.slots.len() as u32,
+                    base as u32,
+                    (base >> 32) as u32,
+                    h.stride as u32,
+                ]);
+                max = max.max(h.slots.len());
+            }
+            self.max_entries.push(max);
         }
+    }
+
+    /// Word offset of `layer`'s head records.
+    pub fn heads_offset(&self, layer: usize) -> usize {
+        layer * self.n_kv_heads * HEAD_REC_WORDS
+    }
+
+    /// Word offset of the entry lists.
+    pub fn entries_offset(&self) -> usize {
+        self.entries_offset_for(self.max_entries.len())
+    }
+
+    fn entries_offset_for(&self, n_layers: usize) -> usize {
+        self.heads_offset(n_layers)
     }
 }
 
@@ -354,28 +333,6 @@ mod tests {
     }
 
     #[test]
-    fn the_entry_list_grows_keeping_what_the_step_uploaded() {
-        let mut c = EntryCache::default();
-        let mut t = LayerTable {
-            new_entries: vec![0; 2 * 40],
-            ..Default::default()
-        };
-        assert_eq!(c.grow(None, &t), Some((128, 0)));
-        assert_eq!(c.grow(Some(128), &t), None);
-        // a later layer of the same step adds 30 entries after 40
-        c.used = 40;
-        t.upload_at = 40;
-        t.new_entries = vec![0; 2 * 30];
-        assert_eq!(c.grow(Some(128), &t), Some((256, 80)));
-        assert_eq!(c.grow(Some(140), &t), None);
-        // a new step starts over
-        c.begin_step();
-        t.upload_at = 0;
-        t.new_entries = vec![0; 2 * 112];
-        assert_eq!(c.grow(Some(128), &t), Some((256, 0)));
-    }
-
-    #[test]
     fn splits_cover_the_entries() {
         assert_eq!(n_splits(0), 1);
         assert_eq!(n_splits(1), 1);
@@ -445,34 +402,36 @@ mod tests {
                     kv.write_token(l, i, n, &slots, &k, &k);
                 }
             }
-            let mut cache = EntryCache::default();
-            cache.begin_step();
-            let mut t = LayerTable::default();
+            let mut tables = StepTables::default();
+            tables.build(&kv, n_kv);
+            // the uniform cache's one list is stored once for every layer
+            // and head; streams have a list each
+            let lists = if streams { n_layers * n_kv } else { 1 };
+            assert_eq!(tables.entries_offset(), n_layers * n_kv * HEAD_REC_WORDS);
+            assert_eq!(tables.words.len(), tables.entries_offset() + 2 * n * lists);
+            assert_eq!(tables.max_entries, vec![n; n_layers]);
             let mut units = Vec::new();
             let mut out = vec![0f32; hd];
+            let ents = &tables.words[tables.entries_offset()..];
             for l in 0..n_layers {
-                cache.layer(&kv, l, n_kv, &mut t);
-                if streams || l == 0 {
-                    assert_eq!(t.new_entries.len(), 2 * n * if streams { n_kv } else { 1 });
-                } else {
-                    // the shared list was uploaded by layer 0
-                    assert!(t.new_entries.is_empty(), "layer {l}");
-                }
-                assert_eq!(t.max_entries, n);
-                // every entry of every head reads the row written for it
+                // every entry of every head, read as the kernel reads it,
+                // finds the row written for it
                 for g in 0..n_kv {
-                    let h = &t.heads[g * HEAD_REC_WORDS..(g + 1) * HEAD_REC_WORDS];
+                    let at = tables.heads_offset(l) + g * HEAD_REC_WORDS;
+                    let h = &tables.words[at..at + HEAD_REC_WORDS];
                     let base = h[2] as u64 | (h[3] as u64) << 32;
-                    let view = kv.head(l, g, true);
-                    assert_eq!(h[1] as usize, view.slots.len());
-                    for (e, &s) in view.slots.iter().enumerate() {
+                    assert_eq!(h[1] as usize, kv.head(l, g, true).slots.len());
+                    for e in 0..h[1] as usize {
+                        let (s, pos) = (
+                            ents[2 * (h[0] as usize + e)],
+                            ents[2 * (h[0] as usize + e) + 1],
+                        );
                         let u = base + s as u64 * h[4] as u64;
                         let (row, off) = unit_row(kv.store(), u);
                         kv.store().read(true, 0, &[row], off, hd, &mut out);
-                        let i = view.pos[e] as f32;
                         assert_eq!(
                             out[0],
-                            (l * 1000) as f32 + i * 10.0 + g as f32,
+                            (l * 1000) as f32 + pos as f32 * 10.0 + g as f32,
                             "layer {l} head {g}"
                         );
                     }
