@@ -9,7 +9,7 @@ use kvrun::backend::cpu::isa::Level;
 use kvrun::backend::cpu::matmul::matmul_q_at;
 use kvrun::backend::cpu::prefill_attn_kernels::attend_prefill_group;
 use kvrun::backend::cpu::qgemm_x86::{
-    q4_1_q8_1_tile_available, tile_q4_1_q8_1_scalar, TileScales, MR, NT,
+    q4_1_tile_for, tile_q4_1_q8_1_scalar, TileScales, MR, NT,
 };
 use kvrun::backend::cpu::reference::prefill_group_dyn;
 use kvrun::backend::cpu::reference::{attend_group, attend_head};
@@ -303,7 +303,15 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
         ws.q4_1(&rows, nb);
         as_.q8_1(&toks, nb);
         let scalar = tile_q4_1_q8_1_scalar(nb, &rows, &ws, &toks, &as_);
-        let simd = q4_1_q8_1_tile_available().map(|f| f(nb, &rows, &ws, &toks, &as_));
+        // every SIMD level this CPU runs (VNNI and AVX2 tiles)
+        let simd: Vec<(Level, [[f32; NT]; MR])> = simd_levels()
+            .into_iter()
+            .filter_map(|l| q4_1_tile_for(l).map(|f| (l, f(nb, &rows, &ws, &toks, &as_))))
+            .collect();
+        assert!(
+            simd_levels().is_empty() || !simd.is_empty(),
+            "no Q4_1 tile at a SIMD level this CPU runs"
+        );
         for i in 0..MR {
             for t in 0..NT {
                 let g = tr.dot(n_in, rows[i], toks[t]);
@@ -318,12 +326,12 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
                     g.to_bits(),
                     "n_in {n_in} ({i},{t}): scalar {s} vs ggml {g}"
                 );
-                if let Some(v) = simd {
+                for (level, v) in &simd {
                     let v = v[i][t];
                     assert_eq!(
                         v.to_bits(),
                         g.to_bits(),
-                        "n_in {n_in} ({i},{t}): simd {v} vs ggml {g}"
+                        "n_in {n_in} ({i},{t}): {level} tile {v} vs ggml {g}"
                     );
                 }
             }

@@ -157,8 +157,8 @@ pub fn matmul_q_at(
     out: &mut [f32],
     level: Level,
 ) {
-    if n_tok >= NT && w.dtype == DType::Q4_1 && level >= Level::Avx512Vnni {
-        if let Some(tile) = qgemm_x86::q4_1_q8_1_tile_available() {
+    if n_tok >= NT && w.dtype == DType::Q4_1 {
+        if let Some(tile) = qgemm_x86::q4_1_tile_for(level) {
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
         }
     }

@@ -71,16 +71,24 @@ impl TileScales {
 pub type TileFn =
     fn(usize, &[&[u8]; MR], &TileScales, &[&[u8]; NT], &TileScales) -> [[f32; NT]; MR];
 
-/// The fastest Q4_1 × Q8_1 tile kernel this CPU can run, if any beats
-/// row-by-row `vec_dot` (AVX-512 VNNI), whatever `KVRUN_CPU` says
-/// (`matmul_q_at` asks for it at level avx512vnni only).
-pub fn q4_1_q8_1_tile_available() -> Option<TileFn> {
+/// The Q4_1 × Q8_1 tile kernel of SIMD level `level`, if this CPU runs it
+/// (AVX-512 VNNI: `vpdpbusd`; AVX2 and plain AVX-512: `vpmaddubsw` +
+/// `vpmaddwd`, as ggml's AVX2 `vec_dot`). Both produce the same integer
+/// block sums, so both are bit-identical to ggml. `None` below AVX2, where
+/// ggml's row-by-row `vec_dot` runs.
+pub fn q4_1_tile_for(level: super::isa::Level) -> Option<TileFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        if super::isa::detected() >= super::isa::Level::Avx512Vnni {
-            return Some(tile_q4_1_q8_1_vnni);
+        use super::isa::{detected, Level};
+        if level <= detected() {
+            match level {
+                Level::Avx512Vnni => return Some(tile_q4_1_q8_1_vnni),
+                Level::Avx2 | Level::Avx512 => return Some(tile_q4_1_q8_1_avx2),
+                Level::Portable => {}
+            }
         }
     }
+    let _ = level;
     None
 }
 
@@ -230,6 +238,103 @@ unsafe fn tile_vnni_impl(
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             h = _mm_add_ss(h, _mm_movehdup_ps(h));
             out[r][t] = _mm_cvtss_f32(h) + sm[r * 4 + t];
+        }
+    }
+    out
+}
+
+/// AVX2 tile (16 registers): the 4 × 4 tile as two passes of 2 weight rows ×
+/// 4 tokens, so a pass's 8 accumulators stay in registers; the activations
+/// are read once per pass (from L1).
+#[cfg(target_arch = "x86_64")]
+fn tile_q4_1_q8_1_avx2(
+    nb: usize,
+    w: &[&[u8]; MR],
+    ws: &TileScales,
+    a: &[&[u8]; NT],
+    as_: &TileScales,
+) -> [[f32; NT]; MR] {
+    check_tile(nb, w, ws, a, as_);
+    // SAFETY: q4_1_tile_for hands this function out only after detecting
+    // avx2, fma and f16c; every row and scale array holds nb blocks
+    // (checked just above), which bounds all loads of the kernel.
+    unsafe { tile_avx2_impl(nb, w, ws, a, as_) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2_impl(
+    nb: usize,
+    w: &[&[u8]; MR],
+    ws: &TileScales,
+    a: &[&[u8]; NT],
+    as_: &TileScales,
+) -> [[f32; NT]; MR] {
+    use std::arch::x86_64::*;
+    let ap: [*const u8; NT] = std::array::from_fn(|t| a[t].as_ptr());
+    let (wd, wm, ad, asum) = (ws.d.as_ptr(), ws.o.as_ptr(), as_.d.as_ptr(), as_.o.as_ptr());
+    let low = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    // lanes 0-3 take row r0's scale, lanes 4-7 row r0 + 1's
+    let (pick0, pick1) = (
+        _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
+        _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
+    );
+    let mut out = [[0f32; NT]; MR];
+    for (rp, pick) in [(0usize, pick0), (2, pick1)] {
+        let wp = [w[rp].as_ptr(), w[rp + 1].as_ptr()];
+        let mut acc = [[_mm256_setzero_ps(); NT]; 2];
+        // m·s of (r, t) in lane (r - rp)*4 + t: one fma per block, as ggml
+        let mut summs = _mm256_setzero_ps();
+        let mut dd = [0f32; 8];
+        for b in 0..nb {
+            // SAFETY (all loads below): b < nb, and every row holds nb blocks
+            // and every scale array nb * 4 floats (check_tile).
+            let (d4, a4, m4, s4) = unsafe {
+                (
+                    _mm_loadu_ps(wd.add(b * 4)),
+                    _mm_loadu_ps(ad.add(b * 4)),
+                    _mm_loadu_ps(wm.add(b * 4)),
+                    _mm_loadu_ps(asum.add(b * 4)),
+                )
+            };
+            let dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), pick);
+            let mv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(m4), pick);
+            let av = _mm256_set_m128(a4, a4);
+            let sv = _mm256_set_m128(s4, s4);
+            summs = _mm256_fmadd_ps(mv, sv, summs);
+            // SAFETY: dd holds 8 floats.
+            unsafe { _mm256_storeu_ps(dd.as_mut_ptr(), _mm256_mul_ps(dv, av)) };
+            // weights: 16 bytes of nibbles -> 32 u8 (low nibbles, then high)
+            let qw: [__m256i; 2] = std::array::from_fn(|r| {
+                let x = unsafe { _mm_loadu_si128(wp[r].add(b * Q4_1_BYTES + 4).cast()) };
+                let xx = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+                _mm256_and_si256(xx, low)
+            });
+            for t in 0..NT {
+                let qa = unsafe { _mm256_loadu_si256(ap[t].add(b * Q8_1_BYTES + 4).cast()) };
+                for r in 0..2 {
+                    // u8·i8 pairs to i16 (no saturation: |15·128·2| < 2^15),
+                    // then pairs of those to i32: ggml's 4-product lanes
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw[r], qa), ones);
+                    let xy = _mm256_cvtepi32_ps(p);
+                    let d = _mm256_set1_ps(dd[r * 4 + t]);
+                    acc[r][t] = _mm256_fmadd_ps(d, xy, acc[r][t]);
+                }
+            }
+        }
+        let mut sm = [0f32; 8];
+        // SAFETY: sm holds 8 floats.
+        unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summs) };
+        for r in 0..2 {
+            for t in 0..NT {
+                // ggml's hsum_float_8
+                let x = acc[r][t];
+                let mut h = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                out[rp + r][t] = _mm_cvtss_f32(h) + sm[r * 4 + t];
+            }
         }
     }
     out
