@@ -104,14 +104,75 @@ fn measure_with_setup<S>(
     Ok(out)
 }
 
-/// `kvrun bench`.
+/// The models of `-m`: a comma-separated list benchmarks each in turn
+/// (llama-bench's `-m a,b`), unless the whole string names an existing
+/// file; no `-m` is the default model.
+fn bench_models(m: &Option<std::path::PathBuf>) -> Vec<Option<std::path::PathBuf>> {
+    match m {
+        Some(p) if !p.exists() && p.to_string_lossy().contains(',') => p
+            .to_string_lossy()
+            .split(',')
+            .map(|s| Some(std::path::PathBuf::from(s.trim())))
+            .collect(),
+        other => vec![other.clone()],
+    }
+}
+
+/// What one model's runs print: table rows, then notes below the table.
+#[derive(Default)]
+struct BenchOut {
+    rows: Vec<String>,
+    notes: Vec<String>,
+}
+
+/// `kvrun bench`: every model of `-m` in turn, one table.
 pub fn run_bench(a: &BenchArgs) -> Result<()> {
-    let path = resolve_model(&a.model.model)?;
-    let n_threads = resolve_threads(a.model.threads)?;
     if a.reps == 0 {
         return Err(Error::arg("-r/--repetitions", "must be at least 1"));
     }
     a.kv.check()?;
+    let models = bench_models(&a.model.model);
+    // check every path before the first (long) run
+    for m in &models {
+        resolve_model(m)?;
+    }
+    let policies: Vec<&str> = a.kv.policy.split(',').map(str::trim).collect();
+    // the machine's read bandwidth, measured once for every CPU model
+    let mut cpu_gbs = None;
+    let mut out = BenchOut::default();
+    for m in &models {
+        let mut one = a.clone();
+        one.model.model = m.clone();
+        // each model's peak RSS is its own
+        reset_peak_rss();
+        let first = out.notes.len();
+        bench_one(&one, &policies, &mut cpu_gbs, &mut out)?;
+        if models.len() > 1 {
+            // several models: say whose each note is
+            let who = resolve_model(m)?.display().to_string();
+            for n in &mut out.notes[first..] {
+                *n = format!("{who}: {n}");
+            }
+        }
+    }
+    for r in &out.rows {
+        println!("{r}");
+    }
+    for n in &out.notes {
+        println!("{n}");
+    }
+    Ok(())
+}
+
+/// Bench one model (`a.model.model`), appending its rows and notes.
+fn bench_one(
+    a: &BenchArgs,
+    policies: &[&str],
+    cpu_gbs: &mut Option<f64>,
+    out: &mut BenchOut,
+) -> Result<()> {
+    let path = resolve_model(&a.model.model)?;
+    let n_threads = resolve_threads(a.model.threads)?;
     let model = load_model_any_device(&a.model)?;
     let w = model.weights();
     let c = &w.config;
@@ -135,11 +196,10 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
 
     // kvrun: one session per policy, on the asked device
     let device = crate::cmd::resolve_device(&a.model, None)?;
-    let policies: Vec<&str> = a.kv.policy.split(',').map(str::trim).collect();
     let side = KvrunSide {
         a,
         path: &path,
-        policies: &policies,
+        policies,
         tests: &tests,
         n_ctx,
         ctx_toks,
@@ -172,11 +232,13 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     let gbs = match device {
         crate::backend::Device::Cuda(_) => device_gbs,
         crate::backend::Device::Cpu => {
-            let g = crate::backend::Host::new(n_threads).read_bandwidth();
-            // the probe's buffer is gone: forget its peak, so the whole
-            // run's peak RSS below is the engines' own
-            reset_peak_rss();
-            Some(g)
+            if cpu_gbs.is_none() {
+                *cpu_gbs = Some(crate::backend::Host::new(n_threads).read_bandwidth());
+                // the probe's buffer is gone: forget its peak, so the whole
+                // run's peak RSS below is the engines' own
+                reset_peak_rss();
+            }
+            *cpu_gbs
         }
     };
     let weight_bytes = decode_weight_bytes(model.checkpoint());
@@ -189,11 +251,6 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         llama_side(a, &path, &tests, n_ctx, n_threads, ctx_toks, toks)?
     };
 
-    println!(
-        "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} | read/token | roofline |",
-        policies[0]
-    );
-    println!("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |");
     // decoding reads every weight and the live KV once per token; prefill
     // is bound by compute, so it gets no roofline
     let roof = |t: &str, m: f64, kv: f64| -> (String, String) {
@@ -218,54 +275,54 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
                     format!("kvrun {p}")
                 };
             let (rb, rf) = roof(t, m, kv_peak[pi]);
-            println!(
+            out.rows.push(format!(
                 "| {name} | {size_mib:.2} MiB | {n_threads} | {engine} | {t} | {m:.2} ± {sd:.2} | {} | {:.1}% | {rb} | {rf} |",
                 ratio
                     .map(|r| format!("{r:.2}x"))
                     .unwrap_or_else(|| "-".into()),
                 100.0 * m / first
-            );
+            ));
         }
         if let Some(r) = &theirs[i] {
             let (m, sd) = mean_sd(r);
             // llama.cpp keeps every token: depth plus the test's tokens
             let (rb, rf) = roof(t, m, kv_token_bytes * (a.depth + tests[i].1) as f64);
-            println!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x | - | {rb} | {rf} |");
+            out.rows.push(format!("| {name} | {size_mib:.2} MiB | {n_threads} | llama.cpp | {t} | {m:.2} ± {sd:.2} | 1.00x | - | {rb} | {rf} |"));
         }
     }
     if let Some(n) = &device_note {
-        println!("{n}");
+        out.notes.push(n.clone());
         if !a.no_llama {
-            println!("llama.cpp: not measured: the llama.cpp linked here runs on the CPU only");
+            out.notes.push(
+                "llama.cpp: not measured: the llama.cpp linked here runs on the CPU only".into(),
+            );
         }
     }
     if !no_llama && !cfg!(feature = "oracle") {
-        println!("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)");
+        out.notes.push("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)".into());
     }
-    for l in &kv_lines {
-        println!("{l}");
-    }
+    out.notes.extend(kv_lines);
     if let Some(g) = gbs {
-        println!(
+        out.notes.push(format!(
             "roofline: {g:.1} GB/s read bandwidth measured {}; a decoded token reads {:.1} MB of weights plus the live KV (peak)",
             match device {
                 crate::backend::Device::Cpu => format!("with {n_threads} threads"),
                 d => format!("on {d}"),
             },
             weight_bytes / 1e6
-        );
+        ));
     }
     if let Some(b) = rss_kvrun {
-        println!(
+        out.notes.push(format!(
             "peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB",
             b as f64 / (1 << 20) as f64
-        );
+        ));
     }
     if let Some(b) = peak_rss_bytes().map(|p| p.max(rss_kvrun.unwrap_or(0))) {
-        println!(
+        out.notes.push(format!(
             "peak RSS of the whole run: {:.1} MiB",
             b as f64 / (1 << 20) as f64
-        );
+        ));
     }
     Ok(())
 }

@@ -198,6 +198,51 @@ fn chat_template_flags_replace_the_models_template() {
     assert!(err.contains("no chat template"), "{err}");
 }
 
+/// `kvrun bench -m A,B` benchmarks each file in one table (llama-bench's
+/// model list): one row per model and test, the notes marked with their
+/// model; a missing file in the list is a one-line error before any run.
+#[test]
+fn bench_takes_a_list_of_models() {
+    let (a, b) = (util::default_model(), util::gemma_model());
+    let list = format!("{},{}", a.display(), b.display());
+    let args = |m: &str| {
+        kvrun(&[
+            "bench",
+            "-m",
+            m,
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "-t",
+            "2",
+            "--no-llama",
+        ])
+    };
+    let (out, err, ok) = args(&list);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("| model")).count(),
+        1,
+        "one table: {out}"
+    );
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("| kvrun |")).collect();
+    assert_eq!(rows.len(), 4, "2 models × pp8, tg2: {out}");
+    // the two models' rows differ in size
+    let size = |r: &str| r.split('|').nth(2).unwrap().trim().to_owned();
+    assert_ne!(size(rows[0]), size(rows[2]), "{out}");
+    for m in [&a, &b] {
+        let who = format!("{}: roofline:", m.display());
+        assert!(out.lines().any(|l| l.starts_with(&who)), "{who} in {out}");
+    }
+    let (_, err, ok) = args(&format!("{},/no/such.gguf", a.display()));
+    assert!(!ok);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("/no/such.gguf"), "{err}");
+}
+
 /// `kvrun bench` measures the machine's read bandwidth and prints, for
 /// decoding rows, the bytes a token reads and the fraction of that
 /// roofline reached (prefill rows are bound by compute: none).

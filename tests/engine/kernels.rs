@@ -8,9 +8,7 @@ use kvrun::backend::cpu::decode_attn::attend_group_probs;
 use kvrun::backend::cpu::isa::Level;
 use kvrun::backend::cpu::matmul::matmul_q_at;
 use kvrun::backend::cpu::prefill_attn_kernels::attend_prefill_group;
-use kvrun::backend::cpu::qgemm_x86::{
-    q4_1_tile_for, tile_q4_1_q8_1_scalar, TileScales, MR, NT,
-};
+use kvrun::backend::cpu::qgemm_x86::{q4_1_tile_for, tile_q4_1_q8_1_scalar, TileScales, MR, NT};
 use kvrun::backend::cpu::reference::prefill_group_dyn;
 use kvrun::backend::cpu::reference::{attend_group, attend_head};
 use kvrun::backend::cpu::QMat;
