@@ -347,12 +347,10 @@ impl Critical {
                 }
             }
         }
-        if !self.streams {
-            if !units.is_empty() {
-                for &sl in &slots {
-                    let r = &self.norm[sl as usize * w..(sl as usize + 1) * w];
-                    self.tok[sl as usize] = r.iter().sum::<f32>() / w as f32;
-                }
+        if !self.streams && !units.is_empty() {
+            for &sl in &slots {
+                let r = &self.norm[sl as usize * w..(sl as usize + 1) * w];
+                self.tok[sl as usize] = r.iter().sum::<f32>() / w as f32;
             }
         }
         self.res = res;

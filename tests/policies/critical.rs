@@ -368,7 +368,7 @@ fn projected_norm_matches_the_dequantized_wo_q4_k() {
     )
     .unwrap();
     let mut worst = 0f64;
-    for l in 0..2 {
+    for (l, deq) in deq.iter().enumerate() {
         for h in 0..2 {
             let v: Vec<f32> = (0..5 * hd)
                 .map(|_| rng.next_f64() as f32 * 2.0 - 1.0)
@@ -376,7 +376,7 @@ fn projected_norm_matches_the_dequantized_wo_q4_k() {
             let mut got = vec![0f32; 5];
             crit.norms_of(l, h, &v, &mut got);
             for t in 0..5 {
-                let want = direct_norm(&deq[l], dim, hd, 4, h, &v[t * hd..(t + 1) * hd]);
+                let want = direct_norm(deq, dim, hd, 4, h, &v[t * hd..(t + 1) * hd]);
                 worst = worst.max((got[t] as f64 - want).abs() / want);
             }
         }

@@ -373,7 +373,7 @@ mod x86 {
 
     /// The AVX2 + FMA kernel (handed out by `kernel_for` only where the
     /// CPU has them).
-    pub fn projected_l1_avx2(
+    pub(super) fn projected_l1_avx2(
         v: &[f32],
         hd: usize,
         w: &[f32],
@@ -389,7 +389,7 @@ mod x86 {
 
     /// The AVX-512 kernel (handed out by `kernel_for` only where the CPU
     /// has AVX-512 F).
-    pub fn projected_l1_avx512(
+    pub(super) fn projected_l1_avx512(
         v: &[f32],
         hd: usize,
         w: &[f32],
