@@ -40,10 +40,13 @@
 //! Parameters: `--critical-alpha` α = 0.5 (first_stage_ratio), `--critical-eps`
 //! ε = 1e-4; the base scorer's own (`--obs-window`, `--adakv-safeguard`, ...).
 //! Cost: W_O is read once at `prepare` into per-head f32 blocks (dim · q_dim
-//! floats per layer); each entry costs q_dim · dim multiply-adds once.
+//! floats per layer, packed in column panels for the kernel); each entry
+//! costs q_dim · dim multiply-adds once, done by the register-blocked
+//! kernels of `backend::cpu::proj_norm` (AVX2 / AVX-512, per `KVRUN_CPU`).
 
 use super::wrap::Rescorer;
 use super::{CacheShape, Entries, ModelView, ScoreCtx, Step};
+use crate::backend::cpu::proj_norm;
 use crate::backend::pool::{SharedMut, ThreadPool};
 use crate::error::{Error, Field, Result};
 use crate::kv::KvCache;
@@ -195,44 +198,6 @@ pub fn two_stage_shared(
     }
 }
 
-/// Σ over `v`'s rows (t, hd) of ‖v_t · W‖₁ for the (hd, dim) block `w`,
-/// added to `out[t]` scaled by `scale`. `acc` is scratch. The scalar
-/// reference is a direct triple loop (tests/policies/critical.rs).
-fn projected_l1(
-    v: &[f32],
-    hd: usize,
-    w: &[f32],
-    dim: usize,
-    scale: f32,
-    acc: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    const TB: usize = 4;
-    let nt = out.len();
-    acc.resize(TB * dim, 0.0);
-    let mut t0 = 0;
-    while t0 < nt {
-        let tb = (nt - t0).min(TB);
-        let acc = &mut acc[..tb * dim];
-        acc.fill(0.0);
-        // each weight row is read once per TB tokens
-        for j in 0..hd {
-            let wr = &w[j * dim..(j + 1) * dim];
-            for t in 0..tb {
-                let x = v[(t0 + t) * hd + j];
-                for (y, &wv) in acc[t * dim..(t + 1) * dim].iter_mut().zip(wr) {
-                    *y = x.mul_add(wv, *y);
-                }
-            }
-        }
-        for t in 0..tb {
-            let l1: f32 = acc[t * dim..(t + 1) * dim].iter().map(|y| y.abs()).sum();
-            out[t0 + t] += l1 * scale;
-        }
-        t0 += tb;
-    }
-}
-
 /// The CriticalKV rescorer (see the module doc).
 #[derive(Debug)]
 pub struct Critical {
@@ -242,9 +207,12 @@ pub struct Critical {
     group: usize,
     hd: usize,
     dim: usize,
-    /// (n_layers, n_heads, hd, dim): row j of head q's block is column
-    /// q·hd + j of W_O (what head q's output dimension j adds to the stream).
+    /// (n_layers, n_heads) blocks of `blk` floats: head q's (hd, dim)
+    /// block, whose row j is column q·hd + j of W_O (what head q's output
+    /// dimension j adds to the stream), packed by `proj_norm::pack`.
     wt: Vec<f32>,
+    /// Floats of one packed block.
+    blk: usize,
     /// Token-uniform: (n_slots, n_layers · n_kv) N per slot and stream;
     /// streams: (n_slots,) N per pool row.
     norm: Vec<f32>,
@@ -272,6 +240,7 @@ impl Critical {
             hd: 0,
             dim: 0,
             wt: Vec::new(),
+            blk: 0,
             norm: Vec::new(),
             tok: Vec::new(),
             pending: Vec::new(),
@@ -284,13 +253,13 @@ impl Critical {
     }
 
     /// N of layer `l`, KV head `h`, for value rows `v` ((t, hd)), into `out` (t).
-    pub fn norms_of(&self, l: usize, h: usize, v: &[f32], acc: &mut Vec<f32>, out: &mut [f32]) {
+    pub fn norms_of(&self, l: usize, h: usize, v: &[f32], out: &mut [f32]) {
         out.fill(0.0);
-        let blk = self.hd * self.dim;
+        let blk = self.blk;
         let scale = 1.0 / self.group as f32;
         for q in h * self.group..(h + 1) * self.group {
             let o = (l * self.n_kv * self.group + q) * blk;
-            projected_l1(v, self.hd, &self.wt[o..o + blk], self.dim, scale, acc, out);
+            proj_norm::projected_l1(v, self.hd, &self.wt[o..o + blk], self.dim, scale, out);
         }
     }
 
@@ -356,14 +325,14 @@ impl Critical {
             let me = &*self;
             let (units, off, slots) = (&units, &off, &slots);
             pool.run(|ti| {
-                let (mut v, mut acc) = (Vec::new(), Vec::new());
+                let mut v = Vec::new();
                 for (ui, (l, h, r)) in units.iter().enumerate().skip(ti).step_by(nt) {
                     let slots = &slots[r.clone()];
                     v.resize(slots.len() * hd, 0.0);
                     kv.read_heads(false, *l, *h, slots, &mut v);
                     // SAFETY: unit ui's range of `res` is written by this thread only.
                     let o = unsafe { outs.slice(off[ui], off[ui + 1] - off[ui]) };
-                    me.norms_of(*l, *h, &v, &mut acc, o);
+                    me.norms_of(*l, *h, &v, o);
                 }
             });
         }
@@ -378,12 +347,10 @@ impl Critical {
                 }
             }
         }
-        if !self.streams {
-            if !units.is_empty() {
-                for &sl in &slots {
-                    let r = &self.norm[sl as usize * w..(sl as usize + 1) * w];
-                    self.tok[sl as usize] = r.iter().sum::<f32>() / w as f32;
-                }
+        if !self.streams && !units.is_empty() {
+            for &sl in &slots {
+                let r = &self.norm[sl as usize * w..(sl as usize + 1) * w];
+                self.tok[sl as usize] = r.iter().sum::<f32>() / w as f32;
             }
         }
         self.res = res;
@@ -407,8 +374,9 @@ impl Rescorer for Critical {
         self.group = (nh / nkv.max(1)).max(1);
         self.hd = hd;
         self.dim = dim;
-        self.wt = vec![0.0; nl * q_dim * dim];
-        let mut wo = Vec::new();
+        self.blk = proj_norm::packed_len(hd, dim);
+        self.wt = vec![0.0; nl * nh * self.blk];
+        let (mut wo, mut wt) = (Vec::new(), vec![0f32; q_dim * dim]);
         for l in 0..nl {
             model.wo_f32(l, &mut wo)?;
             if wo.len() != dim * q_dim {
@@ -418,12 +386,18 @@ impl Rescorer for Critical {
                 )));
             }
             // transpose (dim, q_dim) into (q_dim, dim): row q·hd + j is head
-            // q's output dimension j
-            let dst = &mut self.wt[l * q_dim * dim..(l + 1) * q_dim * dim];
+            // q's output dimension j; then pack each head's (hd, dim) block
             for (i, row) in wo.chunks_exact(q_dim).enumerate() {
                 for (c, &x) in row.iter().enumerate() {
-                    dst[c * dim + i] = x;
+                    wt[c * dim + i] = x;
                 }
+            }
+            let dst = &mut self.wt[l * nh * self.blk..(l + 1) * nh * self.blk];
+            for (src, d) in wt
+                .chunks_exact(hd * dim)
+                .zip(dst.chunks_exact_mut(self.blk))
+            {
+                proj_norm::pack(src, hd, dim, d);
             }
         }
         self.norm = vec![0.0; cache.n_slots * nl * nkv];

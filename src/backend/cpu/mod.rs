@@ -17,6 +17,8 @@
 //! - `prefill_attn_kernels` (+ `prefill_avx512` tiles) and `decode_attn`
 //!   (+ `decode_avx512`): the per-KV-head kernels;
 //! - `kv_store`: K/V rows in host memory;
+//! - `proj_norm`: CriticalKV's projected value norm (register-blocked
+//!   AVX2 / AVX-512 kernels over a packed W_O block);
 //! - `reference`: the scalar reference kernels the parity tests use.
 //!
 //! Every op gives the same result for any thread count: work is split by
@@ -32,6 +34,7 @@ pub mod matmul;
 pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
+pub mod proj_norm;
 pub mod qgemm_q4k;
 pub mod qgemm_q5k;
 pub mod qgemm_q6k;

@@ -239,13 +239,13 @@ pub fn eval_perturbation(a: &PerturbArgs) -> Result<Vec<PerturbPoint>> {
         },
     )?;
     let mut norm = vec![0f32; off[ns]];
-    let (mut vbuf, mut acc) = (Vec::new(), Vec::new());
+    let mut vbuf = Vec::new();
     for s in 0..ns {
         let (l, h) = (s / nkv, s % nkv);
         let slots = st.stream(s).0;
         vbuf.resize(slots.len() * hd, 0.0);
         full.kv.read_heads(false, l, h, slots, &mut vbuf);
-        crit.norms_of(l, h, &vbuf, &mut acc, &mut norm[off[s]..off[s + 1]]);
+        crit.norms_of(l, h, &vbuf, &mut norm[off[s]..off[s + 1]]);
     }
     // the full cache's continuation
     let mut full_last = LastInput(Vec::new(), nl - 1);

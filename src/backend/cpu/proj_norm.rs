@@ -1,0 +1,406 @@
+//! The projected value norm CriticalKV ranks entries by
+//! (`policy::critical`): for value rows `v` (n, hd) and one query head's
+//! block `W` (hd, dim) of the output projection,
+//!
+//!   out[t] += scale · Σ_d |Σ_j v[t][j] · W[j][d]|.
+//!
+//! `W` is packed once ([`pack`]) into panels of [`PANEL`] columns: panel p
+//! holds columns PANEL·p .. PANEL·(p+1) as hd contiguous rows of PANEL
+//! floats, zero past `dim` (a zero column adds |0| = 0, so no kernel needs
+//! a column tail).
+//!
+//! The SIMD kernels are register-blocked: a block of T tokens × one column
+//! block is accumulated in registers over the whole reduction over j (each
+//! weight vector loaded once per T tokens, each value broadcast once per
+//! column block), then |acc| is added, still in registers, into per-token
+//! vector sums; the (n, dim) product is never stored. AVX2 + FMA: 6 tokens
+//! × 16 columns (12 ymm accumulators); AVX-512: 8 tokens × 32 columns (16
+//! zmm). A ragged last block of tokens runs the same code with fewer
+//! tokens. Both are one generic kernel over a small lane trait, so the
+//! AVX2 tests exercise the blocking logic the AVX-512 one shares.
+//!
+//! The portable loop does the same on the packed layout with arrays;
+//! [`projected_l1_ref`] is the plain loop over the unpacked block that the
+//! parity tests hold every level to. Summation order differs between them,
+//! so results agree to float rounding (relative ~1e-6), not bit for bit.
+//! The level is chosen per process ([`super::isa::level`]), never per call.
+
+use super::isa::{detected, Level};
+
+/// Columns per packed panel (one AVX-512 column block, two AVX2 ones).
+pub const PANEL: usize = 32;
+
+/// A kernel: `(v, hd, packed, dim, scale, out)`, `out.len()` tokens.
+pub type KernelFn = fn(&[f32], usize, &[f32], usize, f32, &mut [f32]);
+
+/// Floats of a packed (hd, dim) block.
+pub fn packed_len(hd: usize, dim: usize) -> usize {
+    dim.div_ceil(PANEL) * PANEL * hd
+}
+
+/// Pack the row-major (hd, dim) block `w` into `out` (`packed_len` floats;
+/// see the module doc).
+pub fn pack(w: &[f32], hd: usize, dim: usize, out: &mut [f32]) {
+    assert_eq!(w.len(), hd * dim, "proj_norm::pack: block is not hd × dim");
+    assert_eq!(
+        out.len(),
+        packed_len(hd, dim),
+        "proj_norm::pack: bad output length"
+    );
+    out.fill(0.0);
+    for (j, row) in w.chunks_exact(dim).enumerate() {
+        for (d, &x) in row.iter().enumerate() {
+            out[(d / PANEL) * hd * PANEL + j * PANEL + d % PANEL] = x;
+        }
+    }
+}
+
+/// The reference: `out[t] += scale · Σ_d |Σ_j v[t][j]·w[j][d]|` for the
+/// row-major (hd, dim) block `w`, in blocks of 4 tokens through a (4, dim)
+/// buffer (the loop CriticalKV ran before the packed kernels).
+pub fn projected_l1_ref(v: &[f32], hd: usize, w: &[f32], dim: usize, scale: f32, out: &mut [f32]) {
+    const TB: usize = 4;
+    let nt = out.len();
+    assert!(v.len() >= nt * hd && w.len() >= hd * dim);
+    let mut acc = vec![0f32; TB * dim];
+    let mut t0 = 0;
+    while t0 < nt {
+        let tb = (nt - t0).min(TB);
+        let acc = &mut acc[..tb * dim];
+        acc.fill(0.0);
+        // each weight row is read once per TB tokens
+        for j in 0..hd {
+            let wr = &w[j * dim..(j + 1) * dim];
+            for t in 0..tb {
+                let x = v[(t0 + t) * hd + j];
+                for (y, &wv) in acc[t * dim..(t + 1) * dim].iter_mut().zip(wr) {
+                    *y = x.mul_add(wv, *y);
+                }
+            }
+        }
+        for t in 0..tb {
+            let l1: f32 = acc[t * dim..(t + 1) * dim].iter().map(|y| y.abs()).sum();
+            out[t0 + t] += l1 * scale;
+        }
+        t0 += tb;
+    }
+}
+
+fn check(v: &[f32], hd: usize, packed: &[f32], dim: usize, out: &[f32]) {
+    assert!(
+        v.len() >= out.len() * hd,
+        "proj_norm: {} value floats for {} rows of {hd}",
+        v.len(),
+        out.len()
+    );
+    assert_eq!(
+        packed.len(),
+        packed_len(hd, dim),
+        "proj_norm: packed block of the wrong size"
+    );
+}
+
+/// The portable kernel on the packed layout: 4 tokens × one panel in
+/// arrays over the reduction.
+pub fn projected_l1_portable(
+    v: &[f32],
+    hd: usize,
+    packed: &[f32],
+    dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    const TB: usize = 4;
+    check(v, hd, packed, dim, out);
+    let nt = out.len();
+    let mut t0 = 0;
+    while t0 < nt {
+        let tb = (nt - t0).min(TB);
+        let mut sums = [0f32; TB];
+        for wp in packed.chunks_exact(hd * PANEL) {
+            let mut acc = [[0f32; PANEL]; TB];
+            for (j, wr) in wp.chunks_exact(PANEL).enumerate() {
+                for (t, a) in acc.iter_mut().enumerate().take(tb) {
+                    let x = v[(t0 + t) * hd + j];
+                    for (y, &w) in a.iter_mut().zip(wr) {
+                        *y = x.mul_add(w, *y);
+                    }
+                }
+            }
+            for (s, a) in sums.iter_mut().zip(&acc).take(tb) {
+                *s += a.iter().map(|y| y.abs()).sum::<f32>();
+            }
+        }
+        for (o, s) in out[t0..t0 + tb].iter_mut().zip(sums) {
+            *o += s * scale;
+        }
+        t0 += tb;
+    }
+}
+
+/// The kernel for SIMD level `level`, if this CPU runs it (the portable
+/// loop for `Portable`; AVX-512 serves both AVX-512 levels).
+pub fn kernel_for(level: Level) -> Option<KernelFn> {
+    if level > detected() {
+        return None;
+    }
+    match level {
+        Level::Portable => Some(projected_l1_portable),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => Some(x86::projected_l1_avx2),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Vnni => Some(x86::projected_l1_avx512),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+/// `out[t] += scale · Σ_d |Σ_j v[t][j]·W[j][d]|` for the packed block
+/// `packed` of the (hd, dim) block W, at this process's SIMD level.
+pub fn projected_l1(v: &[f32], hd: usize, packed: &[f32], dim: usize, scale: f32, out: &mut [f32]) {
+    let k = kernel_for(super::isa::level()).unwrap_or(projected_l1_portable);
+    k(v, hd, packed, dim, scale, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{check, PANEL};
+    use std::arch::x86_64::*;
+
+    /// The few vector operations the kernel needs, on `W` f32 lanes.
+    ///
+    /// # Safety
+    /// Every method needs the CPU features of its implementation (callers
+    /// are `target_feature` functions handed out only where the CPU has
+    /// them); `load` reads `W` floats at `p`, `splat` one.
+    trait Lanes {
+        type V: Copy;
+        const W: usize;
+        unsafe fn zero() -> Self::V;
+        unsafe fn load(p: *const f32) -> Self::V;
+        unsafe fn splat(p: *const f32) -> Self::V;
+        /// a · b + c
+        unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        /// s + |x|
+        unsafe fn add_abs(s: Self::V, x: Self::V) -> Self::V;
+        unsafe fn hsum(s: Self::V) -> f32;
+    }
+
+    /// AVX2 + FMA: 8 lanes.
+    struct Avx2;
+
+    impl Lanes for Avx2 {
+        type V = __m256;
+        const W: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            // SAFETY: AVX available (the trait's contract).
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            // SAFETY: 8 floats readable at p, AVX available (the contract).
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m256 {
+            // SAFETY: one float readable at p, AVX available (the contract).
+            unsafe { _mm256_broadcast_ss(&*p) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            // SAFETY: FMA available (the contract).
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add_abs(s: __m256, x: __m256) -> __m256 {
+            // SAFETY: AVX available (the contract).
+            unsafe { _mm256_add_ps(s, _mm256_andnot_ps(_mm256_set1_ps(-0.0), x)) }
+        }
+        #[inline(always)]
+        unsafe fn hsum(s: __m256) -> f32 {
+            // SAFETY: AVX available (the contract).
+            unsafe {
+                let h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+                let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                _mm_cvtss_f32(h)
+            }
+        }
+    }
+
+    /// AVX-512 F: 16 lanes.
+    struct Avx512;
+
+    impl Lanes for Avx512 {
+        type V = __m512;
+        const W: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            // SAFETY: avx512f available (the trait's contract).
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: 16 floats readable at p, avx512f available (the contract).
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m512 {
+            // SAFETY: one float readable at p, avx512f available (the contract).
+            unsafe { _mm512_set1_ps(p.read()) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: avx512f available (the contract).
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add_abs(s: __m512, x: __m512) -> __m512 {
+            // SAFETY: avx512f available (the contract).
+            unsafe { _mm512_add_ps(s, _mm512_abs_ps(x)) }
+        }
+        #[inline(always)]
+        unsafe fn hsum(s: __m512) -> f32 {
+            // SAFETY: avx512f available (the contract).
+            unsafe { _mm512_reduce_add_ps(s) }
+        }
+    }
+
+    /// T tokens (rows of `v`, hd apart) against every column block of the
+    /// packed block `w` (`np` panels); adds scale · Σ|acc| to `out[0..T]`.
+    /// A column block is NV vectors of L::W lanes, PANEL / (NV·W) per panel.
+    ///
+    /// # Safety
+    /// `v` must hold T · hd floats, `w` np · hd · PANEL, `out` T; the CPU
+    /// must have L's features.
+    #[inline(always)]
+    unsafe fn tokens<L: Lanes, const T: usize, const NV: usize>(
+        v: *const f32,
+        hd: usize,
+        w: *const f32,
+        np: usize,
+        scale: f32,
+        out: *mut f32,
+    ) {
+        let cb = NV * L::W;
+        let per = PANEL / cb;
+        // SAFETY: L's features are present (the caller's contract); every
+        // load stays inside v (rows t < T, columns j < hd) or w (panel
+        // b / per < np, row j < hd, columns (b % per)·cb + k·W + W ≤ PANEL);
+        // out holds T floats.
+        unsafe {
+            let mut sums = [L::zero(); T];
+            for b in 0..np * per {
+                let base = w.add((b / per) * hd * PANEL + (b % per) * cb);
+                let mut acc = [[L::zero(); NV]; T];
+                for j in 0..hd {
+                    let row = base.add(j * PANEL);
+                    let mut wv = [L::zero(); NV];
+                    for (k, x) in wv.iter_mut().enumerate() {
+                        *x = L::load(row.add(k * L::W));
+                    }
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        let x = L::splat(v.add(t * hd + j));
+                        for (y, &wk) in a.iter_mut().zip(&wv) {
+                            *y = L::fma(x, wk, *y);
+                        }
+                    }
+                }
+                for (s, a) in sums.iter_mut().zip(&acc) {
+                    for &y in a {
+                        *s = L::add_abs(*s, y);
+                    }
+                }
+            }
+            for (t, &s) in sums.iter().enumerate() {
+                *out.add(t) += L::hsum(s) * scale;
+            }
+        }
+    }
+
+    /// Every token of `out` in blocks of TB (then one ragged block).
+    ///
+    /// # Safety
+    /// As [`tokens`], for `out.len()` tokens; TB ≤ 8.
+    #[inline(always)]
+    unsafe fn all_tokens<L: Lanes, const TB: usize, const NV: usize>(
+        v: &[f32],
+        hd: usize,
+        w: &[f32],
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let np = w.len() / (hd * PANEL).max(1);
+        let n = out.len();
+        let (vp, wp, op) = (v.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+        // SAFETY: v holds n · hd floats and w np panels (the caller's
+        // contract), out n: each call covers tokens t0 .. t0 + its T ≤ n.
+        unsafe {
+            let mut t0 = 0;
+            while t0 + TB <= n {
+                tokens::<L, TB, NV>(vp.add(t0 * hd), hd, wp, np, scale, op.add(t0));
+                t0 += TB;
+            }
+            let (vp, op) = (vp.add(t0 * hd), op.add(t0));
+            match n - t0 {
+                0 => {}
+                1 => tokens::<L, 1, NV>(vp, hd, wp, np, scale, op),
+                2 => tokens::<L, 2, NV>(vp, hd, wp, np, scale, op),
+                3 => tokens::<L, 3, NV>(vp, hd, wp, np, scale, op),
+                4 => tokens::<L, 4, NV>(vp, hd, wp, np, scale, op),
+                5 => tokens::<L, 5, NV>(vp, hd, wp, np, scale, op),
+                6 => tokens::<L, 6, NV>(vp, hd, wp, np, scale, op),
+                7 => tokens::<L, 7, NV>(vp, hd, wp, np, scale, op),
+                r => unreachable!("ragged block of {r} ≥ 8 tokens"),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn avx2_impl(v: &[f32], hd: usize, w: &[f32], scale: f32, out: &mut [f32]) {
+        // SAFETY: this function's features are AVX2 + FMA, Avx2's; the
+        // lengths were checked by the caller.
+        unsafe { all_tokens::<Avx2, 6, 2>(v, hd, w, scale, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    fn avx512_impl(v: &[f32], hd: usize, w: &[f32], scale: f32, out: &mut [f32]) {
+        // SAFETY: this function's features include avx512f, Avx512's; the
+        // lengths were checked by the caller.
+        unsafe { all_tokens::<Avx512, 8, 2>(v, hd, w, scale, out) }
+    }
+
+    /// The AVX2 + FMA kernel (handed out by `kernel_for` only where the
+    /// CPU has them).
+    pub(super) fn projected_l1_avx2(
+        v: &[f32],
+        hd: usize,
+        w: &[f32],
+        dim: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        check(v, hd, w, dim, out);
+        assert!(super::detected() >= super::Level::Avx2);
+        // SAFETY: the CPU has AVX2 and FMA (level avx2 or above, asserted).
+        unsafe { avx2_impl(v, hd, w, scale, out) }
+    }
+
+    /// The AVX-512 kernel (handed out by `kernel_for` only where the CPU
+    /// has AVX-512 F).
+    pub(super) fn projected_l1_avx512(
+        v: &[f32],
+        hd: usize,
+        w: &[f32],
+        dim: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        check(v, hd, w, dim, out);
+        assert!(super::detected() >= super::Level::Avx512);
+        // SAFETY: the CPU has AVX2, FMA and AVX-512 F (level avx512 or
+        // above, asserted).
+        unsafe { avx512_impl(v, hd, w, scale, out) }
+    }
+}
