@@ -149,7 +149,7 @@ fn log_softmax(x: &[f32]) -> Vec<f64> {
 pub fn eval_perturbation(a: &PerturbArgs) -> Result<Vec<PerturbPoint>> {
     let _ = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
-    if a.obs_window == 0 || a.budgets.iter().any(|&b| b == 0) {
+    if a.obs_window == 0 || a.budgets.contains(&0) {
         return Err(Error::arg("--obs-window/--budgets", "must be at least 1"));
     }
     for r in &a.rules {
