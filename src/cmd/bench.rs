@@ -155,6 +155,11 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
             }
         }
     }
+    println!(
+        "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} | read/token | roofline |",
+        policies[0]
+    );
+    println!("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |");
     for r in &out.rows {
         println!("{r}");
     }
