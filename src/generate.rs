@@ -615,7 +615,7 @@ impl<'w, B: Backend> Session<'w, B> {
                 "cannot rewind to position {n}: the sliding-window layers no longer hold the window before it (use Session::rewind_point)"
             )));
         }
-        self.evict_range(n, self.n_past)?;
+        self.kv.rewind(n)?;
         self.n_past = n;
         // the previous token's hidden state (and recent queries) are gone with it
         self.signals.reset();
@@ -776,6 +776,7 @@ impl<'w, B: Backend> Session<'w, B> {
                 victims: &self.victims,
                 signals: self.signals.step(mass_mode),
                 pos_mode: self.pos_mode,
+                prompt: prompt_chunk,
             };
             let out = forward(
                 &self.backend,

@@ -265,6 +265,7 @@ fn elementwise_ops<B: Backend>(
             mass_w: 0.0,
             scale: 0.125,
             window: 0,
+            prompt: false,
         };
         let mut q = mk(&randn(&mut rng, n * nh * hd, 1.0));
         let mut k = mk(&randn(&mut rng, n * nkv * hd, 1.0));
@@ -393,6 +394,7 @@ fn attention_steps<B: Backend>(
             mass_w: 0.5,
             scale: 0.125,
             window,
+            prompt: false,
         };
         b.begin_attention(&mut sc, &kv, &st);
         for layer in 0..2 {

@@ -77,6 +77,11 @@ pub struct AttnStep {
     /// Sliding window: a query at position p sees keys at positions
     /// p − window < pos ≤ p only (0 = no window).
     pub window: usize,
+    /// Prompt tokens: run the batch (prefill) kernel even for a single
+    /// token, so a prompt's K/V and logits never depend on how it was cut
+    /// into chunks (a 1-token remainder, or the last token re-fed after a
+    /// prompt-cache hit, matches a whole prefill bit for bit).
+    pub prompt: bool,
 }
 
 /// Where a compute backend runs (`--device`).

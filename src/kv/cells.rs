@@ -68,6 +68,13 @@ impl KvCells {
         self.pos[slot] = -1;
         self.n_live -= 1;
     }
+    /// Move the head back to `slot` if it is before it: after a rewind
+    /// freed the tail, the next tokens take the slots they would have had
+    /// in a fresh run, so the memory order (and any sum taken in it) is
+    /// the same.
+    pub fn rewind_head(&mut self, slot: usize) {
+        self.head = self.head.min(slot);
+    }
     /// Free every slot and reset the head.
     pub fn clear(&mut self) {
         self.pos.fill(-1);

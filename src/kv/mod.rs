@@ -372,6 +372,23 @@ impl KvCache {
         Ok(())
     }
 
+    /// Drop every entry at a position ≥ `pos` (a rewind: chat, the
+    /// server's prompt cache) through `apply`, then move each ring head
+    /// back to the first row freed, so the tokens fed next take the rows
+    /// a fresh run gives them: after a rewind the cache's memory layout,
+    /// and so every result, is the fresh run's.
+    pub fn rewind(&mut self, pos: usize) -> Result<()> {
+        let victims = self.entries_in(pos, usize::MAX);
+        self.apply(&victims, &[], &mut Vec::new())?;
+        for &v in &victims {
+            match &mut self.streams {
+                Some(st) => st.rewind_head(v as usize),
+                None => self.cells.rewind_head(v as usize),
+            }
+        }
+        Ok(())
+    }
+
     /// `apply` for the stream layout: victims are pool slots of any
     /// streams; every stream receives one entry per new position, and
     /// `slots` is filled (n_streams, n) stream-major.

@@ -193,6 +193,16 @@ impl StreamLists {
         }
     }
 
+    /// Move the ring head of `slot`'s region back to it if it is before
+    /// the head (see `KvCells::rewind_head`).
+    pub(super) fn rewind_head(&mut self, slot: usize) {
+        let within =
+            |ri: usize| (self.base[ri]..self.base[ri] + self.regions[ri].rows).contains(&slot);
+        if let Some(ri) = (0..self.regions.len()).find(|&ri| within(ri)) {
+            self.rhead[ri] = self.rhead[ri].min(slot - self.base[ri]);
+        }
+    }
+
     /// Append a new entry (its position is after every entry of the
     /// stream); the region's ring head moves past its row.
     pub(super) fn push(&mut self, s: usize, slot: u32, pos: i64) {

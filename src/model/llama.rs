@@ -164,6 +164,9 @@ pub struct StepIo<'a> {
     pub signals: StepSignals<'a>,
     /// RoPE positions: absolute (default) or in-cache (StreamingLLM pos-shift).
     pub pos_mode: PosMode,
+    /// The tokens are (part of) a prompt: attention runs the batch kernel
+    /// even for one token (see `AttnStep::prompt`).
+    pub prompt: bool,
 }
 
 /// Run `tokens` (at absolute positions `pos0..pos0+n`, n ≤ `s.n_batch`)
@@ -245,6 +248,7 @@ fn forward_chunk<B: Backend>(
         mass_w: 1.0 / (c.n_heads * c.n_cache_layers()) as f32,
         scale: fx.attn_scale,
         window: 0,
+        prompt: io.prompt,
     };
     // sliding-window layers: their own cache drops what left the window
     // (and anything past pos0 from an earlier sequence), then takes the
@@ -392,13 +396,19 @@ fn window_step<B: Backend>(
     };
     let pos0 = s.positions.first().copied().unwrap_or(0);
     let lo = pos0 - window as i64 + 1;
+    // anything at or past pos0 is from before a rewind: dropped as the
+    // budgeted cache drops it (ring head back, the fresh run's layout)
+    if lk.live().1.last().is_some_and(|&p| p >= pos0) {
+        lk.rewind(pos0.max(0) as usize)?;
+    }
+    // what left the window
     s.local_victims.clear();
     let (slots, pos) = lk.live();
     s.local_victims.extend(
         slots
             .iter()
             .zip(pos)
-            .filter(|&(_, &p)| p < lo || p >= pos0)
+            .filter(|&(_, &p)| p < lo)
             .map(|(&sl, _)| sl),
     );
     if lk.cells.n_slots() < window - 1 + n {

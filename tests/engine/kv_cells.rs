@@ -4,7 +4,8 @@
 //! live order.
 
 use kvrun::kv::cells::KvCells;
-use kvrun::kv::KvCache;
+use kvrun::kv::streams::Region;
+use kvrun::kv::{KvCache, KvType};
 use kvrun::sample::Rng;
 
 /// (slot, pos) pairs of `live()`.
@@ -468,7 +469,6 @@ fn slot_order_view_matches_position_order_view() {
 /// needs whole 32-value blocks per head and says so.
 #[test]
 fn bytes_per_token_by_cache_type() {
-    use kvrun::kv::{KvCache, KvType};
     for (ty, b) in [
         (KvType::F32, 4 * 64),
         (KvType::F16, 2 * 64),
@@ -518,4 +518,55 @@ fn row(kv: &KvCache, key: bool, l: usize, s: usize) -> Vec<f32> {
         kv.v_f32(l, s, &mut r);
     }
     r
+}
+
+/// A rewind (chat, the server's prompt cache) frees the tail and moves the
+/// ring head back, so re-fed tokens take the slots of a fresh run and the
+/// memory order (the decode kernel's summation order) is the fresh one.
+/// Regression: the head stayed past the freed tail, so a re-fed token
+/// landed elsewhere and later decoded logits differed from a fresh run.
+#[test]
+fn rewind_gives_the_fresh_runs_slots() {
+    let mut kv = cache(8);
+    let mut slots = Vec::new();
+    kv.apply(&[], &[0, 1, 2, 3, 4], &mut slots).unwrap();
+    kv.apply(&[], &[5, 6], &mut slots).unwrap();
+    assert_eq!(kv.cells.head(), 7);
+    kv.rewind(3).unwrap();
+    assert_eq!(live_of(&kv), (vec![0, 1, 2], vec![0, 1, 2]));
+    assert_eq!(kv.cells.head(), 3);
+    kv.apply(&[], &[3, 4], &mut slots).unwrap();
+    assert_eq!(slots, vec![3, 4], "the fresh run's slots");
+    // after an eviction the head only moves back, never forward
+    kv.apply(&[0], &[5], &mut slots).unwrap();
+    assert_eq!(slots, vec![5]);
+    kv.rewind(5).unwrap();
+    assert_eq!(kv.cells.head(), 5);
+    kv.apply(&[], &[5, 6, 7], &mut slots).unwrap();
+    assert_eq!(slots, vec![5, 6, 7]);
+
+    // the stream layout: each region's ring head moves back
+    let regions = [
+        Region {
+            first_stream: 0,
+            n_streams: 2,
+            rows: 16,
+        },
+        Region {
+            first_stream: 2,
+            n_streams: 2,
+            rows: 16,
+        },
+    ];
+    let mut kv = KvCache::with_streams(2, 4, 2, &regions, KvType::F32).unwrap();
+    kv.apply(&[], &[0, 1, 2, 3], &mut slots).unwrap();
+    let fresh_tail: Vec<u32> = slots.clone();
+    kv.rewind(2).unwrap();
+    kv.apply(&[], &[2, 3], &mut slots).unwrap();
+    // stream-major: each stream's entries for positions 2 and 3
+    let again: Vec<u32> = fresh_tail
+        .chunks(4)
+        .flat_map(|c| c[2..].iter().copied())
+        .collect();
+    assert_eq!(slots, again, "every stream re-takes its fresh rows");
 }

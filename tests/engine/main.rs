@@ -8,6 +8,7 @@ mod util;
 
 mod arch;
 mod cache_type;
+mod chunking;
 mod identity;
 mod kernels;
 mod kv_cells;

@@ -2,7 +2,8 @@
 //! against the live K/V rows of each KV head, causal by position, with the
 //! optional export of attention probabilities into a per-slot mass.
 //!
-//! - Prefill chunks (n > 1): each KV head's live rows are converted to f32
+//! - Prefill chunks (n > 1, or any prompt chunk, so that a prompt's
+//!   result never depends on its chunking): each KV head's live rows are converted to f32
 //!   once per layer (keys transposed), then (token, KV head) pairs are
 //!   interleaved over the threads and run the register-tiled prefill
 //!   kernel (`prefill_attn_kernels`).
@@ -155,7 +156,7 @@ pub fn layer(
     // transposed (hd, n_g) at kt[koff[g]..], values (n_g, hd) at
     // vf[koff[g]..] (n_g = that head's live entries; every head has the
     // shared list in the token-uniform layout)
-    let prefill = n > 1;
+    let prefill = n > 1 || st.prompt;
     if prefill {
         sc.koff.clear();
         sc.koff.push(0);
@@ -193,7 +194,7 @@ pub fn layer(
 
     // multi-head attention over live slots, causal by position:
     // att_out[i, h] = softmax(q[i,h]·K[j] * scale, pos_j ≤ pos_i) @ V[j]
-    if n == 1 && !cache_pos {
+    if !prefill && !cache_pos {
         // one decoded token: every KV head's keys in parts, in parallel
         // (flash-decoding), merged by their softmax statistics
         let mass = if export && st.mass != MassMode::None {
