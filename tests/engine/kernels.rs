@@ -716,14 +716,29 @@ fn q8_0_cache_blocks_are_ggml_blocks() {
     }
 }
 
-/// The 16-lane `exp` of the decode kernel: bit for bit its scalar reference
-/// on the normal range, within 1e-6 relative of f64 `exp` over the range the
-/// kernel uses (s − max ≤ 0), 0 below the underflow, NaN kept.
+/// The 16-lane `exp` of the AVX-512 decode kernel and the 8-lane one of
+/// the AVX2 kernel: bit for bit their scalar reference on the normal range,
+/// within 1e-6 relative of f64 `exp` over the range the kernels use
+/// (s − max ≤ 0), 0 below the underflow, NaN kept (each wherever the CPU
+/// runs it; elsewhere its slice helper is the reference itself).
 #[test]
-// -0.3465736 is ±ln2/2 on purpose: the edge of exp16's range reduction
+// -0.3465736 is ±ln2/2 on purpose: the edge of the range reduction
 #[allow(clippy::approx_constant)]
-fn exp16_matches_scalar_reference_and_f64() {
-    use kvrun::backend::cpu::decode_avx512::{exp_ref, exp_slice};
+fn simd_exp_matches_scalar_reference_and_f64() {
+    use kvrun::backend::cpu::decode_avx512::exp_ref;
+    for (name, exp_slice) in [
+        (
+            "exp16",
+            kvrun::backend::cpu::decode_avx512::exp_slice as fn(&mut [f32]),
+        ),
+        ("exp8", kvrun::backend::cpu::decode_avx2::exp_slice),
+    ] {
+        check_exp(name, exp_ref, exp_slice);
+    }
+}
+
+#[allow(clippy::approx_constant)]
+fn check_exp(name: &str, exp_ref: fn(f32) -> f32, exp_slice: fn(&mut [f32])) {
     let mut xs: Vec<f32> = (0..=200_000)
         .map(|i| -87.0 * i as f32 / 200_000.0)
         .collect();
@@ -745,13 +760,13 @@ fn exp16_matches_scalar_reference_and_f64() {
     let mut worst = 0f64;
     for (&x, &y) in xs.iter().zip(&got) {
         let r = exp_ref(x);
-        assert_eq!(y.to_bits(), r.to_bits(), "exp16({x}) = {y}, reference {r}");
+        assert_eq!(y.to_bits(), r.to_bits(), "{name}({x}) = {y}, reference {r}");
         let e = (x as f64).exp();
         let rel = (y as f64 - e).abs() / e;
         worst = worst.max(rel);
         assert!(rel <= 1e-6, "exp({x}) = {y} vs {e}: rel {rel:.2e}");
     }
-    eprintln!("exp16 worst relative error on [-87, 0]: {worst:.2e}");
+    eprintln!("{name} worst relative error on [-87, 0]: {worst:.2e}");
     // the tails: subnormal results stay close in absolute terms, then 0
     let mut t = vec![
         -87.5f32,
@@ -767,23 +782,26 @@ fn exp16_matches_scalar_reference_and_f64() {
     assert!((t[0] as f64 - (-87.5f64).exp()).abs() < 1e-44);
     assert!((t[1] as f64 - (-95f64).exp()).abs() < 2e-45);
     assert!(t[2] == f32::from_bits(1) && t[3] == 0.0 && t[4] == 0.0 && t[5] == 0.0);
-    assert!(t[6].is_nan() && t[7] == f32::INFINITY);
+    assert!(t[6].is_nan() && t[7] == f32::INFINITY, "{name} tails");
 }
 
-/// The decode kernel's SIMD path (`attend_group_probs_seg` on an AVX-512
-/// CPU) against its portable reference `attend_group_probs_seg_ref`: every
-/// supported group size and head_dim, ragged key counts (16-key tails),
-/// several query segments, each cache type; outputs and probabilities agree
-/// to float rounding.
+/// The decode kernels (`decode_avx2::attend`, `decode_avx512::attend` and
+/// the dispatching `attend_group_probs_seg`, each wherever the CPU can run
+/// it) against the portable reference `attend_group_probs_seg_ref`: every
+/// supported group size and head_dim, ragged key counts (8- and 16-key
+/// tails), several query segments, each cache type; outputs and
+/// probabilities agree to float rounding.
 #[test]
 fn decode_kernel_matches_portable_reference() {
     use kvrun::backend::cpu::decode_attn::attend_group_probs_seg;
     use kvrun::backend::cpu::reference::attend_group_probs_seg_ref;
+    use kvrun::backend::cpu::{decode_avx2, decode_avx512};
     use kvrun::kv::{quantize_q8_0, BlockQ8_0, QK8_0};
-    eprintln!(
-        "decode512 available: {}",
-        kvrun::backend::cpu::decode_avx512::available()
-    );
+    let (has2, has512) = (decode_avx2::available(), decode_avx512::available());
+    eprintln!("decode kernels available: avx2 {has2}, avx512 {has512}");
+    if kvrun::backend::cpu::isa::detected() >= kvrun::backend::cpu::isa::Level::Avx2 {
+        assert!(has2, "an AVX2 CPU must run the AVX2 decode kernel");
+    }
     let mut r = Rng::new(0xdec0de);
     let mut worst = (0f32, 0f32);
     for &(g, hd, n, ns) in &[
@@ -822,21 +840,42 @@ fn decode_kernel_matches_portable_reference() {
         macro_rules! check {
             ($k:expr, $v:expr, $u:expr, $what:expr) => {{
                 let (kk, vv, u) = (&$k, &$v, $u);
-                let (mut o1, mut s1, mut st1) =
-                    (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
+                let (o1, s1, st1) = (vec![0f32; g * hd], vec![0f32; g * n], vec![(0f32, 0f32); g]);
                 let (mut o2, mut s2, mut st2) = (o1.clone(), s1.clone(), st1.clone());
-                attend_group_probs_seg(
-                    &q,
-                    &seg,
-                    g,
-                    n,
-                    |j| &kk[j * u..(j + 1) * u],
-                    |j| &vv[j * u..(j + 1) * u],
-                    scale,
-                    &mut s1,
-                    &mut o1,
-                    &mut st1,
-                );
+                let supported = decode_avx512::supports(g, hd);
+                let mut runs = Vec::new();
+                for (name, can) in [
+                    ("dispatched", true),
+                    ("avx2", has2 && supported),
+                    ("avx512", has512 && supported),
+                ] {
+                    if !can {
+                        continue;
+                    }
+                    let (mut o1, mut s1, mut st1) = (o1.clone(), s1.clone(), st1.clone());
+                    macro_rules! call {
+                        ($f:path) => {
+                            $f(
+                                &q,
+                                &seg,
+                                g,
+                                n,
+                                |j| &kk[j * u..(j + 1) * u],
+                                |j| &vv[j * u..(j + 1) * u],
+                                scale,
+                                &mut s1,
+                                &mut o1,
+                                &mut st1,
+                            )
+                        };
+                    }
+                    match name {
+                        "avx2" => call!(decode_avx2::attend),
+                        "avx512" => call!(decode_avx512::attend),
+                        _ => call!(attend_group_probs_seg),
+                    }
+                    runs.push((name, o1, s1, st1));
+                }
                 attend_group_probs_seg_ref(
                     &q,
                     &seg,
@@ -849,32 +888,41 @@ fn decode_kernel_matches_portable_reference() {
                     &mut o2,
                     &mut st2,
                 );
-                for i in 0..g * hd {
-                    let e = (o1[i] - o2[i]).abs();
-                    worst.0 = worst.0.max(e);
-                    assert!(
-                        e <= 2e-5 * (1.0 + o2[i].abs()),
-                        "{} g{g} hd{hd} n{n} ns{ns}: out {i}: {} vs {}",
-                        $what,
-                        o1[i],
-                        o2[i]
-                    );
-                }
-                for i in 0..g * n {
-                    let e = (s1[i] - s2[i]).abs();
-                    worst.1 = worst.1.max(e / s2[i].max(1e-30));
-                    assert!(
-                        e <= 1e-5 * s2[i] + 1e-12,
-                        "{} g{g} hd{hd} n{n} ns{ns}: prob {i}: {} vs {}",
-                        $what,
-                        s1[i],
-                        s2[i]
-                    );
-                }
-                for h in 0..g {
-                    let ((m1, z1), (m2, z2)) = (st1[h], st2[h]);
-                    assert!((m1 - m2).abs() <= 1e-5 * (1.0 + m2.abs()), "{} max", $what);
-                    assert!((z1 - z2).abs() <= 1e-5 * z2, "{} sum", $what);
+                for (kname, o1, s1, st1) in &runs {
+                    for i in 0..g * hd {
+                        let e = (o1[i] - o2[i]).abs();
+                        worst.0 = worst.0.max(e);
+                        assert!(
+                            e <= 2e-5 * (1.0 + o2[i].abs()),
+                            "{} {} g{g} hd{hd} n{n} ns{ns}: out {i}: {} vs {}",
+                            $what,
+                            kname,
+                            o1[i],
+                            o2[i]
+                        );
+                    }
+                    for i in 0..g * n {
+                        let e = (s1[i] - s2[i]).abs();
+                        worst.1 = worst.1.max(e / s2[i].max(1e-30));
+                        assert!(
+                            e <= 1e-5 * s2[i] + 1e-12,
+                            "{} {} g{g} hd{hd} n{n} ns{ns}: prob {i}: {} vs {}",
+                            $what,
+                            kname,
+                            s1[i],
+                            s2[i]
+                        );
+                    }
+                    for h in 0..g {
+                        let ((m1, z1), (m2, z2)) = (st1[h], st2[h]);
+                        assert!(
+                            (m1 - m2).abs() <= 1e-5 * (1.0 + m2.abs()),
+                            "{} {} max",
+                            $what,
+                            kname
+                        );
+                        assert!((z1 - z2).abs() <= 1e-5 * z2, "{} {} sum", $what, kname);
+                    }
                 }
             }};
         }

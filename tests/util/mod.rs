@@ -39,10 +39,9 @@ pub fn kvrun_bin() -> PathBuf {
 
 /// Which of kvrun's kernels run in this process (the CPU's level capped
 /// by `KVRUN_CPU`): the float summation orders differ between them (the
-/// AVX-512 attention and VNNI GEMM paths sum in another order than the
-/// portable loops), so exact golden outputs are recorded per profile.
-/// kvrun's AVX2 kernels (the Q4_K, Q8_0 and Q4_0 tiles) are bit-identical
-/// to ggml's `vec_dot`, so `portable` and `avx2` are one profile.
+/// AVX2 and AVX-512 decode attention and the VNNI GEMM paths sum in
+/// another order than the portable loops), so exact golden outputs are
+/// recorded per profile.
 pub fn kernel_profile() -> &'static str {
     profile_of(kvrun::backend::cpu::isa::level())
 }
@@ -51,7 +50,8 @@ pub fn kernel_profile() -> &'static str {
 pub fn profile_of(l: kvrun::backend::cpu::isa::Level) -> &'static str {
     use kvrun::backend::cpu::isa::Level;
     match l {
-        Level::Portable | Level::Avx2 => "avx2",
+        Level::Portable => "portable",
+        Level::Avx2 => "avx2",
         Level::Avx512 => "avx512",
         Level::Avx512Vnni => "avx512-vnni",
     }
@@ -66,8 +66,7 @@ pub fn lower_levels() -> Vec<kvrun::backend::cpu::isa::Level> {
     if std::env::var_os("KVRUN_CPU").is_some() {
         return Vec::new();
     }
-    // portable and avx2 run the same kvrun code: one of them is enough
-    [Level::Avx2, Level::Avx512]
+    [Level::Portable, Level::Avx2, Level::Avx512]
         .into_iter()
         .filter(|&l| l < level())
         .collect()

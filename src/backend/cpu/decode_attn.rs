@@ -1,12 +1,13 @@
 //! Decode attention kernels: the query heads of one KV head over the live
 //! rows of a stream, three passes (scores, weights, value sum) with the
 //! normalized probabilities left for scorers that export attention. The
-//! AVX-512 path (`decode_avx512`) runs where the CPU has it and the shape is
-//! supported; `reference::attend_group_probs_seg_ref` elsewhere.
+//! AVX-512 path (`decode_avx512`) or the AVX2 one (`decode_avx2`) runs
+//! where the CPU's level is that and the shape is supported;
+//! `reference::attend_group_probs_seg_ref` elsewhere.
 
-use super::decode_avx512;
 use super::kv_store::KvRow;
 use super::reference::attend_group_probs_seg_ref;
+use super::{decode_avx2, decode_avx512};
 
 /// Decode attention for the `g` query heads of one KV head when a scorer
 /// wants the probabilities: two passes over the stored rows (scores, then one
@@ -33,10 +34,11 @@ pub fn attend_group_probs<'k, R: KvRow + ?Sized + 'k>(
 /// head_dim)); see `attend_prefill_group_seg`. One segment is
 /// `attend_group_probs`, operation for operation.
 ///
-/// Runs the AVX-512 kernel (`decode512`) where the CPU has it and the shape
-/// is supported, else the portable `attend_group_probs_seg_ref`. The choice
-/// depends only on the CPU and (g, head_dim), never on whether a scorer
-/// reads the probabilities.
+/// Runs the AVX-512 kernel (`decode_avx512`) or the AVX2 one
+/// (`decode_avx2`) at those levels where the shape is supported, else the
+/// portable `attend_group_probs_seg_ref`. The choice depends only on the
+/// kernel level and (g, head_dim), never on whether a scorer reads the
+/// probabilities.
 pub fn attend_group_probs_seg<'k, R: KvRow + ?Sized + 'k>(
     q: &[f32],
     seg_end: &[usize],
@@ -52,6 +54,8 @@ pub fn attend_group_probs_seg<'k, R: KvRow + ?Sized + 'k>(
     let hd = out.len() / g.max(1);
     if decode_avx512::supports(g, hd) && decode_avx512::enabled() {
         decode_avx512::attend(q, seg_end, g, n, key, val, scale, sc, out, stats)
+    } else if decode_avx2::supports(g, hd) && decode_avx2::enabled() {
+        decode_avx2::attend(q, seg_end, g, n, key, val, scale, sc, out, stats)
     } else {
         attend_group_probs_seg_ref(q, seg_end, g, n, key, val, scale, sc, out, stats)
     }

@@ -38,16 +38,16 @@ pub fn supports(g: usize, hd: usize) -> bool {
 
 // exp(x) = 2^k · exp(r), k = round(x / ln2), r = x − k·ln2 (ln2 split in a
 // high part with trailing zero bits and the remainder, so k·LN2_HI is exact).
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // 0.693145751953125
-const LN2_LO: f32 = (std::f64::consts::LN_2 - 0.693_145_751_953_125) as f32;
+pub(super) const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(super) const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // 0.693145751953125
+pub(super) const LN2_LO: f32 = (std::f64::consts::LN_2 - 0.693_145_751_953_125) as f32;
 /// Below this exp underflows to 0 (the smallest subnormal is 2^-149).
-const X_MIN: f32 = -104.0;
+pub(super) const X_MIN: f32 = -104.0;
 /// Above this exp overflows to +inf.
-const X_MAX: f32 = 128.0;
+pub(super) const X_MAX: f32 = 128.0;
 /// Taylor coefficients 1/i! of exp(r), i = 7 down to 2: on |r| ≤ ln2/2 the
 /// truncation error r^8/8! is below 6e-9, far under half an ulp.
-const EXP_C: [f32; 6] = [
+pub(super) const EXP_C: [f32; 6] = [
     1.0 / 5040.0,
     1.0 / 720.0,
     1.0 / 120.0,

@@ -15,7 +15,7 @@
 //! - `attention`: one layer's attention step (prefill and decode paths,
 //!   in-cache positions, the probability export);
 //! - `prefill_attn_kernels` (+ `prefill_avx512` tiles) and `decode_attn`
-//!   (+ `decode_avx512`): the per-KV-head kernels;
+//!   (+ `decode_avx512`, `decode_avx2`): the per-KV-head kernels;
 //! - `kv_store`: K/V rows in host memory;
 //! - `proj_norm`: CriticalKV's projected value norm (register-blocked
 //!   AVX2 / AVX-512 kernels over a packed W_O block);
@@ -26,6 +26,7 @@
 
 pub mod attention;
 pub mod decode_attn;
+pub mod decode_avx2;
 pub mod decode_avx512;
 pub mod elementwise;
 pub mod isa;
