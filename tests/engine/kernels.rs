@@ -737,7 +737,7 @@ fn simd_exp_matches_scalar_reference_and_f64() {
     }
 }
 
-#[allow(clippy::approx_constant)]
+#[allow(clippy::approx_constant, clippy::excessive_precision)]
 fn check_exp(name: &str, exp_ref: fn(f32) -> f32, exp_slice: fn(&mut [f32])) {
     let mut xs: Vec<f32> = (0..=200_000)
         .map(|i| -87.0 * i as f32 / 200_000.0)

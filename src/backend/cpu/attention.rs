@@ -225,8 +225,7 @@ pub fn layer(
         // decoding sees every live token: walk them in memory order
         // (in-cache positions need position order for their key runs)
         let memory_order = !(prefill || cache_pos);
-        let q = &q[..];
-        let (q_raw, seg_end, seg_off) = (&q_raw[..], &sc.seg_end, &sc.seg_off);
+        let (seg_end, seg_off) = (&sc.seg_end, &sc.seg_off);
 
         let (vf, kt, koff) = (&sc.vf, &sc.kt, &sc.koff);
         let out = SharedMut::new(&mut out[..n * q_dim]);
