@@ -18,6 +18,8 @@
 //! results agree to float rounding, not bit for bit (tests/engine/
 //! kernels.rs runs every level's kernel against the reference).
 
+#[cfg(target_arch = "x86_64")]
+use super::decode_avx512::{prefetch_row, PREFETCH};
 use super::decode_avx512::{EXP_C, LN2_HI, LN2_LO, LOG2E, X_MAX, X_MIN};
 use super::kv_store::KvRow;
 
@@ -179,24 +181,6 @@ unsafe fn reduce8(v: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m2
     let lo = _mm256_permute2f128_ps::<0x20>(q0, q1);
     let hi = _mm256_permute2f128_ps::<0x31>(q0, q1);
     _mm256_add_ps(lo, hi)
-}
-
-/// Rows ahead of the one being read that the kernel asks the cache to fetch.
-const PREFETCH: usize = 8;
-
-/// Prefetch the cache lines of one row into L1.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_row<R: KvRow + ?Sized>(r: &R) {
-    use std::arch::x86_64::*;
-    let (p, len) = (r as *const R as *const u8, std::mem::size_of_val(r));
-    let mut o = 0;
-    while o < len {
-        // SAFETY: a prefetch is a hint: it never faults and writes nothing;
-        // the address is inside the row.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(o).cast()) };
-        o += 64;
-    }
 }
 
 /// One row of C·8 values as C vectors: f16 rows widened in registers, f32

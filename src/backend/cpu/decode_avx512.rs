@@ -238,12 +238,12 @@ unsafe fn reduce16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__
 }
 
 /// Rows ahead of the one being read that the kernel asks the cache to fetch.
-const PREFETCH: usize = 8;
+pub(super) const PREFETCH: usize = 8;
 
 /// Prefetch the cache lines of one row into L1.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_row<R: KvRow + ?Sized>(r: &R) {
+pub(super) fn prefetch_row<R: KvRow + ?Sized>(r: &R) {
     use std::arch::x86_64::*;
     let (p, len) = (r as *const R as *const u8, std::mem::size_of_val(r));
     let mut o = 0;
