@@ -430,6 +430,63 @@ fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
     );
 }
 
+/// The rows-in-lanes Q4_K kernels (AVX2, AVX-512 without VNNI) equal
+/// their scalar model bit for bit, for 8 tokens and for 1, on fresh random
+/// data; the model is within float rounding of an f64 dot product of the
+/// same quantized data and of ggml's `vec_dot` (whose lanes it does not
+/// follow).
+#[test]
+fn q4_k_lanes_kernel_matches_its_scalar_model() {
+    use kvrun::backend::cpu::qgemm_q4k_lanes::{dot_scalar, lanes_for, lanes_scalar, ROWS, TOKS};
+    let dt = DType::Q4K;
+    let seed = 0x5eed_0413 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+    let mut checked = 0;
+    for n_in in [256usize, 768, 3584, 18944] {
+        let nb = n_in / 256;
+        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+        let (w, act) = quant_problem(dt, &mut r, ROWS, n_in, TOKS);
+        let rows: [&[u8]; ROWS] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
+        let toks: [&[u8]; TOKS] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
+        let model = lanes_scalar(nb, &rows, &toks);
+        for i in 0..ROWS {
+            for t in 0..TOKS {
+                let m = model[i][t];
+                assert_eq!(m.to_bits(), dot_scalar(nb, rows[i], toks[t]).to_bits());
+                let exact = kvrun::quant::dot_q_ref(dt, n_in, rows[i], toks[t]);
+                let g = tr.dot(n_in, rows[i], toks[t]);
+                for (what, v) in [("f64", exact), ("ggml", g)] {
+                    assert!(
+                        (m - v).abs() <= 2e-5 * (1.0 + v.abs()),
+                        "n_in {n_in} ({i},{t}): model {m} vs {what} {v}"
+                    );
+                }
+            }
+        }
+        for level in simd_levels() {
+            let (Some(fw), Some(f1)) = (lanes_for::<TOKS>(level), lanes_for::<1>(level)) else {
+                continue;
+            };
+            checked += 1;
+            let v4 = fw(nb, &rows, &toks);
+            for t in 0..TOKS {
+                let v1 = f1(nb, &rows, &[toks[t]]);
+                for i in 0..ROWS {
+                    let m = model[i][t];
+                    assert_eq!(v4[i][t].to_bits(), m.to_bits(), "{level} n_in {n_in} ({i},{t}): {} vs {m}", v4[i][t]);
+                    assert_eq!(v1[i][0].to_bits(), m.to_bits(), "{level} N=1 n_in {n_in} ({i},{t}): {} vs {m}", v1[i][0]);
+                }
+            }
+        }
+    }
+    // an AVX2 CPU must run them (so the skip cannot hide a dispatch bug)
+    if kvrun::backend::cpu::isa::detected() >= Level::Avx2 {
+        assert!(checked > 0, "no rows-in-lanes kernel ran on an AVX2 CPU");
+    }
+}
+
 #[test]
 fn q5_k_tile_matches_ggml_vec_dot_bit_for_bit() {
     use kvrun::backend::cpu::qgemm_q5k::{tile_for, tile_scalar};
@@ -506,6 +563,10 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4K, 5, 512, 1),
         (DType::Q4K, 64, 1024, 1),
         (DType::Q4K, 4, 256, 4),
+        (DType::Q4K, 21, 512, 2),
+        (DType::Q4K, 8, 256, 3),
+        (DType::Q4K, 40, 768, 9),
+        (DType::Q4K, 13, 512, 17),
         (DType::Q5K, 18, 256, 7),
         (DType::Q5K, 37, 768, 5),
         (DType::Q5K, 5, 512, 1),
@@ -536,9 +597,17 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             let pool = ThreadPool::new(threads);
             let mut out = vec![f32::NAN; n_tok * n_out];
             matmul_q_at(&pool, &m, &act, n_tok, &mut out, level);
+            // Q4_K on AVX2 follows the rows-in-lanes arithmetic, not ggml's
+            let lanes = dt == DType::Q4K
+                && kvrun::backend::cpu::qgemm_q4k_lanes::lanes_for::<1>(level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
-                    let g = tr.dot(n_in, m.row(i), &act[t * ab..(t + 1) * ab]);
+                    let a = &act[t * ab..(t + 1) * ab];
+                    let g = if lanes {
+                        kvrun::backend::cpu::qgemm_q4k_lanes::dot_scalar(n_in / 256, m.row(i), a)
+                    } else {
+                        tr.dot(n_in, m.row(i), a)
+                    };
                     let v = out[t * n_out + i];
                     assert_eq!(
                         v.to_bits(),
@@ -1011,3 +1080,52 @@ fn decode_kernel_speed() {
         a / b
     );
 }
+
+/// Throughput of the quantized matmuls at R1-Distill-Qwen-7B shapes
+/// (ffn_up: 18944 × 3584, ffn_down: 3584 × 18944) for a 128-token prefill
+/// batch and one decoding token, at every level this CPU runs, in GMAC/s.
+/// `KVRUN_SPEED_TYPES=Q4_K,Q6_K` and `KVRUN_SPEED_THREADS=N` narrow it.
+/// `cargo test --release --test engine kernels::qgemm_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn qgemm_speed() {
+    let types = std::env::var("KVRUN_SPEED_TYPES").unwrap_or_else(|_| "Q4_K,Q6_K,Q8_0".into());
+    let threads: usize = std::env::var("KVRUN_SPEED_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let pool = ThreadPool::new(threads);
+    let mut r = Rng::new(11);
+    for name in types.split(',') {
+        let dt = match name {
+            "Q4_K" => DType::Q4K,
+            "Q5_K" => DType::Q5K,
+            "Q6_K" => DType::Q6K,
+            "Q8_0" => DType::Q8_0,
+            "Q4_0" => DType::Q4_0,
+            other => panic!("KVRUN_SPEED_TYPES: {other}?"),
+        };
+        for (n_out, n_in) in [(18944usize / 4, 3584usize), (3584 / 4, 18944)] {
+            let n_tok = 128;
+            let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
+            let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
+            let levels = std::iter::once(Level::Portable).chain(simd_levels());
+            for level in levels {
+                let mut line = format!("{dt} {n_out}x{n_in} {level:>12}:");
+                for nt in [n_tok, 1] {
+                    let mut out = vec![0f32; nt * n_out];
+                    let mut best = f64::INFINITY;
+                    for _ in 0..3 {
+                        let t = std::time::Instant::now();
+                        matmul_q_at(&pool, &m, &act, nt, &mut out, level);
+                        best = best.min(t.elapsed().as_secs_f64());
+                    }
+                    let gmac = (n_out * n_in * nt) as f64 / best / 1e9;
+                    line += &format!(" n={nt}: {gmac:7.2} GMAC/s ({:.1} ms)", best * 1e3);
+                }
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+

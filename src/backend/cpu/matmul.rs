@@ -10,7 +10,7 @@ use super::isa::{self, Level};
 use super::pool::{split, SharedMut, ThreadPool};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_q4k, qgemm_q5k, qgemm_q6k, qgemm_q8_0};
+use super::{qgemm_q4k, qgemm_q4k_lanes, qgemm_q5k, qgemm_q6k, qgemm_q8_0};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -162,6 +162,20 @@ pub fn matmul_q_at(
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
         }
     }
+    if w.dtype == DType::Q4K {
+        // rows in lanes (AVX2 without VNNI): every token count takes this
+        // arithmetic, so a prompt's result does not depend on its chunking
+        if let (Some(tile), Some(one)) = (
+            qgemm_q4k_lanes::lanes_for::<{ qgemm_q4k_lanes::TOKS }>(level),
+            qgemm_q4k_lanes::lanes_for::<1>(level),
+        ) {
+            return if n_tok == 1 {
+                matvec_lanes(pool, w, act, out, one)
+            } else {
+                matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile))
+            };
+        }
+    }
     let (tile_n, tile_1) = match w.dtype {
         DType::Q4K => (
             qgemm_q4k::tile_for::<NT>(level),
@@ -228,9 +242,39 @@ enum Tile {
     /// Q5_0 × Q8_0):
     /// block scales read inside the kernel.
     Rows(qgemm_q4k::TileFn<NT>),
+    /// Q4_K × Q8_K with 8 rows in the SIMD lanes (`qgemm_q4k_lanes`).
+    Lanes(qgemm_q4k_lanes::LanesFn<{ qgemm_q4k_lanes::TOKS }>),
 }
 
-/// `matmul_q` with a tile microkernel (MR rows × NT tokens per call): each
+impl Tile {
+    /// Weight rows per call.
+    fn rows(self) -> usize {
+        match self {
+            Tile::Lanes(_) => qgemm_q4k_lanes::ROWS,
+            Tile::Q4_1(_) | Tile::Rows(_) => MR,
+        }
+    }
+
+    /// Rows of a thread's block: the lanes kernel's 8-token activation tile
+    /// (32 KB at a 3584-wide row) stays in L1 while 8 micro tiles of
+    /// weights (from L2) pass it.
+    fn row_tile(self) -> usize {
+        match self {
+            Tile::Lanes(_) => LANES_ROW_TILE,
+            Tile::Q4_1(_) | Tile::Rows(_) => ROW_TILE,
+        }
+    }
+
+    /// Tokens per call.
+    fn toks(self) -> usize {
+        match self {
+            Tile::Lanes(_) => qgemm_q4k_lanes::TOKS,
+            Tile::Q4_1(_) | Tile::Rows(_) => NT,
+        }
+    }
+}
+
+/// `matmul_q` with a tile microkernel (`tile.rows()` × `tile.toks()` per call): each
 /// thread takes ROW_TILE-row blocks; per block, token tiles stream past its
 /// MR-row micro tiles (block weights and one token tile stay in L1).
 /// Ragged edges repeat the last row / token and drop the extra results.
@@ -247,11 +291,13 @@ fn matmul_q_tiled(
     let ab = w.act_bytes();
     let act = &act[..n_tok * ab];
     let nb = n_in / w.dtype.block_len();
-    let n_tt = n_tok.div_ceil(NT);
-    // token rows of tile tt (the last one padded with its last token)
-    let toks = |tt: usize| -> [&[u8]; NT] {
+    let ntok = tile.toks();
+    let n_tt = n_tok.div_ceil(ntok);
+    // token rows of tile tt (the last one padded with its last token; the
+    // first `ntok` entries used)
+    let toks = |tt: usize| -> [&[u8]; WIDE] {
         std::array::from_fn(|k| {
-            let t = (tt * NT + k).min(n_tok - 1);
+            let t = (tt * ntok + k.min(ntok - 1)).min(n_tok - 1);
             &act[t * ab..(t + 1) * ab]
         })
     };
@@ -265,38 +311,51 @@ fn matmul_q_tiled(
             // SAFETY: token tiles t0..t1 belong to this thread.
             let mine = unsafe { sc.slice(t0, t1 - t0) };
             for (tt, s) in (t0..t1).zip(mine) {
-                s.q8_1(&toks(tt), nb);
+                s.q8_1(first_nt(&toks(tt)), nb);
             }
         });
     }
     let nt = pool.n_threads();
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
     pool.run(|i| {
-        let n_blocks = n_out.div_ceil(ROW_TILE);
+        let row_tile = tile.row_tile();
+        let n_blocks = n_out.div_ceil(row_tile);
         let (blk0, blk1) = split(n_blocks, i, nt);
         let mut w_sc = vec![qgemm_x86::TileScales::default(); ROW_TILE / MR];
+        let mr = tile.rows();
         for blk in blk0..blk1 {
-            let r0 = blk * ROW_TILE;
-            let r1 = (r0 + ROW_TILE).min(n_out);
-            let n_micro = (r1 - r0).div_ceil(MR);
-            let mut rows = [[&[] as &[u8]; MR]; ROW_TILE / MR];
+            let r0 = blk * row_tile;
+            let r1 = (r0 + row_tile).min(n_out);
+            let n_micro = (r1 - r0).div_ceil(mr);
+            // micro tile m: rows r0 + m·mr .. (the first `mr` entries used)
+            let mut rows = [[&[] as &[u8]; WIDE]; MAX_MICRO];
             for m in 0..n_micro {
-                rows[m] = std::array::from_fn(|k| w.row((r0 + m * MR + k).min(r1 - 1)));
+                rows[m] = std::array::from_fn(|k| w.row((r0 + m * mr + k.min(mr - 1)).min(r1 - 1)));
                 if let Tile::Q4_1(_) = tile {
-                    w_sc[m].q4_1(&rows[m], nb);
+                    w_sc[m].q4_1(first_mr(&rows[m]), nb);
                 }
             }
             for tt in 0..n_tt {
                 let a = toks(tt);
-                let n_t = NT.min(n_tok - tt * NT);
+                let n_t = ntok.min(n_tok - tt * ntok);
                 for m in 0..n_micro {
-                    let res = match tile {
-                        Tile::Q4_1(f) => f(nb, &rows[m], &w_sc[m], &a, &a_sc[tt]),
-                        Tile::Rows(f) => f(nb, &rows[m], &a),
+                    let mut res = [[0f32; WIDE]; WIDE];
+                    let narrow = match tile {
+                        Tile::Q4_1(f) => f(nb, first_mr(&rows[m]), &w_sc[m], first_nt(&a), &a_sc[tt]),
+                        Tile::Rows(f) => f(nb, first_mr(&rows[m]), first_nt(&a)),
+                        Tile::Lanes(f) => {
+                            res = f(nb, &rows[m], &a);
+                            [[0f32; NT]; MR]
+                        }
                     };
-                    let (rm, n_r) = (r0 + m * MR, MR.min(r1 - r0 - m * MR));
+                    if tile.rows() == MR {
+                        for (wide, n) in res.iter_mut().zip(&narrow) {
+                            wide[..NT].copy_from_slice(n);
+                        }
+                    }
+                    let (rm, n_r) = (r0 + m * mr, mr.min(r1 - r0 - m * mr));
                     for j in 0..n_t {
-                        let t = tt * NT + j;
+                        let t = tt * ntok + j;
                         // SAFETY: rows r0..r1 belong to this thread only.
                         let dst = unsafe { o.slice(t * n_out + rm, n_r) };
                         for (k, d) in dst.iter_mut().enumerate() {
@@ -304,6 +363,62 @@ fn matmul_q_tiled(
                         }
                     }
                 }
+            }
+        }
+    });
+}
+
+/// Rows or tokens of the widest tile (`qgemm_q4k_lanes`: 8 × 8).
+const WIDE: usize = 8;
+/// Row block of the lanes kernel.
+const LANES_ROW_TILE: usize = 64;
+/// Micro tiles per row block, at most.
+const MAX_MICRO: usize = if LANES_ROW_TILE / WIDE > ROW_TILE / MR {
+    LANES_ROW_TILE / WIDE
+} else {
+    ROW_TILE / MR
+};
+const _: () = assert!(
+    qgemm_q4k_lanes::ROWS == WIDE && qgemm_q4k_lanes::TOKS == WIDE && MR <= WIDE && NT <= WIDE
+);
+
+/// The first `MR` rows of a wide micro tile.
+fn first_mr<'r, 'a>(rows: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; MR] {
+    rows[..MR].try_into().expect("MR <= WIDE")
+}
+
+/// The first `NT` tokens of a wide token tile.
+fn first_nt<'r, 'a>(toks: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; NT] {
+    toks[..NT].try_into().expect("NT <= WIDE")
+}
+
+/// One token through a Q4_K matrix with the 8-row lanes kernel: the rows
+/// split between threads in blocks of 8, the activation shared by all.
+fn matvec_lanes(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    out: &mut [f32],
+    kernel: qgemm_q4k_lanes::LanesFn<1>,
+) {
+    const ROWS: usize = qgemm_q4k_lanes::ROWS;
+    let n_out = w.n_out;
+    let nb = w.n_in / w.dtype.block_len();
+    let a = [&act[..w.act_bytes()]];
+    let n_micro = n_out.div_ceil(ROWS);
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_out]);
+    pool.run(|i| {
+        let (m0, m1) = split(n_micro, i, nt);
+        for m in m0..m1 {
+            let r0 = m * ROWS;
+            let rows: [&[u8]; ROWS] = std::array::from_fn(|k| w.row((r0 + k).min(n_out - 1)));
+            let res = kernel(nb, &rows, &a);
+            let n_r = ROWS.min(n_out - r0);
+            // SAFETY: rows r0..r0+n_r belong to this thread only.
+            let dst = unsafe { o.slice(r0, n_r) };
+            for (k, d) in dst.iter_mut().enumerate() {
+                *d = res[k][0];
             }
         }
     });

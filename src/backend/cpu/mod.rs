@@ -37,6 +37,7 @@ pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
 pub mod qgemm_q4k;
+pub mod qgemm_q4k_lanes;
 pub mod qgemm_q5k;
 pub mod qgemm_q6k;
 pub mod qgemm_q8_0;

@@ -1,4 +1,4 @@
-//! Q4_K × Q8_K tile kernels (AVX-512 VNNI and AVX2): `MR` weight rows × `N` tokens per call, so each
+//! Q4_K × Q8_K tile kernels (AVX-512 VNNI; AVX2 has [`super::qgemm_q4k_lanes`]): `MR` weight rows × `N` tokens per call, so each
 //! unpacked Q4_K superblock (nibbles, 6-bit scales and mins) serves `N`
 //! tokens and each Q8_K activation block `MR` rows. `N` = 4 for batched
 //! prefill, 1 for decoding (the 4 rows still share one activation load).
@@ -125,8 +125,8 @@ pub fn tile_scalar<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -
     out
 }
 
-/// The SIMD tile of `N` tokens for kernel level `level` (AVX-512 VNNI or
-/// AVX2), if there is one and this CPU runs it.
+/// The SIMD tile of `N` tokens for kernel level `level` (AVX-512 VNNI), if
+/// this CPU runs it.
 pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
     use super::isa::{detected, Level};
     if level > detected() {
@@ -136,8 +136,8 @@ pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
     {
         match level {
             Level::Avx512Vnni => return Some(tile_avx512::<N>),
-            Level::Avx2 | Level::Avx512 => return Some(tile_avx2::<N>),
-            Level::Portable => {}
+            // AVX2 (and AVX-512 without VNNI) run `qgemm_q4k_lanes`
+            Level::Avx2 | Level::Avx512 | Level::Portable => {}
         }
     }
     None
@@ -171,105 +171,6 @@ pub(super) fn prefetch_next_tile<const N: usize>(
             }
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn tile_avx2<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -> [[f32; N]; MR] {
-    check(nb, w, a);
-    // SAFETY: handed out (tile_for) only where the CPU has AVX2, FMA and
-    // F16C (isa level avx2 or above); every row holds nb superblocks
-    // (checked just above), which bounds all loads.
-    unsafe { tile_avx2_impl::<N>(nb, w, a) }
-}
-
-/// AVX2 tile: ggml's instruction sequence (`maddubs`, `madd` by the
-/// sub-block scale), the nibbles and scales unpacked once per row for all
-/// `N` tokens.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2_impl<const N: usize>(
-    nb: usize,
-    w: &[&[u8]; MR],
-    a: &[&[u8]; N],
-) -> [[f32; N]; MR] {
-    use std::arch::x86_64::*;
-    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
-    let low = _mm256_set1_epi8(0x0f);
-    let mut acc = [[_mm256_setzero_ps(); N]; MR];
-    let mut acc_m = [[_mm_setzero_ps(); N]; MR];
-    for b in 0..nb {
-        prefetch_next_tile::<N>(&wp, nb, Q4_K_BYTES, b);
-        let mut yd = [0f32; N];
-        let mut q8s = [_mm_setzero_si128(); N];
-        for t in 0..N {
-            // SAFETY (all loads): b < nb and each row holds nb blocks.
-            let y = unsafe { ap[t].add(b * Q8_K_BYTES) };
-            yd[t] = unsafe { y.cast::<f32>().read_unaligned() };
-            let bs = unsafe { _mm256_loadu_si256(y.add(260).cast()) };
-            q8s[t] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        }
-        for r in 0..MR {
-            let x = unsafe { wp[r].add(b * Q4_K_BYTES) };
-            let xd = f16::from_bits(unsafe { x.cast::<u16>().read_unaligned() }).to_f32();
-            let xm = f16::from_bits(unsafe { x.add(2).cast::<u16>().read_unaligned() }).to_f32();
-            // [8 scales, 8 mins] as 16 i16; scale s broadcast by a shuffle
-            // SAFETY: x + 4 is the block's 12 scale bytes.
-            let u = unsafe { unpack16(x.add(4)) };
-            let sm = _mm256_cvtepu8_epi16(_mm_set_epi32(
-                u[3] as i32,
-                u[2] as i32,
-                u[1] as i32,
-                u[0] as i32,
-            ));
-            let mins = _mm256_extracti128_si256(sm, 1);
-            let sc128 = _mm256_castsi256_si128(sm);
-            let scales = _mm256_set_m128i(sc128, sc128);
-            let scv: [__m256i; 8] = std::array::from_fn(|s| {
-                let lo = 2 * s as i8;
-                _mm256_shuffle_epi8(
-                    scales,
-                    _mm256_set1_epi16(i16::from_le_bytes([lo as u8, lo as u8 + 1])),
-                )
-            });
-            let q4: [__m256i; 8] = std::array::from_fn(|s| {
-                let v = unsafe { _mm256_loadu_si256(x.add(16 + 32 * (s / 2)).cast()) };
-                if s % 2 == 0 {
-                    _mm256_and_si256(v, low)
-                } else {
-                    _mm256_and_si256(_mm256_srli_epi16(v, 4), low)
-                }
-            });
-            for t in 0..N {
-                let y = unsafe { ap[t].add(b * Q8_K_BYTES + 4) };
-                let mut sumi = _mm256_setzero_si256();
-                for s in 0..8 {
-                    let q8 = unsafe { _mm256_loadu_si256(y.add(32 * s).cast()) };
-                    let p = _mm256_madd_epi16(scv[s], _mm256_maddubs_epi16(q4[s], q8));
-                    sumi = _mm256_add_epi32(sumi, p);
-                }
-                let d = _mm256_set1_ps(yd[t] * xd);
-                acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc[r][t]);
-                let prod = _mm_madd_epi16(mins, q8s[t]);
-                let dmin = _mm_set1_ps(-yd[t] * xm);
-                acc_m[r][t] = _mm_fmadd_ps(dmin, _mm_cvtepi32_ps(prod), acc_m[r][t]);
-            }
-        }
-    }
-    let mut out = [[0f32; N]; MR];
-    for r in 0..MR {
-        for t in 0..N {
-            let mut x = [0f32; 8];
-            let mut m = [0f32; 4];
-            // SAFETY: x holds 8 floats, m 4.
-            unsafe {
-                _mm256_storeu_ps(x.as_mut_ptr(), acc[r][t]);
-                _mm_storeu_ps(m.as_mut_ptr(), acc_m[r][t]);
-            }
-            out[r][t] = finish(&x, &m);
-        }
-    }
-    out
 }
 
 #[cfg(target_arch = "x86_64")]
