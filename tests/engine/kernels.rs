@@ -475,8 +475,18 @@ fn q4_k_lanes_kernel_matches_its_scalar_model() {
                 let v1 = f1(nb, &rows, &[toks[t]]);
                 for i in 0..ROWS {
                     let m = model[i][t];
-                    assert_eq!(v4[i][t].to_bits(), m.to_bits(), "{level} n_in {n_in} ({i},{t}): {} vs {m}", v4[i][t]);
-                    assert_eq!(v1[i][0].to_bits(), m.to_bits(), "{level} N=1 n_in {n_in} ({i},{t}): {} vs {m}", v1[i][0]);
+                    assert_eq!(
+                        v4[i][t].to_bits(),
+                        m.to_bits(),
+                        "{level} n_in {n_in} ({i},{t}): {} vs {m}",
+                        v4[i][t]
+                    );
+                    assert_eq!(
+                        v1[i][0].to_bits(),
+                        m.to_bits(),
+                        "{level} N=1 n_in {n_in} ({i},{t}): {} vs {m}",
+                        v1[i][0]
+                    );
                 }
             }
         }
@@ -1128,4 +1138,3 @@ fn qgemm_speed() {
         }
     }
 }
-

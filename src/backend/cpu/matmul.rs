@@ -341,7 +341,9 @@ fn matmul_q_tiled(
                 for m in 0..n_micro {
                     let mut res = [[0f32; WIDE]; WIDE];
                     let narrow = match tile {
-                        Tile::Q4_1(f) => f(nb, first_mr(&rows[m]), &w_sc[m], first_nt(&a), &a_sc[tt]),
+                        Tile::Q4_1(f) => {
+                            f(nb, first_mr(&rows[m]), &w_sc[m], first_nt(&a), &a_sc[tt])
+                        }
                         Tile::Rows(f) => f(nb, first_mr(&rows[m]), first_nt(&a)),
                         Tile::Lanes(f) => {
                             res = f(nb, &rows[m], &a);

@@ -118,11 +118,7 @@ pub fn lanes_for<const N: usize>(level: super::isa::Level) -> Option<LanesFn<N>>
 }
 
 #[cfg(target_arch = "x86_64")]
-fn lanes_avx2<const N: usize>(
-    nb: usize,
-    w: &[&[u8]; ROWS],
-    a: &[&[u8]; N],
-) -> [[f32; N]; ROWS] {
+fn lanes_avx2<const N: usize>(nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) -> [[f32; N]; ROWS] {
     check(nb, w, a);
     // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
     // F16C; every row holds nb superblocks (checked just above), which
@@ -261,8 +257,9 @@ unsafe fn lanes_avx2_impl<const N: usize>(
         });
         let mut isum = [_mm256_setzero_si256(); N];
         for c in 0..4 {
-            let raw: [__m256i; ROWS] =
-                std::array::from_fn(|r| unsafe { _mm256_loadu_si256(x[r].add(16 + 32 * c).cast()) });
+            let raw: [__m256i; ROWS] = std::array::from_fn(|r| unsafe {
+                _mm256_loadu_si256(x[r].add(16 + 32 * c).cast())
+            });
             // group g (4 weights) of both sub-blocks of the chunk, rows in
             // lanes; the nibbles are split after the (bytewise) transpose
             let tr = transpose8(raw);
@@ -279,7 +276,9 @@ unsafe fn lanes_avx2_impl<const N: usize>(
                     let ys = unsafe { y[t].add(4 + 32 * s) };
                     let mut p16 = _mm256_setzero_si256();
                     for (g, qg) in q.iter().enumerate() {
-                        let yg = _mm256_set1_epi32(unsafe { ys.add(4 * g).cast::<i32>().read_unaligned() });
+                        let yg = _mm256_set1_epi32(unsafe {
+                            ys.add(4 * g).cast::<i32>().read_unaligned()
+                        });
                         p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(*qg, yg));
                     }
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p16, scp[s]));
