@@ -170,7 +170,7 @@ pub fn matmul_q_at(
             qgemm_q4k_lanes::lanes_for::<1>(level),
         ) {
             return if n_tok == 1 {
-                matvec_lanes(pool, w, act, out, one)
+                matvec_k(pool, w, act, out, one)
             } else {
                 matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile))
             };
@@ -274,9 +274,9 @@ impl Tile {
     }
 }
 
-/// `matmul_q` with a tile microkernel (`tile.rows()` × `tile.toks()` per call): each
-/// thread takes ROW_TILE-row blocks; per block, token tiles stream past its
-/// MR-row micro tiles (block weights and one token tile stay in L1).
+/// `matmul_q` with a tile microkernel (`tile.rows()` × `tile.toks()` per
+/// call): each thread takes `tile.row_tile()`-row blocks; per block, token
+/// tiles stream past its micro tiles (one token tile stays in L1).
 /// Ragged edges repeat the last row / token and drop the extra results.
 fn matmul_q_tiled(
     pool: &ThreadPool,
@@ -394,62 +394,29 @@ fn first_nt<'r, 'a>(toks: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; NT] {
     toks[..NT].try_into().expect("NT <= WIDE")
 }
 
-/// One token through a Q4_K matrix with the 8-row lanes kernel: the rows
-/// split between threads in blocks of 8, the activation shared by all.
-fn matvec_lanes(
+/// One token through a matrix with an `R`-row kernel of the `qgemm_q4k`
+/// call shape (the 4-row tiles, or the 8-row `qgemm_q4k_lanes`): the rows
+/// split between threads in blocks of `R`, the activation shared by all.
+fn matvec_k<const R: usize>(
     pool: &ThreadPool,
     w: &QMat<'_>,
     act: &[u8],
     out: &mut [f32],
-    kernel: qgemm_q4k_lanes::LanesFn<1>,
+    tile: fn(usize, &[&[u8]; R], &[&[u8]; 1]) -> [[f32; 1]; R],
 ) {
-    const ROWS: usize = qgemm_q4k_lanes::ROWS;
     let n_out = w.n_out;
     let nb = w.n_in / w.dtype.block_len();
     let a = [&act[..w.act_bytes()]];
-    let n_micro = n_out.div_ceil(ROWS);
+    let n_micro = n_out.div_ceil(R);
     let nt = pool.n_threads();
     let o = SharedMut::new(&mut out[..n_out]);
     pool.run(|i| {
         let (m0, m1) = split(n_micro, i, nt);
         for m in m0..m1 {
-            let r0 = m * ROWS;
-            let rows: [&[u8]; ROWS] = std::array::from_fn(|k| w.row((r0 + k).min(n_out - 1)));
-            let res = kernel(nb, &rows, &a);
-            let n_r = ROWS.min(n_out - r0);
-            // SAFETY: rows r0..r0+n_r belong to this thread only.
-            let dst = unsafe { o.slice(r0, n_r) };
-            for (k, d) in dst.iter_mut().enumerate() {
-                *d = res[k][0];
-            }
-        }
-    });
-}
-
-/// One token through a matrix with a 4-row tile of the `qgemm_q4k` call
-/// shape: the rows split between threads in blocks of `MR`, the activation
-/// shared by all.
-fn matvec_k(
-    pool: &ThreadPool,
-    w: &QMat<'_>,
-    act: &[u8],
-    out: &mut [f32],
-    tile: qgemm_q4k::TileFn<1>,
-) {
-    let n_out = w.n_out;
-    let nb = w.n_in / w.dtype.block_len();
-    let a = [&act[..w.act_bytes()]];
-    let n_micro = n_out.div_ceil(qgemm_q4k::MR);
-    let nt = pool.n_threads();
-    let o = SharedMut::new(&mut out[..n_out]);
-    pool.run(|i| {
-        let (m0, m1) = split(n_micro, i, nt);
-        for m in m0..m1 {
-            let r0 = m * qgemm_q4k::MR;
-            let rows: [&[u8]; qgemm_q4k::MR] =
-                std::array::from_fn(|k| w.row((r0 + k).min(n_out - 1)));
+            let r0 = m * R;
+            let rows: [&[u8]; R] = std::array::from_fn(|k| w.row((r0 + k).min(n_out - 1)));
             let res = tile(nb, &rows, &a);
-            let n_r = qgemm_q4k::MR.min(n_out - r0);
+            let n_r = R.min(n_out - r0);
             // SAFETY: rows r0..r0+n_r belong to this thread only.
             let dst = unsafe { o.slice(r0, n_r) };
             for (k, d) in dst.iter_mut().enumerate() {
