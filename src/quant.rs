@@ -242,7 +242,7 @@ pub fn k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 /// The 256 unsigned 4-bit values of a Q4_K super-block, in element order.
 /// The 128 bytes `qs` form four 32-byte groups; group `c` holds sub-block
 /// `2c` in its low nibbles and sub-block `2c + 1` in its high nibbles.
-fn q4_k_values(qs: &[u8]) -> [u8; 256] {
+pub(crate) fn q4_k_values(qs: &[u8]) -> [u8; 256] {
     let mut q = [0u8; 256];
     for c in 0..4 {
         for l in 0..32 {
@@ -257,7 +257,7 @@ fn q4_k_values(qs: &[u8]) -> [u8; 256] {
 /// The 256 unsigned 5-bit values of a Q5_K super-block: low 4 bits exactly
 /// as Q4_K; the 5th bit of element `64c + l` is bit `2c` of `qh[l]`, that of
 /// element `64c + 32 + l` is bit `2c + 1` of `qh[l]`.
-fn q5_k_values(qh: &[u8], qs: &[u8]) -> [u8; 256] {
+pub(crate) fn q5_k_values(qh: &[u8], qs: &[u8]) -> [u8; 256] {
     let mut q = q4_k_values(qs);
     for c in 0..4 {
         for l in 0..32 {
@@ -309,7 +309,7 @@ fn dequant_q5_k(b: &[u8], y: &mut [f32]) {
 /// * element `l + 96` = high nibble of `ql[l + 32]`| bits 6-7 of `qh[l]` << 4
 ///
 /// each minus 32.
-fn q6_k_values(ql: &[u8], qh: &[u8]) -> [i8; 256] {
+pub(crate) fn q6_k_values(ql: &[u8], qh: &[u8]) -> [i8; 256] {
     let mut q = [0i8; 256];
     for h in 0..2 {
         let ql = &ql[64 * h..64 * h + 64];

@@ -10,7 +10,7 @@ use super::isa::{self, Level};
 use super::pool::{split, SharedMut, ThreadPool};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_q4k, qgemm_q4k_lanes, qgemm_q5k, qgemm_q6k, qgemm_q8_0};
+use super::{qgemm_lanes, qgemm_q4k, qgemm_q5k, qgemm_q6k, qgemm_q8_0};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -162,19 +162,18 @@ pub fn matmul_q_at(
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
         }
     }
-    if w.dtype == DType::Q4K {
-        // rows in lanes (AVX2 without VNNI): every token count takes this
-        // arithmetic, so a prompt's result does not depend on its chunking
-        if let (Some(tile), Some(one)) = (
-            qgemm_q4k_lanes::lanes_for::<{ qgemm_q4k_lanes::TOKS }>(level),
-            qgemm_q4k_lanes::lanes_for::<1>(level),
-        ) {
-            return if n_tok == 1 {
-                matvec_k(pool, w, act, out, one)
-            } else {
-                matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile))
-            };
-        }
+    // K-quants with the rows in the lanes (AVX2 without VNNI): every token
+    // count takes this arithmetic, so a prompt's result does not depend on
+    // its chunking
+    if let (Some(tile), Some(one)) = (
+        qgemm_lanes::lanes_for::<{ qgemm_lanes::TOKS }>(w.dtype, level),
+        qgemm_lanes::lanes_for::<1>(w.dtype, level),
+    ) {
+        return if n_tok == 1 {
+            matvec_k(pool, w, act, out, one)
+        } else {
+            matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile))
+        };
     }
     let (tile_n, tile_1) = match w.dtype {
         DType::Q4K => (
@@ -242,15 +241,15 @@ enum Tile {
     /// Q5_0 × Q8_0):
     /// block scales read inside the kernel.
     Rows(qgemm_q4k::TileFn<NT>),
-    /// Q4_K × Q8_K with 8 rows in the SIMD lanes (`qgemm_q4k_lanes`).
-    Lanes(qgemm_q4k_lanes::LanesFn<{ qgemm_q4k_lanes::TOKS }>),
+    /// K-quant × Q8_K with 8 rows in the SIMD lanes (`qgemm_lanes`).
+    Lanes(qgemm_lanes::LanesFn<{ qgemm_lanes::TOKS }>),
 }
 
 impl Tile {
     /// Weight rows per call.
     fn rows(self) -> usize {
         match self {
-            Tile::Lanes(_) => qgemm_q4k_lanes::ROWS,
+            Tile::Lanes(_) => qgemm_lanes::ROWS,
             Tile::Q4_1(_) | Tile::Rows(_) => MR,
         }
     }
@@ -268,7 +267,7 @@ impl Tile {
     /// Tokens per call.
     fn toks(self) -> usize {
         match self {
-            Tile::Lanes(_) => qgemm_q4k_lanes::TOKS,
+            Tile::Lanes(_) => qgemm_lanes::TOKS,
             Tile::Q4_1(_) | Tile::Rows(_) => NT,
         }
     }
@@ -370,7 +369,7 @@ fn matmul_q_tiled(
     });
 }
 
-/// Rows or tokens of the widest tile (`qgemm_q4k_lanes`: 8 × 8).
+/// Rows or tokens of the widest tile (`qgemm_lanes`: 8 × 8).
 const WIDE: usize = 8;
 /// Row block of the lanes kernel.
 const LANES_ROW_TILE: usize = 64;
@@ -380,9 +379,8 @@ const MAX_MICRO: usize = if LANES_ROW_TILE / WIDE > ROW_TILE / MR {
 } else {
     ROW_TILE / MR
 };
-const _: () = assert!(
-    qgemm_q4k_lanes::ROWS == WIDE && qgemm_q4k_lanes::TOKS == WIDE && MR <= WIDE && NT <= WIDE
-);
+const _: () =
+    assert!(qgemm_lanes::ROWS == WIDE && qgemm_lanes::TOKS == WIDE && MR <= WIDE && NT <= WIDE);
 
 /// The first `MR` rows of a wide micro tile.
 fn first_mr<'r, 'a>(rows: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; MR] {
@@ -395,7 +393,7 @@ fn first_nt<'r, 'a>(toks: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; NT] {
 }
 
 /// One token through a matrix with an `R`-row kernel of the `qgemm_q4k`
-/// call shape (the 4-row tiles, or the 8-row `qgemm_q4k_lanes`): the rows
+/// call shape (the 4-row tiles, or the 8-row `qgemm_lanes`): the rows
 /// split between threads in blocks of `R`, the activation shared by all.
 fn matvec_k<const R: usize>(
     pool: &ThreadPool,

@@ -1,4 +1,4 @@
-//! Q5_K × Q8_K tile kernels (AVX-512 VNNI and AVX2): `MR` weight rows × `N`
+//! Q5_K × Q8_K tile kernels (AVX-512 VNNI; AVX2 has [`super::qgemm_lanes`]): `MR` weight rows × `N`
 //! tokens per call, with the call shape of [`super::qgemm_q4k`] (`N` = 4 for
 //! batched prefill, 1 for decoding). Each superblock's 5-bit weights
 //! (nibble | high bit) and its scales are unpacked once per row for all `N`
@@ -99,8 +99,8 @@ pub fn tile_scalar<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -
     out
 }
 
-/// The SIMD tile of `N` tokens for kernel level `level` (AVX-512 VNNI, or
-/// AVX2 for the avx2 and avx512 levels), if this CPU runs it.
+/// The SIMD tile of `N` tokens for kernel level `level` (AVX-512 VNNI), if
+/// this CPU runs it; AVX2 has `qgemm_lanes`, below it ggml's `vec_dot`.
 pub fn tile_for<const N: usize>(level: Level) -> Option<TileFn<N>> {
     if level > detected() {
         return None;
@@ -108,33 +108,22 @@ pub fn tile_for<const N: usize>(level: Level) -> Option<TileFn<N>> {
     #[cfg(target_arch = "x86_64")]
     {
         match level {
-            Level::Avx512Vnni => return Some(tile_simd::<N, true>),
-            Level::Avx2 | Level::Avx512 => return Some(tile_simd::<N, false>),
-            Level::Portable => {}
+            Level::Avx512Vnni => return Some(tile_vnni::<N>),
+            // AVX2 (and AVX-512 without VNNI) run `qgemm_lanes`
+            Level::Avx2 | Level::Avx512 | Level::Portable => {}
         }
     }
     None
 }
 
-/// The SIMD tile (`VNNI`: the AVX-512 VNNI one, else AVX2).
+/// The AVX-512 VNNI tile.
 #[cfg(target_arch = "x86_64")]
-fn tile_simd<const N: usize, const VNNI: bool>(
-    nb: usize,
-    w: &[&[u8]; MR],
-    a: &[&[u8]; N],
-) -> [[f32; N]; MR] {
+fn tile_vnni<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -> [[f32; N]; MR] {
     check(nb, w, a);
-    // SAFETY: handed out (tile_for) only where the CPU has AVX2, FMA and
-    // F16C (isa level avx2 or above), and with VNNI only where it also has
-    // AVX-512 F/BW/VL/VNNI (level avx512vnni); every row holds nb
-    // superblocks (checked just above), which bounds all loads.
-    unsafe {
-        if VNNI {
-            tile_avx512_impl::<N>(nb, w, a)
-        } else {
-            tile_avx2_impl::<N>(nb, w, a)
-        }
-    }
+    // SAFETY: handed out (tile_for) only where the CPU has AVX-512
+    // F/BW/VL/VNNI, AVX2, FMA and F16C (level avx512vnni); every row holds
+    // nb superblocks (checked just above), which bounds all loads.
+    unsafe { tile_avx512_impl::<N>(nb, w, a) }
 }
 
 /// Per token of block `b`: `dy` and the 8 pair sums of its block sums
@@ -234,70 +223,6 @@ unsafe fn reduce<const N: usize>(
         }
     }
     out
-}
-
-/// AVX2 tile: ggml's instruction sequence (`maddubs`, `madd` by the
-/// sub-block scale), the 5-bit weights and the scales unpacked once per row
-/// for all `N` tokens.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2_impl<const N: usize>(
-    nb: usize,
-    w: &[&[u8]; MR],
-    a: &[&[u8]; N],
-) -> [[f32; N]; MR] {
-    use std::arch::x86_64::*;
-    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
-    let low = _mm256_set1_epi8(0x0f);
-    let one = _mm256_set1_epi8(1);
-    let mut acc = [[_mm256_setzero_ps(); N]; MR];
-    let mut summs = [[0f32; N]; MR];
-    for b in 0..nb {
-        prefetch_next_tile::<N>(&wp, nb, Q5_K_BYTES, b);
-        // SAFETY (all loads): b < nb and each row holds nb blocks; AVX2 is
-        // enabled in this function.
-        let (yd, q8s) = unsafe { token_block::<N>(&ap, b) };
-        for r in 0..MR {
-            let x = unsafe { wp[r].add(b * Q5_K_BYTES) };
-            let (xd, xm, sm) = unsafe { weight_head(x) };
-            let mins = _mm256_extracti128_si256(sm, 1);
-            let sc128 = _mm256_castsi256_si128(sm);
-            let scales = _mm256_set_m128i(sc128, sc128);
-            // scale s in every i16 lane
-            let scv: [__m256i; 8] = std::array::from_fn(|s| {
-                let lo = 2 * s as u8;
-                _mm256_shuffle_epi8(scales, _mm256_set1_epi16(i16::from_le_bytes([lo, lo + 1])))
-            });
-            // the 5-bit weights of sub-block s: nibbles | (bit s of qh) << 4
-            let mut hb = unsafe { _mm256_loadu_si256(x.add(16).cast()) };
-            let mut q5 = [_mm256_setzero_si256(); 8];
-            for c in 0..4 {
-                let v = unsafe { _mm256_loadu_si256(x.add(48 + 32 * c).cast()) };
-                let lo = _mm256_and_si256(v, low);
-                q5[2 * c] = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
-                hb = _mm256_srli_epi16(hb, 1);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                q5[2 * c + 1] =
-                    _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
-                hb = _mm256_srli_epi16(hb, 1);
-            }
-            for t in 0..N {
-                let y = unsafe { ap[t].add(b * Q8_K_BYTES + 4) };
-                let mut sumi = _mm256_setzero_si256();
-                for s in 0..8 {
-                    let q8 = unsafe { _mm256_loadu_si256(y.add(32 * s).cast()) };
-                    let p = _mm256_madd_epi16(scv[s], _mm256_maddubs_epi16(q5[s], q8));
-                    sumi = _mm256_add_epi32(sumi, p);
-                }
-                let d = _mm256_set1_ps(yd[t] * xd);
-                acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc[r][t]);
-                summs[r][t] = unsafe { mins_step(mins, q8s[t], -yd[t] * xm, summs[r][t]) };
-            }
-        }
-    }
-    // SAFETY: AVX is enabled in this function.
-    unsafe { reduce(&acc, &summs) }
 }
 
 /// AVX-512 VNNI tile: two sub-blocks per 512-bit vector, `maddubs` then

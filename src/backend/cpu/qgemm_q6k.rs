@@ -1,4 +1,4 @@
-//! Q6_K × Q8_K tile kernels (AVX-512 VNNI and AVX2): `MR` weight rows × `N` tokens
+//! Q6_K × Q8_K tile kernels (AVX-512 VNNI; AVX2 has [`super::qgemm_lanes`]): `MR` weight rows × `N` tokens
 //! per call, like [`super::qgemm_q4k`]; each superblock's 6-bit weights
 //! are assembled (low nibbles | high 2 bits) once per row for all `N`
 //! tokens.
@@ -95,8 +95,8 @@ pub fn tile_scalar<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -
     out
 }
 
-/// The SIMD tile of `N` tokens for kernel level `level` (AVX-512 VNNI or
-/// AVX2), if there is one and this CPU runs it; below AVX2 ggml's `vec_dot`.
+/// The SIMD tile of `N` tokens for kernel level `level` (AVX-512 VNNI), if
+/// this CPU runs it; AVX2 has `qgemm_lanes`, below it ggml's `vec_dot`.
 pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
     use super::isa::{detected, Level};
     if level > detected() {
@@ -106,115 +106,11 @@ pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
     {
         match level {
             Level::Avx512Vnni => return Some(tile_avx512::<N>),
-            Level::Avx2 | Level::Avx512 => return Some(tile_avx2::<N>),
-            Level::Portable => {}
+            // AVX2 (and AVX-512 without VNNI) run `qgemm_lanes`
+            Level::Avx2 | Level::Avx512 | Level::Portable => {}
         }
     }
     None
-}
-
-#[cfg(target_arch = "x86_64")]
-fn tile_avx2<const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) -> [[f32; N]; MR] {
-    check(nb, w, a);
-    // SAFETY: handed out (tile_for) only where the CPU has AVX2, FMA and
-    // F16C (isa level avx2 or above); every row holds nb superblocks
-    // (checked just above), which bounds all loads.
-    unsafe { tile_avx2_impl::<N>(nb, w, a) }
-}
-
-/// AVX2 tile: per 32-weight run, `maddubs` of the 6-bit weights (0..64)
-/// with the q8 bytes, then `madd` by the run's two group scales (i16 lanes
-/// 0-7: group 2s, 8-15: group 2s+1), so i32 lane k sums bytes 4k..4k+3 of
-/// every run, exactly as ggml's lanes; the runs and scales are unpacked
-/// once per row for all `N` tokens.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2_impl<const N: usize>(
-    nb: usize,
-    w: &[&[u8]; MR],
-    a: &[&[u8]; N],
-) -> [[f32; N]; MR] {
-    use std::arch::x86_64::*;
-    let wp: [*const u8; MR] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m2 = _mm256_set1_epi8(3);
-    // byte shuffles picking scale 2s eight times, then 2s + 1 eight times
-    let pick: [__m128i; 8] = std::array::from_fn(|s| {
-        let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
-        _mm_set_epi8(
-            hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
-        )
-    });
-    let mut acc = [[_mm256_setzero_ps(); N]; MR];
-    for b in 0..nb {
-        super::qgemm_q4k::prefetch_next_tile::<N>(&wp, nb, Q6_K_BYTES, b);
-        let mut yd = [0f32; N];
-        let mut bsums = [_mm256_setzero_si256(); N];
-        for t in 0..N {
-            // SAFETY (all loads): b < nb and each row holds nb blocks.
-            let y = unsafe { ap[t].add(b * Q8_K_BYTES) };
-            yd[t] = unsafe { y.cast::<f32>().read_unaligned() };
-            bsums[t] = unsafe { _mm256_loadu_si256(y.add(260).cast()) };
-        }
-        for r in 0..MR {
-            let x = unsafe { wp[r].add(b * Q6_K_BYTES) };
-            let xd = f16::from_bits(unsafe { x.add(208).cast::<u16>().read_unaligned() }).to_f32();
-            let sc8 = unsafe { _mm_loadu_si128(x.add(192).cast()) };
-            let sc16 = _mm256_cvtepi8_epi16(sc8);
-            let scv: [__m256i; 8] =
-                std::array::from_fn(|s| _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick[s])));
-            // the 6-bit weights of run s (half j = s / 4)
-            let mut q6v = [_mm256_setzero_si256(); 8];
-            for j in 0..2 {
-                let ql1 = unsafe { _mm256_loadu_si256(x.add(64 * j).cast()) };
-                let ql2 = unsafe { _mm256_loadu_si256(x.add(64 * j + 32).cast()) };
-                let qh = unsafe { _mm256_loadu_si256(x.add(128 + 32 * j).cast()) };
-                let hi2 = |sh: i32| {
-                    let v = match sh {
-                        0 => qh,
-                        2 => _mm256_srli_epi16(qh, 2),
-                        4 => _mm256_srli_epi16(qh, 4),
-                        _ => _mm256_srli_epi16(qh, 6),
-                    };
-                    _mm256_slli_epi16(_mm256_and_si256(v, m2), 4)
-                };
-                let lo1 = _mm256_and_si256(ql1, m4);
-                let lo2 = _mm256_and_si256(ql2, m4);
-                let up1 = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4);
-                let up2 = _mm256_and_si256(_mm256_srli_epi16(ql2, 4), m4);
-                q6v[4 * j] = _mm256_or_si256(lo1, hi2(0));
-                q6v[4 * j + 1] = _mm256_or_si256(lo2, hi2(2));
-                q6v[4 * j + 2] = _mm256_or_si256(up1, hi2(4));
-                q6v[4 * j + 3] = _mm256_or_si256(up2, hi2(6));
-            }
-            for t in 0..N {
-                let y = unsafe { ap[t].add(b * Q8_K_BYTES + 4) };
-                let mut sumi = _mm256_setzero_si256();
-                for s in 0..8 {
-                    let q8 = unsafe { _mm256_loadu_si256(y.add(32 * s).cast()) };
-                    // |63·128·2| < 2^15: maddubs cannot saturate
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q6v[s], q8), scv[s]);
-                    sumi = _mm256_add_epi32(sumi, p);
-                }
-                // the −32 offsets, per lane as ggml groups them
-                let off = _mm256_slli_epi32(_mm256_madd_epi16(bsums[t], sc16), 5);
-                let s8 = _mm256_sub_epi32(sumi, off);
-                let d = _mm256_set1_ps(yd[t] * xd);
-                acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s8), acc[r][t]);
-            }
-        }
-    }
-    let mut out = [[0f32; N]; MR];
-    for r in 0..MR {
-        for t in 0..N {
-            let mut x = [0f32; 8];
-            // SAFETY: x holds 8 floats.
-            unsafe { _mm256_storeu_ps(x.as_mut_ptr(), acc[r][t]) };
-            out[r][t] = hsum8(&x);
-        }
-    }
-    out
 }
 
 #[cfg(target_arch = "x86_64")]

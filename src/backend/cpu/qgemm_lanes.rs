@@ -1,0 +1,705 @@
+//! K-quant (Q4_K, Q5_K, Q6_K) × Q8_K with the weight rows in the SIMD lanes
+//! (AVX2): 8 rows × `N` tokens per call (`N` = [`TOKS`] for prefill, 1 for
+//! decoding), for CPUs without VNNI.
+//!
+//! The row-major tiles (`qgemm_q4k`, `qgemm_q5k`, `qgemm_q6k`) keep ggml's
+//! lane layout (8 lanes per row, each summing bytes 4k..4k+3 of every
+//! sub-block), so per (row, token) they pay a `madd` by the scale per 16 or
+//! 32 weights and a float reduction per superblock. Here each 32-bit lane
+//! holds one of 8 rows instead: the 8 rows' 32-byte chunks of quants are
+//! transposed in registers (8 × 8 dwords; no repacked copy of the weights,
+//! so nothing but the memory map is resident) and unpacked once per
+//! superblock into 8 runs of 32 weights × 8 groups of 4 (unsigned quants,
+//! rows in lanes); every activation dword is broadcast to the 8 rows, and:
+//!
+//! - `maddubs` of one group of 8 rows with its 4 activations gives 32
+//!   products (pairs in i16); `G` groups are summed in i16, then one `madd`
+//!   by the rows' scales widens to i32. `G` is the most groups whose sum
+//!   cannot overflow: |sum| ≤ G·2·qmax·128 < 32768, so G = 8 for Q4_K
+//!   (qmax 15), 4 for Q5_K (31), 2 for Q6_K (63);
+//! - the offsets are `madd`s per token per superblock against the
+//!   activation's block sums (Q8_K's `bsums`): the mins of Q4_K and Q5_K
+//!   (pairs of 6-bit mins against 32-value sums, 4 `madd`s), and Q6_K's −32
+//!   (which makes its quants unsigned: −32·scale against 16-value sums, 8
+//!   `madd`s, folded into the integer sum);
+//! - the float steps are one `fma` per superblock for 8 rows at once (two
+//!   with mins).
+//!
+//! The arithmetic (per row, token and superblock `b`) is therefore *not*
+//! ggml's `vec_dot` lane for lane but this, which [`dot_scalar`] models and
+//! every kernel here reproduces bit for bit (`q` the unsigned quants, `sc16`
+//! the scale of each 16 weights, `bsum` the 16-value activation sums):
+//!
+//! ```text
+//! isum_b = Σ_j sc16[j] · Σ_{i in j} q_i · y_i                    (exact i32)
+//!   Q6_K:  isum_b −= 32 · Σ_j sc16[j] · bsum[j]                  (exact)
+//!   Q4/5_K: msum_b = Σ_s min[s] · (bsum[2s] + bsum[2s+1])         (exact)
+//! acc    = fma(dy·d,        f32(isum_b), acc)
+//! acc_m  = fma((−dy)·dmin,  f32(msum_b), acc_m)                  (Q4/5_K)
+//! result = acc + acc_m
+//! ```
+//!
+//! It differs from ggml's (8 float lanes per row summed at the end) by
+//! float rounding only: tests/engine/kernels.rs bounds it against an f64
+//! dot product of the same quantized data and against `vec_dot`.
+
+use super::qgemm_q4k::{Q4_K_BYTES, Q8_K_BYTES};
+use super::qgemm_q5k::Q5_K_BYTES;
+use super::qgemm_q6k::Q6_K_BYTES;
+use crate::tensor::DType;
+use half::f16;
+
+/// Weight rows per call.
+pub const ROWS: usize = 8;
+/// Tokens per prefill call: each unpacked weight superblock serves 8 tokens
+/// (measured on a Zen 3 core, one 8-row × 8-token Q4_K call runs ~1.4× the
+/// multiply-adds per second of 8 × 4).
+pub const TOKS: usize = 8;
+
+/// A kernel: `(nb, 8 weight rows, N token rows) -> out[r][t]`.
+pub type LanesFn<const N: usize> = fn(usize, &[&[u8]; ROWS], &[&[u8]; N]) -> [[f32; N]; ROWS];
+
+/// Bytes of one superblock of `dtype`, for the formats this module runs.
+fn block_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4K => Q4_K_BYTES,
+        DType::Q5K => Q5_K_BYTES,
+        DType::Q6K => Q6_K_BYTES,
+        other => panic!("qgemm_lanes: {other} is not a K-quant with lanes"),
+    }
+}
+
+fn check<const N: usize>(dtype: DType, nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) {
+    assert!(
+        w.iter().all(|r| r.len() >= nb * block_bytes(dtype)),
+        "{dtype} lanes: weight row too short"
+    );
+    assert!(
+        a.iter().all(|r| r.len() >= nb * Q8_K_BYTES),
+        "{dtype} lanes: activation row too short"
+    );
+}
+
+/// Scalar model of one (row, token) dot product of `nb` superblocks of
+/// `dtype` (Q4_K, Q5_K or Q6_K; see the module doc).
+pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
+    let xb = block_bytes(dtype);
+    assert!(x.len() >= nb * xb && y.len() >= nb * Q8_K_BYTES);
+    let (mut acc, mut acc_m) = (0f32, 0f32);
+    for b in 0..nb {
+        let x = &x[b * xb..(b + 1) * xb];
+        let y = &y[b * Q8_K_BYTES..(b + 1) * Q8_K_BYTES];
+        let dy = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let f16_at = |i: usize| f16::from_bits(u16::from_le_bytes([x[i], x[i + 1]])).to_f32();
+        let bsum = |j: usize| i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]]) as i32;
+        // unsigned quants, the scale of each 16 weights, d and dmin
+        let (q, sc16, d, dmin, mins): ([i32; 256], [i32; 16], f32, f32, [i32; 8]) = match dtype {
+            DType::Q4K | DType::Q5K => {
+                let q = if dtype == DType::Q4K {
+                    crate::quant::q4_k_values(&x[16..144])
+                } else {
+                    crate::quant::q5_k_values(&x[16..48], &x[48..176])
+                };
+                let (sc, mn) = crate::quant::k_scales_mins(&x[4..16]);
+                (
+                    std::array::from_fn(|i| q[i] as i32),
+                    std::array::from_fn(|j| sc[j / 2] as i32),
+                    f16_at(0),
+                    f16_at(2),
+                    std::array::from_fn(|s| mn[s] as i32),
+                )
+            }
+            _ => {
+                let q = crate::quant::q6_k_values(&x[0..128], &x[128..192]);
+                (
+                    std::array::from_fn(|i| q[i] as i32 + 32),
+                    std::array::from_fn(|j| x[192 + j] as i8 as i32),
+                    f16_at(208),
+                    0.0,
+                    [0; 8],
+                )
+            }
+        };
+        let mut isum = 0i32;
+        for (j, s) in sc16.iter().enumerate() {
+            let p: i32 = (16 * j..16 * j + 16)
+                .map(|i| q[i] * y[4 + i] as i8 as i32)
+                .sum();
+            isum += s * p;
+            if dtype == DType::Q6K {
+                isum -= 32 * s * bsum(j);
+            }
+        }
+        let msum: i32 = (0..8)
+            .map(|s| mins[s] * (bsum(2 * s) + bsum(2 * s + 1)))
+            .sum();
+        acc = (dy * d).mul_add(isum as f32, acc);
+        if dtype != DType::Q6K {
+            acc_m = (-dy * dmin).mul_add(msum as f32, acc_m);
+        }
+    }
+    acc + acc_m
+}
+
+/// Scalar model of a whole call.
+pub fn lanes_scalar<const N: usize>(
+    dtype: DType,
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    check(dtype, nb, w, a);
+    std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(dtype, nb, w[r], a[t])))
+}
+
+/// The kernel of `N` tokens for `dtype` at SIMD level `level`, where this
+/// arithmetic is the level's path for that type (AVX2, and AVX-512 without
+/// VNNI) and the CPU runs it; `None` for other types and levels.
+pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Option<LanesFn<N>> {
+    use super::isa::{detected, Level};
+    if level > detected() || !matches!(level, Level::Avx2 | Level::Avx512) {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    match dtype {
+        DType::Q4K => return Some(lanes_avx2::<N, Q4k>),
+        DType::Q5K => return Some(lanes_avx2::<N, Q5k>),
+        DType::Q6K => return Some(lanes_avx2::<N, Q6k>),
+        _ => {}
+    }
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{__m128i, __m256, __m256i};
+
+/// Up to 4 runs of 32 weights of 8 rows, 8 groups of 4 weights each (see
+/// [`Format::unit`]).
+#[cfg(target_arch = "x86_64")]
+type Runs = [[__m256i; 8]; 4];
+
+/// What the kernel needs of a format: where its quants, scales and offsets
+/// are and how they combine (see the module doc).
+#[cfg(target_arch = "x86_64")]
+trait Format {
+    const DTYPE: DType;
+    const BYTES: usize;
+    /// Groups of 4 weights summed in i16 before the `madd` by the scale.
+    const G: usize;
+    /// Q4_K / Q5_K: a min per 32 weights with its own float scale (dmin);
+    /// otherwise (Q6_K) a −32 offset folded into the integer sum.
+    const MINS: bool;
+
+    /// d and dmin of the 8 rows (dmin unused without mins).
+    ///
+    /// # Safety
+    /// AVX2 + F16C; every pointer is a whole superblock.
+    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256);
+
+    /// Byte offsets in a superblock that touch each of its cache lines,
+    /// wherever it starts (at most 64 apart, the last byte included).
+    const LINES: &'static [usize];
+    /// Weights per scale (32 for Q4_K and Q5_K, 16 for Q6_K).
+    const SCALE_LEN: usize;
+
+    /// `sc[j]`: the scale of weights `SCALE_LEN`·j.. of the 8 rows as (i16,
+    /// i16) pairs; `off[i]`: the offset factors that multiply the pair `i`
+    /// of activation sums (mins: pairs of 32-sums (min[2i], min[2i+1]), i <
+    /// 4; Q6_K: pairs of 16-sums (−32·sc16[2i], −32·sc16[2i+1]), i < 8).
+    ///
+    /// # Safety
+    /// As [`Format::heads`].
+    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]);
+
+    /// Units of runs unpacked together (the runs that share transposed
+    /// chunks), and runs per unit (`UNITS · RUNS` = 8).
+    const UNITS: usize;
+    const RUNS: usize;
+
+    /// What every unit of the superblock reads (Q5_K: its transposed fifth
+    /// bits).
+    ///
+    /// # Safety
+    /// As [`Format::heads`].
+    unsafe fn begin(x: &[*const u8; ROWS]) -> [__m256i; 8];
+
+    /// The quants of unit `u`: `q[k][g]` = group `g` (weights 4g..4g+3) of
+    /// the 32-weight run `RUNS·u + k` (k < RUNS), unsigned, row r in 32-bit
+    /// lane r.
+    ///
+    /// # Safety
+    /// As [`Format::heads`].
+    unsafe fn unit(x: &[*const u8; ROWS], u: usize, state: &[__m256i; 8]) -> Runs;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q4k;
+#[cfg(target_arch = "x86_64")]
+struct Q5k;
+#[cfg(target_arch = "x86_64")]
+struct Q6k;
+
+/// The rows' f16 at byte `off` of their superblocks, as 8 float lanes.
+///
+/// # Safety
+/// AVX2 + F16C; `x[r] + off` holds 2 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_lanes(x: &[*const u8; ROWS], off: usize) -> __m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    let h: [i16; ROWS] =
+        std::array::from_fn(|r| unsafe { x[r].add(off).cast::<i16>().read_unaligned() });
+    // SAFETY: h holds 8 i16.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())) }
+}
+
+/// The 32-byte chunk at byte `off` of the 8 rows' superblocks, transposed:
+/// dword g of lane r = bytes 4g..4g+3 of row r's chunk.
+///
+/// # Safety
+/// AVX2; `x[r] + off` holds 32 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn chunk(x: &[*const u8; ROWS], off: usize) -> [__m256i; 8] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    transpose8(std::array::from_fn(|r| unsafe {
+        _mm256_loadu_si256(x[r].add(off).cast())
+    }))
+}
+
+/// Q4_K and Q5_K: 6-bit scales and mins packed in 12 bytes at byte 4.
+///
+/// # Safety
+/// As [`Format::scales`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scales_mins(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+    use std::arch::x86_64::*;
+    // per row the 8 scales and 8 mins (bytes), transposed to per sub-block
+    // × 8 rows
+    let mut scb = [0u64; ROWS];
+    let mut mnb = [0u64; ROWS];
+    for r in 0..ROWS {
+        // SAFETY: x[r] + 4 is the block's 12 scale bytes.
+        let u = unsafe { super::qgemm_q4k::unpack16(x[r].add(4)) };
+        scb[r] = u[0] as u64 | (u[1] as u64) << 32;
+        mnb[r] = u[2] as u64 | (u[3] as u64) << 32;
+    }
+    let sct = transpose8x8_bytes(scb);
+    let mnt = transpose8x8_bytes(mnb);
+    // SAFETY (intrinsics): AVX2, the caller's contract.
+    unsafe {
+        // the scale of sub-block s for the 8 rows as (i16, i16) pairs
+        let mut sc = [_mm256_setzero_si256(); 16];
+        for (s, sc) in sc.iter_mut().take(8).enumerate() {
+            let v = if s % 2 == 0 {
+                sct[s / 2]
+            } else {
+                _mm_srli_si128(sct[s / 2], 8)
+            };
+            let v = _mm256_cvtepu8_epi32(v);
+            *sc = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+        }
+        // mins of sub-blocks (2i, 2i + 1) for the 8 rows as i16 pairs
+        let off = std::array::from_fn(|i| {
+            if i < 4 {
+                _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mnt[i], _mm_srli_si128(mnt[i], 8)))
+            } else {
+                _mm256_setzero_si256()
+            }
+        });
+        (sc, off)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Format for Q4k {
+    const LINES: &'static [usize] = &[0, 64, 128, Q4_K_BYTES - 1];
+    const SCALE_LEN: usize = 32;
+    const DTYPE: DType = DType::Q4K;
+    const BYTES: usize = Q4_K_BYTES;
+    // 8·2·15·128 = 30720
+    const G: usize = 8;
+    const MINS: bool = true;
+
+    #[inline(always)]
+    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256) {
+        // SAFETY: the trait's contract; d at byte 0, dmin at 2.
+        unsafe { (f16_lanes(x, 0), f16_lanes(x, 2)) }
+    }
+
+    #[inline(always)]
+    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+        // SAFETY: the trait's contract.
+        unsafe { scales_mins(x) }
+    }
+
+    const UNITS: usize = 4;
+    const RUNS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn begin(_: &[*const u8; ROWS]) -> [__m256i; 8] {
+        // SAFETY: AVX2 (the trait's contract).
+        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
+    }
+
+    #[inline(always)]
+    unsafe fn unit(x: &[*const u8; ROWS], c: usize, _: &[__m256i; 8]) -> Runs {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics): the trait's contract; the 128 quant bytes
+        // are at 16..144: chunk c holds run 2c in its low nibbles and run
+        // 2c + 1 in its high nibbles.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            let t = chunk(x, 16 + 32 * c);
+            let mut q = [[_mm256_setzero_si256(); 8]; 4];
+            for g in 0..8 {
+                q[0][g] = _mm256_and_si256(t[g], low);
+                q[1][g] = _mm256_and_si256(_mm256_srli_epi16(t[g], 4), low);
+            }
+            q
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Format for Q5k {
+    const LINES: &'static [usize] = &[0, 64, 128, Q5_K_BYTES - 1];
+    const SCALE_LEN: usize = 32;
+    const DTYPE: DType = DType::Q5K;
+    const BYTES: usize = Q5_K_BYTES;
+    // 4·2·31·128 = 31744
+    const G: usize = 4;
+    const MINS: bool = true;
+
+    #[inline(always)]
+    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256) {
+        // SAFETY: the trait's contract; d at byte 0, dmin at 2.
+        unsafe { (f16_lanes(x, 0), f16_lanes(x, 2)) }
+    }
+
+    #[inline(always)]
+    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+        // SAFETY: the trait's contract.
+        unsafe { scales_mins(x) }
+    }
+
+    const UNITS: usize = 4;
+    const RUNS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn begin(x: &[*const u8; ROWS]) -> [__m256i; 8] {
+        // SAFETY: the trait's contract; the fifth bits are at 16..48.
+        unsafe { chunk(x, 16) }
+    }
+
+    #[inline(always)]
+    unsafe fn unit(x: &[*const u8; ROWS], c: usize, h: &[__m256i; 8]) -> Runs {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics): the trait's contract; the low nibbles are
+        // laid out as Q4_K's at 48..176, the fifth bit of run s is bit s of
+        // the 32 bytes at 16..48 (`h`): bits 2c and 2c + 1 move to bit 4
+        // (16-bit shifts by at most 4 that keep bit 4 of each byte in the
+        // byte).
+        unsafe {
+            let (low, bit4) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x10));
+            let t = chunk(x, 48 + 32 * c);
+            let at4 = |v: __m256i, bit: i32| {
+                let v = if bit < 4 {
+                    _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - bit))
+                } else {
+                    _mm256_srl_epi16(v, _mm_cvtsi32_si128(bit - 4))
+                };
+                _mm256_and_si256(v, bit4)
+            };
+            let mut q = [[_mm256_setzero_si256(); 8]; 4];
+            for g in 0..8 {
+                let bit = 2 * c as i32;
+                q[0][g] = _mm256_or_si256(_mm256_and_si256(t[g], low), at4(h[g], bit));
+                q[1][g] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(t[g], 4), low),
+                    at4(h[g], bit + 1),
+                );
+            }
+            q
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Format for Q6k {
+    const LINES: &'static [usize] = &[0, 64, 128, 192, Q6_K_BYTES - 1];
+    const SCALE_LEN: usize = 16;
+    const DTYPE: DType = DType::Q6K;
+    const BYTES: usize = Q6_K_BYTES;
+    // 2·2·63·128 = 32256
+    const G: usize = 2;
+    const MINS: bool = false;
+
+    #[inline(always)]
+    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256) {
+        // SAFETY: the trait's contract; d is the last 2 bytes.
+        unsafe {
+            let d = f16_lanes(x, 208);
+            (d, d)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+        use std::arch::x86_64::*;
+        // 16 signed scales per row at 192..208, transposed (8 × 8 bytes
+        // twice): st[h][k] holds scales 8h + 2k, 8h + 2k + 1 of the 8 rows
+        let half = |h: usize| {
+            // SAFETY: x[r] + 192 + 8h holds 8 readable bytes.
+            transpose8x8_bytes(std::array::from_fn(|r| unsafe {
+                x[r].add(192 + 8 * h).cast::<u64>().read_unaligned()
+            }))
+        };
+        let st = [half(0), half(1)];
+        // SAFETY (intrinsics): AVX2, the trait's contract.
+        unsafe {
+            let sc = std::array::from_fn(|j| {
+                let v = st[j / 8][(j % 8) / 2];
+                let v = if j % 2 == 0 { v } else { _mm_srli_si128(v, 8) };
+                let v = _mm256_cvtepi8_epi32(v);
+                _mm256_or_si256(
+                    _mm256_and_si256(v, _mm256_set1_epi32(0xffff)),
+                    _mm256_slli_epi32(v, 16),
+                )
+            });
+            let off = std::array::from_fn(|i| {
+                let v = st[i / 4][i % 4];
+                let pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+                _mm256_mullo_epi16(pairs, _mm256_set1_epi16(-32))
+            });
+            (sc, off)
+        }
+    }
+
+    const UNITS: usize = 2;
+    const RUNS: usize = 4;
+
+    #[inline(always)]
+    unsafe fn begin(_: &[*const u8; ROWS]) -> [__m256i; 8] {
+        // SAFETY: AVX2 (the trait's contract).
+        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
+    }
+
+    #[inline(always)]
+    unsafe fn unit(x: &[*const u8; ROWS], n: usize, _: &[__m256i; 8]) -> Runs {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics): the trait's contract. Half n of the block
+        // (runs 4n..4n+3) takes low-bit chunks a = ql[64n..], b = ql[64n +
+        // 32..] and high-bit chunk h = qh[32n..] (qh at 128): run 4n + k is
+        // the low (k < 2) or high nibble of a (k even) or b, with bits 2k,
+        // 2k + 1 of h as bits 4-5.
+        unsafe {
+            let (low, two) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
+            let a = chunk(x, 64 * n);
+            let b = chunk(x, 64 * n + 32);
+            let h = chunk(x, 128 + 32 * n);
+            let mut q = [[_mm256_setzero_si256(); 8]; 4];
+            for g in 0..8 {
+                let hi = |v: __m256i| _mm256_and_si256(v, two);
+                q[0][g] =
+                    _mm256_or_si256(_mm256_and_si256(a[g], low), hi(_mm256_slli_epi16(h[g], 4)));
+                q[1][g] =
+                    _mm256_or_si256(_mm256_and_si256(b[g], low), hi(_mm256_slli_epi16(h[g], 2)));
+                q[2][g] =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a[g], 4), low), hi(h[g]));
+                q[3][g] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(b[g], 4), low),
+                    hi(_mm256_srli_epi16(h[g], 2)),
+                );
+            }
+            q
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn lanes_avx2<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    check(F::DTYPE, nb, w, a);
+    // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
+    // F16C; every row holds nb superblocks (checked just above), which
+    // bounds all loads.
+    unsafe { lanes_avx2_impl::<N, F>(nb, w, a) }
+}
+
+/// 8 × 8 transpose of 32-bit lanes: lane r of output g = lane g of input r.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX2 ops; callers are AVX2 target-feature
+    // functions this is inlined into.
+    unsafe {
+        let t: [__m256i; 8] = std::array::from_fn(|i| {
+            let (p, q) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_epi32(p, q)
+            } else {
+                _mm256_unpackhi_epi32(p, q)
+            }
+        });
+        // u[k]: dword k (and k + 4) of rows 0-3 (k < 4) or 4-7
+        let u: [__m256i; 8] = std::array::from_fn(|i| {
+            let base = 4 * (i / 4);
+            let (p, q) = (t[base + (i % 4) / 2], t[base + 2 + (i % 4) / 2]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_epi64(p, q)
+            } else {
+                _mm256_unpackhi_epi64(p, q)
+            }
+        });
+        std::array::from_fn(|g| {
+            let (p, q) = (u[g % 4], u[4 + g % 4]);
+            if g < 4 {
+                _mm256_permute2x128_si256(p, q, 0x20)
+            } else {
+                _mm256_permute2x128_si256(p, q, 0x31)
+            }
+        })
+    }
+}
+
+/// 8 × 8 transpose of bytes: byte r of output row s = byte s of `m[r]`;
+/// returned as 4 vectors holding output rows (0, 1), (2, 3), (4, 5), (6, 7).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn transpose8x8_bytes(m: [u64; 8]) -> [__m128i; 4] {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only SSE2 ops.
+    unsafe {
+        let r = |i: usize| _mm_cvtsi64_si128(m[i] as i64);
+        let t0 = _mm_unpacklo_epi8(r(0), r(1));
+        let t1 = _mm_unpacklo_epi8(r(2), r(3));
+        let t2 = _mm_unpacklo_epi8(r(4), r(5));
+        let t3 = _mm_unpacklo_epi8(r(6), r(7));
+        let u0 = _mm_unpacklo_epi16(t0, t1);
+        let u1 = _mm_unpackhi_epi16(t0, t1);
+        let u2 = _mm_unpacklo_epi16(t2, t3);
+        let u3 = _mm_unpackhi_epi16(t2, t3);
+        [
+            _mm_unpacklo_epi32(u0, u2),
+            _mm_unpackhi_epi32(u0, u2),
+            _mm_unpacklo_epi32(u1, u3),
+            _mm_unpackhi_epi32(u1, u3),
+        ]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lanes_avx2_impl<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    use std::arch::x86_64::*;
+    let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+    // lanes = rows, per token
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut acc_m = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY (all pointer arithmetic and loads below): b < nb and every
+        // weight / activation row holds nb blocks.
+        let x: [*const u8; ROWS] = std::array::from_fn(|r| unsafe { wp[r].add(b * F::BYTES) });
+        let y: [*const u8; N] = std::array::from_fn(|t| unsafe { ap[t].add(b * Q8_K_BYTES) });
+        if N == 1 {
+            // decoding: fetch this block of the next call's 8 rows (the
+            // rows after these in a contiguous matrix) one call ahead; only
+            // a hint, never a read (see `qgemm_q4k::prefetch_next_tile`)
+            let ahead = ROWS * nb * F::BYTES;
+            for p in x {
+                for &line in F::LINES {
+                    // a prefetch never faults and reads nothing the program
+                    // sees; wrapping_add keeps `p`'s provenance
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + line).cast());
+                }
+            }
+        }
+        // SAFETY: x[r] are whole superblocks of F; AVX2, FMA, F16C enabled.
+        let (xd, xm) = unsafe { F::heads(&x) };
+        let (sc, off) = unsafe { F::scales(&x) };
+        let state = unsafe { F::begin(&x) };
+        let mut isum = [_mm256_setzero_si256(); N];
+        for u in 0..F::UNITS {
+            let q = unsafe { F::unit(&x, u, &state) };
+            for (t, isum) in isum.iter_mut().enumerate() {
+                for (k, run) in q.iter().take(F::RUNS).enumerate() {
+                    let s = F::RUNS * u + k;
+                    let ys = unsafe { y[t].add(4 + 32 * s) };
+                    for j in 0..8 / F::G {
+                        let mut p16 = _mm256_setzero_si256();
+                        for g in j * F::G..(j + 1) * F::G {
+                            let yg = _mm256_set1_epi32(unsafe {
+                                ys.add(4 * g).cast::<i32>().read_unaligned()
+                            });
+                            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(run[g], yg));
+                        }
+                        // the scale of weights 32s + 4·G·j..
+                        let scale = sc[(32 * s + 4 * F::G * j) / F::SCALE_LEN];
+                        *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p16, scale));
+                    }
+                }
+            }
+        }
+        for t in 0..N {
+            let mut isum = isum[t];
+            let yd = unsafe { y[t].cast::<f32>().read_unaligned() };
+            // the activation's 16-value sums
+            let bs = unsafe { _mm256_loadu_si256(y[t].add(260).cast()) };
+            let pair = |v: __m128i, i: usize| {
+                _mm256_set1_epi32(match i {
+                    0 => _mm_extract_epi32(v, 0),
+                    1 => _mm_extract_epi32(v, 1),
+                    2 => _mm_extract_epi32(v, 2),
+                    _ => _mm_extract_epi32(v, 3),
+                })
+            };
+            let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
+            if F::MINS {
+                // pairs (2i, 2i + 1) of 32-value sums against the mins
+                let bs32 =
+                    _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+                let m = |i: usize| _mm256_madd_epi16(off[i], pair(bs32, i));
+                let msum =
+                    _mm256_add_epi32(_mm256_add_epi32(m(0), m(1)), _mm256_add_epi32(m(2), m(3)));
+                let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
+                acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
+            } else {
+                // pairs (2i, 2i + 1) of 16-value sums against −32·scale
+                let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+                let o = |i: usize| {
+                    let v = if i < 4 { lo } else { hi };
+                    _mm256_madd_epi16(off[i], pair(v, i % 4))
+                };
+                let osum = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_add_epi32(o(0), o(1)), _mm256_add_epi32(o(2), o(3))),
+                    _mm256_add_epi32(_mm256_add_epi32(o(4), o(5)), _mm256_add_epi32(o(6), o(7))),
+                );
+                isum = _mm256_add_epi32(isum, osum);
+            }
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
+        }
+    }
+    let mut out = [[0f32; N]; ROWS];
+    for t in 0..N {
+        let mut v = [0f32; ROWS];
+        // SAFETY: v holds 8 floats.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t])) };
+        for r in 0..ROWS {
+            out[r][t] = v[r];
+        }
+    }
+    out
+}
