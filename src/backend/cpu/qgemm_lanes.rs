@@ -39,6 +39,12 @@
 //! result = acc + acc_m
 //! ```
 //!
+//! Decoding (one token) reads the rows as they are instead ([`rows_avx2`]:
+//! ggml's unpacking, a row's integer lanes summed exactly, then the 8 rows'
+//! sums moved into lanes for the same float steps): with one token the
+//! transposes cost more than they save, and the result is the same bit for
+//! bit, so a prompt's logits still do not depend on how it is chunked.
+//!
 //! It differs from ggml's (8 float lanes per row summed at the end) by
 //! float rounding only: tests/engine/kernels.rs bounds it against an f64
 //! dot product of the same quantized data and against `vec_dot`.
@@ -162,6 +168,9 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
     }
     #[cfg(target_arch = "x86_64")]
     match dtype {
+        DType::Q4K if N == 1 => return Some(rows_avx2::<N, Q4k>),
+        DType::Q5K if N == 1 => return Some(rows_avx2::<N, Q5k>),
+        DType::Q6K if N == 1 => return Some(rows_avx2::<N, Q6k>),
         DType::Q4K => return Some(lanes_avx2::<N, Q4k>),
         DType::Q5K => return Some(lanes_avx2::<N, Q5k>),
         DType::Q6K => return Some(lanes_avx2::<N, Q6k>),
@@ -230,6 +239,37 @@ trait Format {
     /// # Safety
     /// As [`Format::heads`].
     unsafe fn unit(x: &[*const u8; ROWS], u: usize, state: &[__m256i; 8]) -> Runs;
+
+    /// One row's superblock, row-major (the decoding kernel, [`rows_avx2`]):
+    /// its 8 runs of 32 unsigned quants in weight order; per run the i16
+    /// multipliers of its 16 `maddubs` pairs (bytes 0..16 and 16..32: the
+    /// scale of the run's weights there); and the 16 i16 factors of the
+    /// activation's 16-value sums (mins: `min[j / 2]`; Q6_K: `sc16[j]`,
+    /// multiplied by −32 by the kernel).
+    ///
+    /// # Safety
+    /// AVX2; `x` is a whole superblock.
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i);
+}
+
+/// Q4_K and Q5_K, row-major: the run scales (one per 32 weights) and the
+/// mins, spread to the 16-value sums.
+///
+/// # Safety
+/// AVX2; `x` is a whole Q4_K or Q5_K superblock.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_scales_mins(x: *const u8) -> ([__m256i; 8], __m256i) {
+    use std::arch::x86_64::*;
+    // SAFETY: x + 4 is the block's 12 scale bytes.
+    let u = unsafe { super::qgemm_q4k::unpack16(x.add(4)) };
+    let sc: [u8; 8] = std::array::from_fn(|s| (u[s / 4] >> (8 * (s % 4))) as u8);
+    // SAFETY (intrinsics): AVX2, the caller's contract.
+    unsafe {
+        let scv = std::array::from_fn(|s| _mm256_set1_epi16(sc[s] as i16));
+        let mins = _mm_cvtsi64_si128((u[2] as u64 | (u[3] as u64) << 32) as i64);
+        (scv, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -362,6 +402,23 @@ impl Format for Q4k {
             q
         }
     }
+    #[inline(always)]
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, loads): the trait's contract; the 128 quant
+        // bytes at 16..144, chunk c: run 2c in the low nibbles, 2c + 1 high.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            let mut q = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(x.add(16 + 32 * c).cast());
+                q[2 * c] = _mm256_and_si256(v, low);
+                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            let (scv, mins) = row_scales_mins(x);
+            (q, scv, mins)
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -424,6 +481,36 @@ impl Format for Q5k {
                 );
             }
             q
+        }
+    }
+    #[inline(always)]
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, loads): the trait's contract; low nibbles as
+        // Q4_K's at 48..176, the fifth bit of run s is bit s of the 32
+        // bytes at 16..48 (moved to bit 4 by 16-bit shifts that keep it in
+        // its byte).
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            let h = _mm256_loadu_si256(x.add(16).cast());
+            let fifth = |s: i32| {
+                let v = _mm256_and_si256(h, _mm256_set1_epi8(1 << s));
+                if s < 4 {
+                    _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - s))
+                } else {
+                    _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4))
+                }
+            };
+            let mut q = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(x.add(48 + 32 * c).cast());
+                let s = 2 * c as i32;
+                q[2 * c] = _mm256_or_si256(_mm256_and_si256(v, low), fifth(s));
+                q[2 * c + 1] =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth(s + 1));
+            }
+            let (scv, mins) = row_scales_mins(x);
+            (q, scv, mins)
         }
     }
 }
@@ -516,6 +603,43 @@ impl Format for Q6k {
                 );
             }
             q
+        }
+    }
+    #[inline(always)]
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, loads): the trait's contract. Half n (runs
+        // 4n..4n+3): low-bit chunks a = ql[64n..], b = ql[64n + 32..], high
+        // bits h = qh[32n..] (qh at 128); run 4n + k is the low (k < 2) or
+        // high nibble of a (k even) or b, with bits 2k, 2k + 1 of h as bits
+        // 4-5. Scales: 16 i8 at 192, two per run.
+        unsafe {
+            let (low, two) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
+            let mut q = [_mm256_setzero_si256(); 8];
+            for n in 0..2 {
+                let a = _mm256_loadu_si256(x.add(64 * n).cast());
+                let b = _mm256_loadu_si256(x.add(64 * n + 32).cast());
+                let h = _mm256_loadu_si256(x.add(128 + 32 * n).cast());
+                let hi = |v: __m256i| _mm256_and_si256(v, two);
+                q[4 * n] = _mm256_or_si256(_mm256_and_si256(a, low), hi(_mm256_slli_epi16(h, 4)));
+                q[4 * n + 1] =
+                    _mm256_or_si256(_mm256_and_si256(b, low), hi(_mm256_slli_epi16(h, 2)));
+                q[4 * n + 2] =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), hi(h));
+                q[4 * n + 3] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+                    hi(_mm256_srli_epi16(h, 2)),
+                );
+            }
+            let sc8 = _mm_loadu_si128(x.add(192).cast());
+            let scv = std::array::from_fn(|s| {
+                let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
+                let pick = _mm_set_epi8(
+                    hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
+                );
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick))
+            });
+            (q, scv, _mm256_cvtepi8_epi16(sc8))
         }
     }
 }
@@ -690,6 +814,132 @@ unsafe fn lanes_avx2_impl<const N: usize, F: Format>(
                 isum = _mm256_add_epi32(isum, osum);
             }
             acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
+        }
+    }
+    let mut out = [[0f32; N]; ROWS];
+    for t in 0..N {
+        let mut v = [0f32; ROWS];
+        // SAFETY: v holds 8 floats.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t])) };
+        for r in 0..ROWS {
+            out[r][t] = v[r];
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+fn rows_avx2<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    check(F::DTYPE, nb, w, a);
+    // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
+    // F16C; every row holds nb superblocks (checked just above), which
+    // bounds all loads.
+    unsafe { rows_avx2_impl::<N, F>(nb, w, a) }
+}
+
+/// Integer lanes of 8 rows reduced to one sum per row: `h[p]` is
+/// `hadd(v[2p], v[2p + 1])` of the rows' 8-lane vectors; lane r of the
+/// result is the sum of row r's 8 lanes (exact: integer adds).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn sum_rows(h: [__m256i; 4]) -> __m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX2 ops, inlined into AVX2 functions.
+    unsafe {
+        // rows 0-3 (4-7): lanes 0-3 sum lanes 0-3 of each row, 4-7 its 4-7
+        let a = _mm256_hadd_epi32(h[0], h[1]);
+        let b = _mm256_hadd_epi32(h[2], h[3]);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(a, b, 0x20),
+            _mm256_permute2x128_si256(a, b, 0x31),
+        )
+    }
+}
+
+/// The decoding kernel (one token; any `N` works): rows in the usual
+/// layout, as ggml's `vec_dot` reads them, for a row's integer sums, then
+/// those of the 8 rows moved into lanes for the float steps, so the
+/// arithmetic is the module's (bit for bit the lanes kernel's). With one
+/// token the lanes kernel's in-register transposes cost more than they
+/// save.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2_impl<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    use std::arch::x86_64::*;
+    let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut acc_m = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY (all pointer arithmetic and loads below): b < nb and every
+        // weight / activation row holds nb blocks.
+        let x: [*const u8; ROWS] = std::array::from_fn(|r| unsafe { wp[r].add(b * F::BYTES) });
+        let y: [*const u8; N] = std::array::from_fn(|t| unsafe { ap[t].add(b * Q8_K_BYTES) });
+        // fetch this block of the next call's 8 rows (the rows after these
+        // in a contiguous matrix) one call ahead; only a hint, never a read
+        let ahead = ROWS * nb * F::BYTES;
+        for p in x {
+            for &line in F::LINES {
+                // a prefetch never faults and reads nothing the program
+                // sees; wrapping_add keeps `p`'s provenance
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + line).cast());
+            }
+        }
+        let bs: [__m256i; N] =
+            std::array::from_fn(|t| unsafe { _mm256_loadu_si256(y[t].add(260).cast()) });
+        // per token, pairs of rows' integer lanes (hadd), then per row
+        let mut h = [[_mm256_setzero_si256(); 4]; N];
+        let mut hm = [[_mm256_setzero_si256(); 4]; N];
+        for p in 0..4 {
+            let mut v = [[_mm256_setzero_si256(); 2]; N];
+            let mut vm = [[_mm256_setzero_si256(); 2]; N];
+            for i in 0..2 {
+                // SAFETY: x[2p + i] is a whole superblock of F.
+                let (q, scv, off) = unsafe { F::row(x[2 * p + i]) };
+                for t in 0..N {
+                    let mut s = _mm256_setzero_si256();
+                    for k in 0..8 {
+                        let y8 = unsafe { _mm256_loadu_si256(y[t].add(4 + 32 * k).cast()) };
+                        // |2·63·128| < 2^15: maddubs cannot saturate
+                        let prod = _mm256_maddubs_epi16(q[k], y8);
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]));
+                    }
+                    let o = _mm256_madd_epi16(bs[t], off);
+                    if F::MINS {
+                        v[t][i] = s;
+                        vm[t][i] = o;
+                    } else {
+                        // the −32 offset of every weight
+                        v[t][i] = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
+                    }
+                }
+            }
+            for t in 0..N {
+                h[t][p] = _mm256_hadd_epi32(v[t][0], v[t][1]);
+                if F::MINS {
+                    hm[t][p] = _mm256_hadd_epi32(vm[t][0], vm[t][1]);
+                }
+            }
+        }
+        // SAFETY: x[r] are whole superblocks of F.
+        let (xd, xm) = unsafe { F::heads(&x) };
+        for t in 0..N {
+            let yd = unsafe { y[t].cast::<f32>().read_unaligned() };
+            if F::MINS {
+                let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
+                let msum = sum_rows(hm[t]);
+                acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
+            }
+            let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum_rows(h[t])), acc[t]);
         }
     }
     let mut out = [[0f32; N]; ROWS];
