@@ -55,6 +55,13 @@ use super::qgemm_q6k::Q6_K_BYTES;
 use crate::tensor::DType;
 use half::f16;
 
+/// How many calls ahead the decoding kernel prefetches its rows (into L2:
+/// measured on a Zen 4 VM, 2 threads, synthetic R1-Distill-Qwen-1.5B
+/// Q5_K_M decode, `_MM_HINT_T1` 2 calls ahead ran 19–23 t/s where
+/// `_MM_HINT_T0` 1 or 2 calls ahead ran 11–12 and no prefetch 8.5; the
+/// 7B Q4_K_M 4.8–5.1 against 3.7–4.2).
+const PREFETCH_CALLS: usize = 2;
+
 /// Weight rows per call.
 pub const ROWS: usize = 8;
 /// Tokens per prefill call: each unpacked weight superblock serves 8 tokens
@@ -163,8 +170,20 @@ pub fn lanes_scalar<const N: usize>(
 /// VNNI) and the CPU runs it; `None` for other types and levels.
 pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Option<LanesFn<N>> {
     use super::isa::{detected, Level};
-    if level > detected() || !matches!(level, Level::Avx2 | Level::Avx512) {
+    if level > detected() || level == Level::Portable {
         return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx512Vnni {
+        match dtype {
+            DType::Q4K if N == 1 => return Some(rows_vnni::<N, Q4k>),
+            DType::Q5K if N == 1 => return Some(rows_vnni::<N, Q5k>),
+            DType::Q6K if N == 1 => return Some(rows_vnni::<N, Q6k>),
+            DType::Q4K => return Some(lanes_vnni::<N, Q4k>),
+            DType::Q5K => return Some(lanes_vnni::<N, Q5k>),
+            DType::Q6K => return Some(lanes_vnni::<N, Q6k>),
+            _ => return None,
+        }
     }
     #[cfg(target_arch = "x86_64")]
     match dtype {
@@ -657,6 +676,41 @@ fn lanes_avx2<const N: usize, F: Format>(
     unsafe { lanes_avx2_impl::<N, F>(nb, w, a) }
 }
 
+#[cfg(target_arch = "x86_64")]
+fn lanes_vnni<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    check(F::DTYPE, nb, w, a);
+    // SAFETY: handed out (lanes_for) only at level avx512vnni (AVX-512
+    // F/BW/VL/VNNI, which includes AVX2, FMA, F16C); every row holds nb
+    // superblocks (checked just above), which bounds all loads.
+    unsafe { lanes_vnni_impl::<N, F>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lanes_avx2_impl<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    // SAFETY: the caller's contract (lanes_avx2).
+    unsafe { lanes_body::<N, F, false>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn lanes_vnni_impl<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    // SAFETY: the caller's contract (lanes_vnni).
+    unsafe { lanes_body::<N, F, true>(nb, w, a) }
+}
+
 /// 8 × 8 transpose of 32-bit lanes: lane r of output g = lane g of input r.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -720,112 +774,140 @@ fn transpose8x8_bytes(m: [u64; 8]) -> [__m128i; 4] {
     }
 }
 
+/// The prefill kernel's body, inlined into its AVX2 and VNNI functions.
+/// With `VNNI` the groups of a scale are summed by `vpdpbusd` straight into
+/// 32 bits and multiplied by the scale there (`vpmulld`), instead of
+/// `maddubs` + 16-bit adds + `madd`: the same exact integers.
+///
+/// # Safety
+/// AVX2, FMA, F16C (and AVX-512 VL/VNNI with `VNNI`) enabled in the
+/// function this is inlined into; every row holds `nb` superblocks.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lanes_avx2_impl<const N: usize, F: Format>(
+#[inline(always)]
+unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
     use std::arch::x86_64::*;
-    let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
-    // lanes = rows, per token
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut acc_m = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
-        // SAFETY (all pointer arithmetic and loads below): b < nb and every
-        // weight / activation row holds nb blocks.
-        let x: [*const u8; ROWS] = std::array::from_fn(|r| unsafe { wp[r].add(b * F::BYTES) });
-        let y: [*const u8; N] = std::array::from_fn(|t| unsafe { ap[t].add(b * Q8_K_BYTES) });
-        if N == 1 {
-            // decoding: fetch this block of the next call's 8 rows (the
-            // rows after these in a contiguous matrix) one call ahead; only
-            // a hint, never a read (see `qgemm_q4k::prefetch_next_tile`)
-            let ahead = ROWS * nb * F::BYTES;
-            for p in x {
-                for &line in F::LINES {
-                    // a prefetch never faults and reads nothing the program
-                    // sees; wrapping_add keeps `p`'s provenance
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + line).cast());
+    // SAFETY: the function's contract: every intrinsic below has its
+    // features where this is inlined; every load is inside nb blocks.
+    unsafe {
+        let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+        let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+        // lanes = rows, per token
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_m = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            // SAFETY (all pointer arithmetic and loads below): b < nb and every
+            // weight / activation row holds nb blocks.
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * F::BYTES));
+            let y: [*const u8; N] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
+            // SAFETY: x[r] are whole superblocks of F; AVX2, FMA, F16C enabled.
+            let (xd, xm) = F::heads(&x);
+            let (sc, off) = F::scales(&x);
+            // VNNI: the scales as i32 (the high half of each pair, sign kept)
+            let sc32: [__m256i; 16] = std::array::from_fn(|j| {
+                if VNNI {
+                    _mm256_srai_epi32(sc[j], 16)
+                } else {
+                    sc[j]
                 }
-            }
-        }
-        // SAFETY: x[r] are whole superblocks of F; AVX2, FMA, F16C enabled.
-        let (xd, xm) = unsafe { F::heads(&x) };
-        let (sc, off) = unsafe { F::scales(&x) };
-        let state = unsafe { F::begin(&x) };
-        let mut isum = [_mm256_setzero_si256(); N];
-        for u in 0..F::UNITS {
-            let q = unsafe { F::unit(&x, u, &state) };
-            for (t, isum) in isum.iter_mut().enumerate() {
-                for (k, run) in q.iter().take(F::RUNS).enumerate() {
-                    let s = F::RUNS * u + k;
-                    let ys = unsafe { y[t].add(4 + 32 * s) };
-                    for j in 0..8 / F::G {
-                        let mut p16 = _mm256_setzero_si256();
-                        for g in j * F::G..(j + 1) * F::G {
-                            let yg = _mm256_set1_epi32(unsafe {
-                                ys.add(4 * g).cast::<i32>().read_unaligned()
-                            });
-                            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(run[g], yg));
+            });
+            let state = F::begin(&x);
+            let mut isum = [_mm256_setzero_si256(); N];
+            for u in 0..F::UNITS {
+                let q = F::unit(&x, u, &state);
+                for (t, isum) in isum.iter_mut().enumerate() {
+                    for (k, run) in q.iter().take(F::RUNS).enumerate() {
+                        let s = F::RUNS * u + k;
+                        let ys = y[t].add(4 + 32 * s);
+                        let yg = |g: usize| {
+                            _mm256_set1_epi32(ys.add(4 * g).cast::<i32>().read_unaligned())
+                        };
+                        if VNNI {
+                            // per scale: its groups' 4-products summed in i32
+                            let per = F::SCALE_LEN / 4;
+                            for j in 0..8 / per {
+                                let mut p32 = _mm256_setzero_si256();
+                                for g in j * per..(j + 1) * per {
+                                    p32 = _mm256_dpbusd_epi32(p32, run[g], yg(g));
+                                }
+                                let scale = sc32[(32 * s + 4 * per * j) / F::SCALE_LEN];
+                                *isum = _mm256_add_epi32(*isum, _mm256_mullo_epi32(p32, scale));
+                            }
+                            continue;
                         }
-                        // the scale of weights 32s + 4·G·j..
-                        let scale = sc[(32 * s + 4 * F::G * j) / F::SCALE_LEN];
-                        *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p16, scale));
+                        for j in 0..8 / F::G {
+                            let mut p16 = _mm256_setzero_si256();
+                            for g in j * F::G..(j + 1) * F::G {
+                                p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(run[g], yg(g)));
+                            }
+                            // the scale of weights 32s + 4·G·j..
+                            let scale = sc[(32 * s + 4 * F::G * j) / F::SCALE_LEN];
+                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p16, scale));
+                        }
                     }
                 }
             }
-        }
-        for t in 0..N {
-            let mut isum = isum[t];
-            let yd = unsafe { y[t].cast::<f32>().read_unaligned() };
-            // the activation's 16-value sums
-            let bs = unsafe { _mm256_loadu_si256(y[t].add(260).cast()) };
-            let pair = |v: __m128i, i: usize| {
-                _mm256_set1_epi32(match i {
-                    0 => _mm_extract_epi32(v, 0),
-                    1 => _mm_extract_epi32(v, 1),
-                    2 => _mm_extract_epi32(v, 2),
-                    _ => _mm_extract_epi32(v, 3),
-                })
-            };
-            let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
-            if F::MINS {
-                // pairs (2i, 2i + 1) of 32-value sums against the mins
-                let bs32 =
-                    _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-                let m = |i: usize| _mm256_madd_epi16(off[i], pair(bs32, i));
-                let msum =
-                    _mm256_add_epi32(_mm256_add_epi32(m(0), m(1)), _mm256_add_epi32(m(2), m(3)));
-                let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
-                acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
-            } else {
-                // pairs (2i, 2i + 1) of 16-value sums against −32·scale
-                let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-                let o = |i: usize| {
-                    let v = if i < 4 { lo } else { hi };
-                    _mm256_madd_epi16(off[i], pair(v, i % 4))
+            for t in 0..N {
+                let mut isum = isum[t];
+                let yd = y[t].cast::<f32>().read_unaligned();
+                // the activation's 16-value sums
+                let bs = _mm256_loadu_si256(y[t].add(260).cast());
+                let pair = |v: __m128i, i: usize| {
+                    _mm256_set1_epi32(match i {
+                        0 => _mm_extract_epi32(v, 0),
+                        1 => _mm_extract_epi32(v, 1),
+                        2 => _mm_extract_epi32(v, 2),
+                        _ => _mm_extract_epi32(v, 3),
+                    })
                 };
-                let osum = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_add_epi32(o(0), o(1)), _mm256_add_epi32(o(2), o(3))),
-                    _mm256_add_epi32(_mm256_add_epi32(o(4), o(5)), _mm256_add_epi32(o(6), o(7))),
-                );
-                isum = _mm256_add_epi32(isum, osum);
+                let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
+                if F::MINS {
+                    // pairs (2i, 2i + 1) of 32-value sums against the mins
+                    let bs32 =
+                        _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+                    let m = |i: usize| _mm256_madd_epi16(off[i], pair(bs32, i));
+                    let msum = _mm256_add_epi32(
+                        _mm256_add_epi32(m(0), m(1)),
+                        _mm256_add_epi32(m(2), m(3)),
+                    );
+                    let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
+                    acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
+                } else {
+                    // pairs (2i, 2i + 1) of 16-value sums against −32·scale
+                    let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+                    let o = |i: usize| {
+                        let v = if i < 4 { lo } else { hi };
+                        _mm256_madd_epi16(off[i], pair(v, i % 4))
+                    };
+                    let osum = _mm256_add_epi32(
+                        _mm256_add_epi32(
+                            _mm256_add_epi32(o(0), o(1)),
+                            _mm256_add_epi32(o(2), o(3)),
+                        ),
+                        _mm256_add_epi32(
+                            _mm256_add_epi32(o(4), o(5)),
+                            _mm256_add_epi32(o(6), o(7)),
+                        ),
+                    );
+                    isum = _mm256_add_epi32(isum, osum);
+                }
+                acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
             }
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
         }
-    }
-    let mut out = [[0f32; N]; ROWS];
-    for t in 0..N {
-        let mut v = [0f32; ROWS];
-        // SAFETY: v holds 8 floats.
-        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t])) };
-        for r in 0..ROWS {
-            out[r][t] = v[r];
+        let mut out = [[0f32; N]; ROWS];
+        for t in 0..N {
+            let mut v = [0f32; ROWS];
+            // SAFETY: v holds 8 floats.
+            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
+            for r in 0..ROWS {
+                out[r][t] = v[r];
+            }
         }
+        out
     }
-    out
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -839,6 +921,41 @@ fn rows_avx2<const N: usize, F: Format>(
     // F16C; every row holds nb superblocks (checked just above), which
     // bounds all loads.
     unsafe { rows_avx2_impl::<N, F>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn rows_vnni<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    check(F::DTYPE, nb, w, a);
+    // SAFETY: handed out (lanes_for) only at level avx512vnni (AVX-512
+    // F/BW/VL/VNNI, which includes AVX2, FMA, F16C); every row holds nb
+    // superblocks (checked just above), which bounds all loads.
+    unsafe { rows_vnni_impl::<N, F>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2_impl<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    // SAFETY: the caller's contract (rows_avx2).
+    unsafe { rows_body::<N, F, false>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_vnni_impl<const N: usize, F: Format>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    // SAFETY: the caller's contract (rows_vnni).
+    unsafe { rows_body::<N, F, true>(nb, w, a) }
 }
 
 /// Integer lanes of 8 rows reduced to one sum per row: `h[p]` is
@@ -865,91 +982,103 @@ fn sum_rows(h: [__m256i; 4]) -> __m256i {
 /// those of the 8 rows moved into lanes for the float steps, so the
 /// arithmetic is the module's (bit for bit the lanes kernel's). With one
 /// token the lanes kernel's in-register transposes cost more than they
-/// save.
+/// save. With `VNNI`, `vpdpwssd` fuses each `madd` by the scales with its
+/// add.
+///
+/// # Safety
+/// As [`lanes_body`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2_impl<const N: usize, F: Format>(
+#[inline(always)]
+unsafe fn rows_body<const N: usize, F: Format, const VNNI: bool>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
     use std::arch::x86_64::*;
-    let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
-    let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut acc_m = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
-        // SAFETY (all pointer arithmetic and loads below): b < nb and every
-        // weight / activation row holds nb blocks.
-        let x: [*const u8; ROWS] = std::array::from_fn(|r| unsafe { wp[r].add(b * F::BYTES) });
-        let y: [*const u8; N] = std::array::from_fn(|t| unsafe { ap[t].add(b * Q8_K_BYTES) });
-        // fetch this block of the next call's 8 rows (the rows after these
-        // in a contiguous matrix) one call ahead; only a hint, never a read
-        let ahead = ROWS * nb * F::BYTES;
-        for p in x {
-            for &line in F::LINES {
-                // a prefetch never faults and reads nothing the program
-                // sees; wrapping_add keeps `p`'s provenance
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + line).cast());
+    // SAFETY: the function's contract: every intrinsic below has its
+    // features where this is inlined; every load is inside nb blocks.
+    unsafe {
+        let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+        let ap: [*const u8; N] = std::array::from_fn(|t| a[t].as_ptr());
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_m = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            // SAFETY (all pointer arithmetic and loads below): b < nb and every
+            // weight / activation row holds nb blocks.
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * F::BYTES));
+            let y: [*const u8; N] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
+            // fetch this block of the rows 2 calls on (the rows after these
+            // in a contiguous matrix) into L2; only a hint, never a read
+            let ahead = PREFETCH_CALLS * ROWS * nb * F::BYTES;
+            for p in x {
+                for &line in F::LINES {
+                    // a prefetch never faults and reads nothing the program
+                    // sees; wrapping_add keeps `p`'s provenance
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast());
+                }
             }
-        }
-        let bs: [__m256i; N] =
-            std::array::from_fn(|t| unsafe { _mm256_loadu_si256(y[t].add(260).cast()) });
-        // per token, pairs of rows' integer lanes (hadd), then per row
-        let mut h = [[_mm256_setzero_si256(); 4]; N];
-        let mut hm = [[_mm256_setzero_si256(); 4]; N];
-        for p in 0..4 {
-            let mut v = [[_mm256_setzero_si256(); 2]; N];
-            let mut vm = [[_mm256_setzero_si256(); 2]; N];
-            for i in 0..2 {
-                // SAFETY: x[2p + i] is a whole superblock of F.
-                let (q, scv, off) = unsafe { F::row(x[2 * p + i]) };
+            let bs: [__m256i; N] =
+                std::array::from_fn(|t| _mm256_loadu_si256(y[t].add(260).cast()));
+            // per token, pairs of rows' integer lanes (hadd), then per row
+            let mut h = [[_mm256_setzero_si256(); 4]; N];
+            let mut hm = [[_mm256_setzero_si256(); 4]; N];
+            for p in 0..4 {
+                let mut v = [[_mm256_setzero_si256(); 2]; N];
+                let mut vm = [[_mm256_setzero_si256(); 2]; N];
+                for i in 0..2 {
+                    // SAFETY: x[2p + i] is a whole superblock of F.
+                    let (q, scv, off) = F::row(x[2 * p + i]);
+                    for t in 0..N {
+                        let mut s = _mm256_setzero_si256();
+                        for k in 0..8 {
+                            let y8 = _mm256_loadu_si256(y[t].add(4 + 32 * k).cast());
+                            // |2·63·128| < 2^15: maddubs cannot saturate
+                            let prod = _mm256_maddubs_epi16(q[k], y8);
+                            s = if VNNI {
+                                _mm256_dpwssd_epi32(s, prod, scv[k])
+                            } else {
+                                _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]))
+                            };
+                        }
+                        let o = _mm256_madd_epi16(bs[t], off);
+                        if F::MINS {
+                            v[t][i] = s;
+                            vm[t][i] = o;
+                        } else {
+                            // the −32 offset of every weight
+                            v[t][i] = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
+                        }
+                    }
+                }
                 for t in 0..N {
-                    let mut s = _mm256_setzero_si256();
-                    for k in 0..8 {
-                        let y8 = unsafe { _mm256_loadu_si256(y[t].add(4 + 32 * k).cast()) };
-                        // |2·63·128| < 2^15: maddubs cannot saturate
-                        let prod = _mm256_maddubs_epi16(q[k], y8);
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]));
-                    }
-                    let o = _mm256_madd_epi16(bs[t], off);
+                    h[t][p] = _mm256_hadd_epi32(v[t][0], v[t][1]);
                     if F::MINS {
-                        v[t][i] = s;
-                        vm[t][i] = o;
-                    } else {
-                        // the −32 offset of every weight
-                        v[t][i] = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
+                        hm[t][p] = _mm256_hadd_epi32(vm[t][0], vm[t][1]);
                     }
                 }
             }
+            // SAFETY: x[r] are whole superblocks of F.
+            let (xd, xm) = F::heads(&x);
             for t in 0..N {
-                h[t][p] = _mm256_hadd_epi32(v[t][0], v[t][1]);
+                let yd = y[t].cast::<f32>().read_unaligned();
                 if F::MINS {
-                    hm[t][p] = _mm256_hadd_epi32(vm[t][0], vm[t][1]);
+                    let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
+                    let msum = sum_rows(hm[t]);
+                    acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
                 }
+                let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
+                acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum_rows(h[t])), acc[t]);
             }
         }
-        // SAFETY: x[r] are whole superblocks of F.
-        let (xd, xm) = unsafe { F::heads(&x) };
+        let mut out = [[0f32; N]; ROWS];
         for t in 0..N {
-            let yd = unsafe { y[t].cast::<f32>().read_unaligned() };
-            if F::MINS {
-                let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
-                let msum = sum_rows(hm[t]);
-                acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
+            let mut v = [0f32; ROWS];
+            // SAFETY: v holds 8 floats.
+            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
+            for r in 0..ROWS {
+                out[r][t] = v[r];
             }
-            let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum_rows(h[t])), acc[t]);
         }
+        out
     }
-    let mut out = [[0f32; N]; ROWS];
-    for t in 0..N {
-        let mut v = [0f32; ROWS];
-        // SAFETY: v holds 8 floats.
-        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t])) };
-        for r in 0..ROWS {
-            out[r][t] = v[r];
-        }
-    }
-    out
 }

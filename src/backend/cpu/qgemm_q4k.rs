@@ -145,8 +145,9 @@ pub fn tile_for<const N: usize>(level: super::isa::Level) -> Option<TileFn<N>> {
 
 /// Decoding (`N` = 1) reads each weight once, from rows too short for the
 /// hardware prefetcher to get going: fetch block `b` (`bw` bytes) of the
-/// next micro tile's rows (the `MR` rows after these, which `matvec_k`
-/// takes next from a contiguous `QMat`) one tile ahead. Only a hint (it
+/// micro tile after next (the `MR` rows 2 tiles on, which `matvec_k`
+/// takes from a contiguous `QMat`) into L2 (`_MM_HINT_T1`: into L1 it was
+/// slower on Zen 4; see `qgemm_lanes::PREFETCH_CALLS`). Only a hint (it
 /// doubles one thread's decoding speed on a 1.5B Q8_0 model): an address
 /// outside the matrix is never read, just not usefully prefetched. Used by
 /// every tile of this call shape (`qgemm_q4k`, `qgemm_q5k`, `qgemm_q6k`,
@@ -159,15 +160,15 @@ pub(super) fn prefetch_next_tile<const N: usize>(
     bw: usize,
     b: usize,
 ) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
     if N == 1 {
-        let ahead = (MR * nb + b) * bw;
+        let ahead = (2 * MR * nb + b) * bw;
         for p in wp {
             for line in (0..bw).step_by(64) {
                 // SAFETY: a prefetch never faults and reads nothing the
                 // program sees; the address keeps `p`'s provenance
                 // (wrapping_add).
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead + line).cast()) };
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast()) };
             }
         }
     }
