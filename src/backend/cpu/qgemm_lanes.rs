@@ -39,7 +39,7 @@
 //! result = acc + acc_m
 //! ```
 //!
-//! Decoding (one token) reads the rows as they are instead ([`rows_avx2`]:
+//! Decoding (one token) reads the rows as they are instead ([`rows`]:
 //! ggml's unpacking, a row's integer lanes summed exactly, then the 8 rows'
 //! sums moved into lanes for the same float steps): with one token the
 //! transposes cost more than they save, and the result is the same bit for
@@ -176,23 +176,23 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
     #[cfg(target_arch = "x86_64")]
     if level == Level::Avx512Vnni {
         match dtype {
-            DType::Q4K if N == 1 => return Some(rows_vnni::<N, Q4k>),
-            DType::Q5K if N == 1 => return Some(rows_vnni::<N, Q5k>),
-            DType::Q6K if N == 1 => return Some(rows_vnni::<N, Q6k>),
-            DType::Q4K => return Some(lanes_vnni::<N, Q4k>),
-            DType::Q5K => return Some(lanes_vnni::<N, Q5k>),
-            DType::Q6K => return Some(lanes_vnni::<N, Q6k>),
+            DType::Q4K if N == 1 => return Some(rows::<N, Q4k, true>),
+            DType::Q5K if N == 1 => return Some(rows::<N, Q5k, true>),
+            DType::Q6K if N == 1 => return Some(rows::<N, Q6k, true>),
+            DType::Q4K => return Some(lanes::<N, Q4k, true>),
+            DType::Q5K => return Some(lanes::<N, Q5k, true>),
+            DType::Q6K => return Some(lanes::<N, Q6k, true>),
             _ => return None,
         }
     }
     #[cfg(target_arch = "x86_64")]
     match dtype {
-        DType::Q4K if N == 1 => return Some(rows_avx2::<N, Q4k>),
-        DType::Q5K if N == 1 => return Some(rows_avx2::<N, Q5k>),
-        DType::Q6K if N == 1 => return Some(rows_avx2::<N, Q6k>),
-        DType::Q4K => return Some(lanes_avx2::<N, Q4k>),
-        DType::Q5K => return Some(lanes_avx2::<N, Q5k>),
-        DType::Q6K => return Some(lanes_avx2::<N, Q6k>),
+        DType::Q4K if N == 1 => return Some(rows::<N, Q4k, false>),
+        DType::Q5K if N == 1 => return Some(rows::<N, Q5k, false>),
+        DType::Q6K if N == 1 => return Some(rows::<N, Q6k, false>),
+        DType::Q4K => return Some(lanes::<N, Q4k, false>),
+        DType::Q5K => return Some(lanes::<N, Q5k, false>),
+        DType::Q6K => return Some(lanes::<N, Q6k, false>),
         _ => {}
     }
     None
@@ -259,7 +259,7 @@ trait Format {
     /// As [`Format::heads`].
     unsafe fn unit(x: &[*const u8; ROWS], u: usize, state: &[__m256i; 8]) -> Runs;
 
-    /// One row's superblock, row-major (the decoding kernel, [`rows_avx2`]):
+    /// One row's superblock, row-major (the decoding kernel, [`rows`]):
     /// its 8 runs of 32 unsigned quants in weight order; per run the i16
     /// multipliers of its 16 `maddubs` pairs (bytes 0..16 and 16..32: the
     /// scale of the run's weights there); and the 16 i16 factors of the
@@ -664,29 +664,23 @@ impl Format for Q6k {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn lanes_avx2<const N: usize, F: Format>(
+fn lanes<const N: usize, F: Format, const VNNI: bool>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
     check(F::DTYPE, nb, w, a);
     // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
-    // F16C; every row holds nb superblocks (checked just above), which
-    // bounds all loads.
-    unsafe { lanes_avx2_impl::<N, F>(nb, w, a) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn lanes_vnni<const N: usize, F: Format>(
-    nb: usize,
-    w: &[&[u8]; ROWS],
-    a: &[&[u8]; N],
-) -> [[f32; N]; ROWS] {
-    check(F::DTYPE, nb, w, a);
-    // SAFETY: handed out (lanes_for) only at level avx512vnni (AVX-512
-    // F/BW/VL/VNNI, which includes AVX2, FMA, F16C); every row holds nb
-    // superblocks (checked just above), which bounds all loads.
-    unsafe { lanes_vnni_impl::<N, F>(nb, w, a) }
+    // F16C, and with VNNI only at level avx512vnni (AVX-512 F/BW/VL/VNNI);
+    // every row holds nb superblocks (checked just above), which bounds all
+    // loads.
+    unsafe {
+        if VNNI {
+            lanes_vnni_impl::<N, F>(nb, w, a)
+        } else {
+            lanes_avx2_impl::<N, F>(nb, w, a)
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -696,7 +690,7 @@ unsafe fn lanes_avx2_impl<const N: usize, F: Format>(
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
-    // SAFETY: the caller's contract (lanes_avx2).
+    // SAFETY: the caller's contract (lanes).
     unsafe { lanes_body::<N, F, false>(nb, w, a) }
 }
 
@@ -707,7 +701,7 @@ unsafe fn lanes_vnni_impl<const N: usize, F: Format>(
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
-    // SAFETY: the caller's contract (lanes_vnni).
+    // SAFETY: the caller's contract (lanes).
     unsafe { lanes_body::<N, F, true>(nb, w, a) }
 }
 
@@ -911,29 +905,23 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
 }
 
 #[cfg(target_arch = "x86_64")]
-fn rows_avx2<const N: usize, F: Format>(
+fn rows<const N: usize, F: Format, const VNNI: bool>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
     check(F::DTYPE, nb, w, a);
     // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
-    // F16C; every row holds nb superblocks (checked just above), which
-    // bounds all loads.
-    unsafe { rows_avx2_impl::<N, F>(nb, w, a) }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn rows_vnni<const N: usize, F: Format>(
-    nb: usize,
-    w: &[&[u8]; ROWS],
-    a: &[&[u8]; N],
-) -> [[f32; N]; ROWS] {
-    check(F::DTYPE, nb, w, a);
-    // SAFETY: handed out (lanes_for) only at level avx512vnni (AVX-512
-    // F/BW/VL/VNNI, which includes AVX2, FMA, F16C); every row holds nb
-    // superblocks (checked just above), which bounds all loads.
-    unsafe { rows_vnni_impl::<N, F>(nb, w, a) }
+    // F16C, and with VNNI only at level avx512vnni (AVX-512 F/BW/VL/VNNI);
+    // every row holds nb superblocks (checked just above), which bounds all
+    // loads.
+    unsafe {
+        if VNNI {
+            rows_vnni_impl::<N, F>(nb, w, a)
+        } else {
+            rows_avx2_impl::<N, F>(nb, w, a)
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -943,7 +931,7 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
-    // SAFETY: the caller's contract (rows_avx2).
+    // SAFETY: the caller's contract (rows).
     unsafe { rows_body::<N, F, false>(nb, w, a) }
 }
 
@@ -954,7 +942,7 @@ unsafe fn rows_vnni_impl<const N: usize, F: Format>(
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
-    // SAFETY: the caller's contract (rows_vnni).
+    // SAFETY: the caller's contract (rows).
     unsafe { rows_body::<N, F, true>(nb, w, a) }
 }
 
