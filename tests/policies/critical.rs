@@ -3,7 +3,8 @@
 //! projected value norm against a direct computation from the dequantized
 //! W_O (Q4_1 as shipped, Q8_0 and a K-quant), the GQA map, budgets under
 //! the critical policies and under `--prompt-compress once`, the cache
-//! re-layout that gives the prompt's memory back, and the command line.
+//! re-layout that gives the prompt's memory back, the command line, and
+//! pass-key retrieval after compressing the prompt once.
 
 use crate::util;
 
@@ -968,4 +969,63 @@ fn perturbation_eval_is_zero_without_eviction_and_positive_with_it() {
         .unwrap()
         .contains("| snapkv | 48 |"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ------------------------------------------- 6. retrieval after compression
+
+/// `kvrun eval passkey --json` for one policy: (depth, correct, correct
+/// with the full cache) per depth.
+fn passkey(policy: &str, extra: &[&str]) -> Vec<(f64, u64, u64)> {
+    use std::process::Command;
+    let o = Command::new(util::kvrun_bin())
+        .args(["eval", "passkey", "-m"])
+        .arg(util::default_model())
+        .args(["--ctx", "1024", "--depths", "0.3,0.5,0.7,0.9", "--trials", "1"])
+        .args(["--policy", policy, "--kv-budget", "256", "-t", "2", "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    j.as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["depth"].as_f64().unwrap(),
+                d["correct"].as_u64().unwrap(),
+                d["correct_full"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Prefill-then-compress keeps a needle the question asks for: at budget
+/// 256 of a 1024-token haystack (the needle at 30–90% depth, far outside
+/// the recent window), snapkv and critical-snapkv compressed once with the
+/// prompt's last queries find the pass key wherever the full cache does.
+/// The pooling kernel spans the five digits of the key (11: five either
+/// side of a voted token; the default 5 keeps only the first three digits
+/// on this model). Window, which keeps the last 256 tokens, must miss the
+/// needles at 30% and 50% depth: the haystack really is longer than the
+/// budget.
+#[test]
+fn prefill_then_compress_retrieves_the_pass_key() {
+    let once = ["--prompt-compress", "once", "--pool-kernel", "11"];
+    for p in ["snapkv", "critical-snapkv"] {
+        let r = passkey(p, &once);
+        assert!(
+            r.iter().map(|x| x.2).sum::<u64>() >= 3,
+            "the full cache itself should find most keys: {r:?}"
+        );
+        for &(d, ok, full) in &r {
+            assert!(ok >= full, "{p} lost the key at depth {d}: {r:?}");
+        }
+    }
+    let w = passkey("window", &once);
+    for &(d, ok, full) in &w {
+        if d < 0.6 {
+            assert_eq!((ok, full), (0, 1), "window at depth {d}: {w:?}");
+        }
+    }
 }

@@ -2,11 +2,14 @@
 //!
 //! A five-digit pass key is hidden at a relative depth of a long haystack
 //! (repeated filler sentences, or a real reasoning trace from a JSONL file),
-//! and the model is asked for it at the end. Greedy decoding; a trial is
-//! correct when the generated text contains the key. The table reports
-//! accuracy per depth for the chosen policy and budget, next to the full
-//! cache on the same prompts (so a miss of the model itself is not charged
-//! to the policy).
+//! and the model is asked for it at the end; the answer's first words
+//! ("The pass key is", `--answer-prefix`) close the prompt, as in the
+//! standard pass-key format, so the next tokens are the key itself and an
+//! observation-window policy's last queries are the ones that will copy it.
+//! Greedy decoding; a trial is correct when the generated text contains the
+//! key. The table reports accuracy per depth for the chosen policy and
+//! budget, next to the full cache on the same prompts (so a miss of the
+//! model itself is not charged to the policy).
 
 use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::cmd::load_model;
@@ -44,9 +47,16 @@ pub struct PasskeyArgs {
     /// Seed for the keys.
     #[arg(short = 's', long = "seed", default_value_t = 1)]
     pub seed: u64,
+    /// Text the answer starts with (the assistant's turn is primed with it,
+    /// as in the standard pass-key prompt; "" = the model answers freely).
+    #[arg(long = "answer-prefix", default_value = "The pass key is")]
+    pub answer_prefix: String,
     /// Print JSON.
     #[arg(long = "json")]
     pub json: bool,
+    /// Print every trial's greedy answer (full cache and policy) to stderr.
+    #[arg(long = "show-answers")]
+    pub show_answers: bool,
 }
 
 /// Accuracy at one depth.
@@ -137,7 +147,14 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                 &text[..at],
                 &text[at..]
             );
-            let ids = prompt_tokens(tok, tmpl.as_ref(), &prompt, None, false)?;
+            let mut ids = prompt_tokens(tok, tmpl.as_ref(), &prompt, None, false)?;
+            // The answer's first words close the prompt (Mohtashami & Jaggi's
+            // pass-key format): the model's next tokens are the key itself,
+            // and an observation-window policy sees the queries that copy it.
+            if !a.answer_prefix.is_empty() {
+                let sep = if tmpl.is_some() { "" } else { " " };
+                ids.extend(tok.encode(&format!("{sep}{}", a.answer_prefix), false, false)?);
+            }
             let n_ctx = ids.len() + 16;
             for full in [true, false] {
                 let mut sess = if full {
@@ -170,6 +187,14 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
                     },
                 )?;
                 let ok = out.contains(&key.to_string());
+                if a.show_answers {
+                    let who = if full { "full" } else { a.kv.policy.as_str() };
+                    eprintln!(
+                        "depth {d:.2} key {key} {who}: {} {:?}",
+                        if ok { "ok  " } else { "miss" },
+                        out.trim()
+                    );
+                }
                 if full {
                     r.correct_full += ok as usize;
                 } else {
