@@ -70,6 +70,11 @@ pub struct GatesArgs {
     /// Continue from the checkpoint next to --out.
     #[arg(long = "resume")]
     pub resume: bool,
+    /// Start from these gates instead of a fresh initialization (a second
+    /// stage, e.g. longer sequences at a smaller capacity; the optimizer
+    /// starts afresh and the file's metadata records the first stage).
+    #[arg(long = "init", value_name = "GATES", conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
     /// Gate file to write (default: <model stem>.gates.safetensors next to the model).
     #[arg(short = 'o', long = "out")]
     pub out: Option<PathBuf>,
@@ -109,10 +114,32 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
             format!("no checkpoint at {}", out.display()),
         ));
     }
+    if let Some(p) = &a.init {
+        if !p.is_file() {
+            return Err(Error::arg("--init", format!("no gate file at {}", p.display())));
+        }
+    }
     let threads = resolve_threads(a.model.threads)?;
     crate::train::set_threads(threads);
     let model = load_model(&a.model)?;
     let w = model.weights();
+    let need = train::graph_bytes(&w.config, a.seq_len);
+    if let Some(have) = available_memory() {
+        if need > have {
+            return Err(Error::arg(
+                "--seq-len",
+                format!(
+                    "{} tokens need about {:.1} GiB to train (the gated attention keeps {} layers × {} heads × {}² values for the backward pass); {:.1} GiB are available: use a shorter --seq-len",
+                    a.seq_len,
+                    need as f64 / GIB,
+                    w.config.n_layers,
+                    w.config.n_heads,
+                    a.seq_len,
+                    have as f64 / GIB
+                ),
+            ));
+        }
+    }
     let specs: Vec<DataSpec> = a
         .data
         .iter()
@@ -169,6 +196,7 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         save_every: a.save_every,
         out: out.clone(),
         resume: a.resume,
+        init: a.init.clone(),
         model_name: model.name(),
         data_desc: specs
             .iter()
@@ -205,4 +233,14 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         m["over_last_steps"].as_u64().unwrap_or(0),
     );
     Ok(())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Memory the system can still give (Linux `MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

@@ -872,6 +872,15 @@ fn c60_retention_gates() {
             vec!["--budget", "8", "--seq-len", "64"],
             "fewer than one sequence of 64",
         ),
+        // regression: 1024 tokens were an OOM kill at 24 GB, not an error
+        (
+            vec!["--budget", "8", "--seq-len", "8192"],
+            "GiB are available: use a shorter --seq-len",
+        ),
+        (
+            vec!["--budget", "8", "--init", "/nonexistent/g.safetensors"],
+            "--init: no gate file",
+        ),
     ] {
         let mut a = vec![
             "train",

@@ -591,6 +591,7 @@ mod train {
             save_every: 3,
             out: out.clone(),
             resume: false,
+            init: None,
             model_name: "smollm2".into(),
             data_desc: vec!["wikitext".into()],
             progress: false,
@@ -617,6 +618,27 @@ mod train {
         }
         assert!(dir.join("t.gates.log.csv").is_file() && dir.join("t.gates.curve.svg").is_file());
         assert!(dir.join("t.gates.opt.safetensors").is_file());
+        // a second stage from those gates: a fresh history and optimizer,
+        // starting where the first stage ended, recorded in the metadata
+        let stage2 = dir.join("t2.gates.safetensors");
+        let cfg2 = TrainConfig {
+            steps: 2,
+            resume: false,
+            init: Some(out.clone()),
+            out: stage2.clone(),
+            objective: Objective {
+                budget: 3,
+                ..cfg.objective
+            },
+            ..cfg.clone()
+        };
+        let (g2, h3) = train(&base, &stream, &cfg2).unwrap();
+        assert_eq!(h3.len(), 2);
+        assert!(h3[0].occupancy < h[0].occupancy, "{} vs {}", h3[0].occupancy, h[0].occupancy);
+        assert_eq!(g2.meta["budget"], 3);
+        assert_eq!(g2.meta["init"]["file"], "t.gates.safetensors");
+        assert_eq!(g2.meta["init"]["meta"]["steps"], 8);
+        assert_eq!(Gates::load(&stage2).unwrap().meta["init"]["meta"]["budget"], 6);
         std::fs::remove_dir_all(&dir).ok();
     }
 }
