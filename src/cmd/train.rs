@@ -116,7 +116,10 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
     }
     if let Some(p) = &a.init {
         if !p.is_file() {
-            return Err(Error::arg("--init", format!("no gate file at {}", p.display())));
+            return Err(Error::arg(
+                "--init",
+                format!("no gate file at {}", p.display()),
+            ));
         }
     }
     let threads = resolve_threads(a.model.threads)?;

@@ -299,7 +299,8 @@ pub fn graph_bytes(c: &crate::model::Config, seq_len: usize) -> u64 {
     let t = seq_len as u64;
     let quad = 64 * (c.n_layers * c.n_heads) as u64 * t * t;
     let per_tok = 4 * ((c.n_layers * (24 * c.dim + 12 * c.ffn_dim)) as u64 + 16 * c.vocab as u64);
-    let params = (c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim) + c.vocab * c.dim) as u64;
+    let params =
+        (c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim) + c.vocab * c.dim) as u64;
     quad + per_tok * t + 8 * params
 }
 

@@ -980,8 +980,23 @@ fn passkey(policy: &str, extra: &[&str]) -> Vec<(f64, u64, u64)> {
     let o = Command::new(util::kvrun_bin())
         .args(["eval", "passkey", "-m"])
         .arg(util::default_model())
-        .args(["--ctx", "1024", "--depths", "0.3,0.5,0.7,0.9", "--trials", "1"])
-        .args(["--policy", policy, "--kv-budget", "256", "-t", "2", "--json"])
+        .args([
+            "--ctx",
+            "1024",
+            "--depths",
+            "0.3,0.5,0.7,0.9",
+            "--trials",
+            "1",
+        ])
+        .args([
+            "--policy",
+            policy,
+            "--kv-budget",
+            "256",
+            "-t",
+            "2",
+            "--json",
+        ])
         .args(extra)
         .output()
         .unwrap();

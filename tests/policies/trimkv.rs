@@ -634,11 +634,19 @@ mod train {
         };
         let (g2, h3) = train(&base, &stream, &cfg2).unwrap();
         assert_eq!(h3.len(), 2);
-        assert!(h3[0].occupancy < h[0].occupancy, "{} vs {}", h3[0].occupancy, h[0].occupancy);
+        assert!(
+            h3[0].occupancy < h[0].occupancy,
+            "{} vs {}",
+            h3[0].occupancy,
+            h[0].occupancy
+        );
         assert_eq!(g2.meta["budget"], 3);
         assert_eq!(g2.meta["init"]["file"], "t.gates.safetensors");
         assert_eq!(g2.meta["init"]["meta"]["steps"], 8);
-        assert_eq!(Gates::load(&stage2).unwrap().meta["init"]["meta"]["budget"], 6);
+        assert_eq!(
+            Gates::load(&stage2).unwrap().meta["init"]["meta"]["budget"],
+            6
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }
