@@ -529,6 +529,12 @@ pub fn apply(
         if g.get(&key("rope.dimension_count")).is_some() {
             set(key("rope.dimension_count"), Value::U32(s.hd() as u32));
         }
+        // the header's name belongs to its own shape (a "7B" reshaped to
+        // 1.5B must not be listed as the 7B in bench tables)
+        set(
+            "general.name".into(),
+            Value::Str(format!("synthetic {arch} {}L x {}", s.layers, s.dim)),
+        );
     }
     if let Some(m) = recipe.mix {
         set("general.file_type".into(), Value::U32(m.file_type()));
