@@ -352,7 +352,7 @@ fn simd_levels() -> Vec<Level> {
     run
 }
 
-/// A tile kernel family of the `qgemm_q4k` call shape (4 tokens for
+/// A tile kernel family of the `qgemm_q8_0` call shape (4 tokens for
 /// prefill, 1 for decoding, at every SIMD level this CPU runs) and its
 /// scalar model equal ggml's `vec_dot` with the activation format of `dt`
 /// bit for bit, on fresh random data.
@@ -416,18 +416,6 @@ fn tile_matches_ggml(
         }
     }
     eprintln!("{dt}: scalar model and {simd_seen} SIMD level(s) checked");
-}
-
-#[test]
-fn q4_k_tile_matches_ggml_vec_dot_bit_for_bit() {
-    use kvrun::backend::cpu::qgemm_q4k::{tile_for, tile_scalar};
-    tile_matches_ggml(
-        DType::Q4K,
-        0x5eed_0412,
-        tile_for::<4>,
-        tile_for::<1>,
-        tile_scalar::<4>,
-    );
 }
 
 /// The rows-in-lanes K-quant kernels (Q4_K, Q5_K, Q6_K; AVX2, AVX-512
@@ -504,30 +492,6 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
             );
         }
     }
-}
-
-#[test]
-fn q5_k_tile_matches_ggml_vec_dot_bit_for_bit() {
-    use kvrun::backend::cpu::qgemm_q5k::{tile_for, tile_scalar};
-    tile_matches_ggml(
-        DType::Q5K,
-        0x5eed_0513,
-        tile_for::<4>,
-        tile_for::<1>,
-        tile_scalar::<4>,
-    );
-}
-
-#[test]
-fn q6_k_tile_matches_ggml_vec_dot_bit_for_bit() {
-    use kvrun::backend::cpu::qgemm_q6k::{tile_for, tile_scalar};
-    tile_matches_ggml(
-        DType::Q6K,
-        0x5eed_0614,
-        tile_for::<4>,
-        tile_for::<1>,
-        tile_scalar::<4>,
-    );
 }
 
 #[test]

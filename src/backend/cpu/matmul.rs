@@ -2,15 +2,15 @@
 //! GGUF storage type, usually borrowed from the memory map) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
 //! `ggml-sys`, with cache blocking for batched prefill, and our own tile
-//! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K,
-//! Q6_K, Q8_0, Q4_0 and Q5_0 (`qgemm_q4k`, `qgemm_q5k`, `qgemm_q6k`,
-//! `qgemm_q8_0`, prefill and decode).
+//! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K
+//! and Q6_K (`qgemm_lanes`, prefill and decode), Q8_0, Q4_0 and Q5_0
+//! (`qgemm_q8_0`, prefill and decode).
 
 use super::isa::{self, Level};
 use super::pool::{split, SharedMut, ThreadPool};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_lanes, qgemm_q4k, qgemm_q5k, qgemm_q6k, qgemm_q8_0};
+use super::{qgemm_lanes, qgemm_q8_0};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -176,18 +176,6 @@ pub fn matmul_q_at(
         };
     }
     let (tile_n, tile_1) = match w.dtype {
-        DType::Q4K => (
-            qgemm_q4k::tile_for::<NT>(level),
-            qgemm_q4k::tile_for::<1>(level),
-        ),
-        DType::Q5K => (
-            qgemm_q5k::tile_for::<NT>(level),
-            qgemm_q5k::tile_for::<1>(level),
-        ),
-        DType::Q6K => (
-            qgemm_q6k::tile_for::<NT>(level),
-            qgemm_q6k::tile_for::<1>(level),
-        ),
         DType::Q8_0 => (
             qgemm_q8_0::tile_for::<W_Q8_0, NT>(level),
             qgemm_q8_0::tile_for::<W_Q8_0, 1>(level),
@@ -237,10 +225,9 @@ pub fn matmul_q_at(
 enum Tile {
     /// Q4_1 × Q8_1, with the block scales gathered per tile beforehand.
     Q4_1(qgemm_x86::TileFn),
-    /// The `qgemm_q4k` call shape (Q4_K, Q5_K, Q6_K × Q8_K; Q8_0, Q4_0,
-    /// Q5_0 × Q8_0):
+    /// The `qgemm_q8_0` call shape (Q8_0, Q4_0, Q5_0 × Q8_0):
     /// block scales read inside the kernel.
-    Rows(qgemm_q4k::TileFn<NT>),
+    Rows(qgemm_q8_0::TileFn<NT>),
     /// K-quant × Q8_K with 8 rows in the SIMD lanes (`qgemm_lanes`).
     Lanes(qgemm_lanes::LanesFn<{ qgemm_lanes::TOKS }>),
 }
@@ -392,7 +379,7 @@ fn first_nt<'r, 'a>(toks: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; NT] {
     toks[..NT].try_into().expect("NT <= WIDE")
 }
 
-/// One token through a matrix with an `R`-row kernel of the `qgemm_q4k`
+/// One token through a matrix with an `R`-row kernel of the `qgemm_q8_0`
 /// call shape (the 4-row tiles, or the 8-row `qgemm_lanes`): the rows
 /// split between threads in blocks of `R`, the activation shared by all.
 fn matvec_k<const R: usize>(

@@ -6,9 +6,8 @@
 //! - `isa`: the SIMD level kernels run at (CPU detection, `KVRUN_CPU`);
 //! - `matmul`: `QMat` and the row-parallel quantized matrix products;
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
-//! - `qgemm_q4k`: the Q4_K × Q8_K tile kernel (AVX-512 VNNI), prefill and
-//!   decode; `qgemm_q6k`: Q6_K × Q8_K (AVX-512 VNNI), likewise;
-//!   `qgemm_q5k`: Q5_K × Q8_K (AVX-512 VNNI, AVX2), likewise;
+//! - `qgemm_lanes`: Q4_K, Q5_K and Q6_K × Q8_K with 8 weight rows in the
+//!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
 //! - `qgemm_q8_0`: Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI,
 //!   AVX2), prefill and decode;
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
@@ -37,9 +36,6 @@ pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
 pub mod qgemm_lanes;
-pub mod qgemm_q4k;
-pub mod qgemm_q5k;
-pub mod qgemm_q6k;
 pub mod qgemm_q8_0;
 pub mod qgemm_x86;
 pub mod reference;

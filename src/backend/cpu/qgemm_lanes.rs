@@ -1,11 +1,13 @@
 //! K-quant (Q4_K, Q5_K, Q6_K) × Q8_K with the weight rows in the SIMD lanes
-//! (AVX2): 8 rows × `N` tokens per call (`N` = [`TOKS`] for prefill, 1 for
-//! decoding), for CPUs without VNNI.
+//! (AVX2, and AVX-512 VNNI where present): 8 rows × `N` tokens per call
+//! (`N` = [`TOKS`] for prefill, 1 for decoding), the K-quant kernels of
+//! every x86 SIMD level.
 //!
-//! The row-major tiles (`qgemm_q4k`, `qgemm_q5k`, `qgemm_q6k`) keep ggml's
-//! lane layout (8 lanes per row, each summing bytes 4k..4k+3 of every
-//! sub-block), so per (row, token) they pay a `madd` by the scale per 16 or
-//! 32 weights and a float reduction per superblock. Here each 32-bit lane
+//! ggml's `vec_dot` (and the row-major 4 × 4 tiles that followed it lane
+//! for lane, retired once this was faster at every level) keeps 8 lanes per
+//! row, each summing bytes 4k..4k+3 of every sub-block, so per (row,
+//! token) it pays a `madd` by the scale per 16 or 32 weights and a float
+//! reduction per superblock. Here each 32-bit lane
 //! holds one of 8 rows instead: the 8 rows' 32-byte chunks of quants are
 //! transposed in registers (8 × 8 dwords; no repacked copy of the weights,
 //! so nothing but the memory map is resident) and unpacked once per
@@ -49,11 +51,44 @@
 //! float rounding only: tests/engine/kernels.rs bounds it against an f64
 //! dot product of the same quantized data and against `vec_dot`.
 
-use super::qgemm_q4k::{Q4_K_BYTES, Q8_K_BYTES};
-use super::qgemm_q5k::Q5_K_BYTES;
-use super::qgemm_q6k::Q6_K_BYTES;
 use crate::tensor::DType;
 use half::f16;
+
+/// Bytes of a Q4_K superblock: `d`, `dmin` (f16), `scales[12]`, `qs[128]`.
+pub const Q4_K_BYTES: usize = 144;
+/// Bytes of a Q5_K superblock: `d`, `dmin` (f16), `scales[12]`, `qh[32]`,
+/// `qs[128]`.
+pub const Q5_K_BYTES: usize = 176;
+/// Bytes of a Q6_K superblock: `ql[128]`, `qh[64]`, `scales[16]` (i8),
+/// `d` (f16).
+pub const Q6_K_BYTES: usize = 210;
+/// Bytes of a Q8_K block: `d` (f32), `qs[256]` (i8), `bsums[16]` (i16).
+pub const Q8_K_BYTES: usize = 292;
+
+/// The packed `scales[12]` of a Q4_K / Q5_K superblock as 16 bytes, the 8
+/// scales then the 8 mins (the same values as
+/// [`crate::quant::k_scales_mins`], by 32-bit masks and shifts on
+/// little-endian words).
+///
+/// # Safety
+/// `q` must point to 12 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn unpack16(q: *const u8) -> [u32; 4] {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let mut u = [0u32; 4];
+    // SAFETY: q points to 12 readable bytes (the caller's contract); u
+    // holds 16.
+    unsafe { std::ptr::copy_nonoverlapping(q, u.as_mut_ptr().cast::<u8>(), 12) };
+    u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
+    let aux = u[1] & KMASK1;
+    u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
+    u[2] = aux;
+    u[0] &= KMASK1;
+    u
+}
 
 /// How many calls ahead the decoding kernel prefetches its rows (into L2:
 /// measured on a Zen 4 VM, 2 threads, synthetic R1-Distill-Qwen-1.5B
@@ -281,7 +316,7 @@ trait Format {
 unsafe fn row_scales_mins(x: *const u8) -> ([__m256i; 8], __m256i) {
     use std::arch::x86_64::*;
     // SAFETY: x + 4 is the block's 12 scale bytes.
-    let u = unsafe { super::qgemm_q4k::unpack16(x.add(4)) };
+    let u = unsafe { unpack16(x.add(4)) };
     let sc: [u8; 8] = std::array::from_fn(|s| (u[s / 4] >> (8 * (s % 4))) as u8);
     // SAFETY (intrinsics): AVX2, the caller's contract.
     unsafe {
@@ -342,7 +377,7 @@ unsafe fn scales_mins(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
     let mut mnb = [0u64; ROWS];
     for r in 0..ROWS {
         // SAFETY: x[r] + 4 is the block's 12 scale bytes.
-        let u = unsafe { super::qgemm_q4k::unpack16(x[r].add(4)) };
+        let u = unsafe { unpack16(x[r].add(4)) };
         scb[r] = u[0] as u64 | (u[1] as u64) << 32;
         mnb[r] = u[2] as u64 | (u[3] as u64) << 32;
     }

@@ -1,6 +1,6 @@
 //! Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
-//! weight rows × `N` tokens per call, with the call shape of
-//! [`super::qgemm_q4k`] (`N` = 4 for batched prefill, 1 for decoding), so
+//! weight rows × `N` tokens per call ([`TileFn`]; `N` = 4 for batched
+//! prefill, 1 for decoding), so
 //! each weight block is loaded and unpacked once for `N` tokens and each
 //! activation block (and its block sums) once for `MR` rows.
 //!
@@ -34,11 +34,18 @@
 //! is a const parameter, [`W_Q8_0`], [`W_Q4_0`] or [`W_Q5_0`].
 
 use super::isa::{detected, Level};
-#[cfg(target_arch = "x86_64")]
-use super::qgemm_q4k::prefetch_next_tile;
-use super::qgemm_q4k::{TileFn, MR};
-use super::qgemm_q6k::hsum8;
+pub use super::qgemm_x86::MR;
 use half::f16;
+
+/// A tile kernel: `(nb, MR weight rows, N token rows) -> out[r][t]`.
+pub type TileFn<const N: usize> = fn(usize, &[&[u8]; MR], &[&[u8]; N]) -> [[f32; N]; MR];
+
+/// ggml's `hsum_float_8`.
+#[inline]
+fn hsum8(acc: &[f32; 8]) -> f32 {
+    let h: [f32; 4] = std::array::from_fn(|i| acc[4 + i] + acc[i]);
+    (h[0] + h[2]) + (h[1] + h[3])
+}
 
 /// The const parameter of a Q8_0 weight matrix.
 pub const W_Q8_0: u8 = 0;
@@ -174,6 +181,31 @@ fn tile_simd<const W: u8, const N: usize, const VNNI: bool>(
             tile_vnni_impl::<W, N>(nb, w, a)
         } else {
             tile_avx2_impl::<W, N>(nb, w, a)
+        }
+    }
+}
+
+/// Decoding (`N` = 1) reads each weight once, from rows too short for the
+/// hardware prefetcher to get going: fetch block `b` (`bw` bytes) of the
+/// micro tile after next (the `MR` rows 2 tiles on, which `matvec_k`
+/// takes from a contiguous `QMat`) into L2 (`_MM_HINT_T1`: into L1 it was
+/// slower on Zen 4; see `qgemm_lanes::PREFETCH_CALLS`). Only a hint (it
+/// doubles one thread's decoding speed on a 1.5B Q8_0 model): an address
+/// outside the matrix is never read, just not usefully prefetched. Used by
+/// every tile here.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_next_tile<const N: usize>(wp: &[*const u8; MR], nb: usize, bw: usize, b: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    if N == 1 {
+        let ahead = (2 * MR * nb + b) * bw;
+        for p in wp {
+            for line in (0..bw).step_by(64) {
+                // SAFETY: a prefetch never faults and reads nothing the
+                // program sees; the address keeps `p`'s provenance
+                // (wrapping_add).
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast()) };
+            }
         }
     }
 }
