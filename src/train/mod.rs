@@ -68,6 +68,8 @@ pub struct Losses {
 
 /// The loss of `gates` on `tokens` (the teacher's log-probabilities
 /// `teacher` (T, vocab) given) as a differentiable scalar, and its terms.
+/// One autodiff graph over the whole model (see [`loss_grads_by_layer`]
+/// for the memory-lean way to its gradients).
 pub fn loss(
     base: &Base,
     gates: &GateVars,
@@ -75,14 +77,31 @@ pub fn loss(
     teacher: &Tensor,
     obj: &Objective,
 ) -> candle_core::Result<(Tensor, Losses)> {
-    let t = tokens.len();
     let f = base.forward(tokens, Some(gates))?;
-    let logp = log_softmax(&f.logits)?; // (T, V)
-                                        // forward KL(teacher ‖ student), mean over positions
+    let (quality, kl, ce_v) = quality(&f.logits, tokens, teacher, obj)?;
+    let occ = occupancy(&f.log_beta)?; // (L, Hkv, T)
+    let cap = capacity(&occ, gates.arch, obj.budget)?;
+    let total = (quality + (&cap * obj.cap_weight)?)?;
+    let terms = terms(&total, kl, ce_v, &cap, &occ)?;
+    Ok((total, terms))
+}
+
+/// The quality term from the gated model's logits (T, vocab): forward
+/// KL(teacher ‖ student), mean over positions, + `ce_weight` × the
+/// next-token cross-entropy; also the KL and CE values.
+fn quality(
+    logits: &Tensor,
+    tokens: &[u32],
+    teacher: &Tensor,
+    obj: &Objective,
+) -> candle_core::Result<(Tensor, f64, f64)> {
+    let t = tokens.len();
+    let logp = log_softmax(logits)?; // (T, V)
     let kl = (teacher.exp()? * (teacher - &logp)?)?
         .sum(D::Minus1)?
         .mean_all()?;
-    let mut total = kl.clone();
+    let kl_v = kl.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let mut total = kl;
     let mut ce_v = 0.0;
     if obj.ce_weight > 0.0 && t > 1 {
         let next = Tensor::from_slice(&tokens[1..], (t - 1, 1), &Device::Cpu)?;
@@ -91,13 +110,18 @@ pub fn loss(
         ce_v = ce_t.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         total = (total + (ce_t * obj.ce_weight)?)?;
     }
-    // capacity hinge on the soft occupancy
-    let occ = occupancy(&f.log_beta)?; // (L, Hkv, T)
-    let (nl, nkv, _) = occ.dims3()?;
-    let m = obj.budget as f64;
+    Ok((total, kl_v, ce_v))
+}
+
+/// The capacity hinge on the soft occupancy `occ` (L, Hkv, T) against the
+/// capacity M = `budget` (global for `rg10`, per head for `rg`): the mean
+/// over the violating entries (0 when none).
+fn capacity(occ: &Tensor, arch: GateArch, budget: usize) -> candle_core::Result<Tensor> {
+    let (nl, nkv, t) = occ.dims3()?;
+    let m = budget as f64;
     let pos: Vec<f32> = (0..t).map(|i| i as f32).collect();
     let pos = Tensor::from_vec(pos, t, &Device::Cpu)?.to_dtype(occ.dtype())?;
-    let hinge = match gates.arch {
+    let hinge = match arch {
         GateArch::Rg10 => {
             let n = (nl * nkv) as f64;
             let s = occ.sum(0)?.sum(0)?; // (T,)
@@ -106,7 +130,7 @@ pub fn loss(
         }
         GateArch::Rg => {
             let denom = (pos - m)?.maximum(1.0)?;
-            (&occ - m)?.broadcast_div(&denom)?.relu()?
+            (occ - m)?.broadcast_div(&denom)?.relu()?
         }
     };
     let n_pos = hinge
@@ -114,22 +138,111 @@ pub fn loss(
         .to_dtype(DType::F64)?
         .sum_all()?
         .to_scalar::<f64>()?;
-    let cap = if n_pos > 0.0 {
-        (hinge.sum_all()? / n_pos)?
+    if n_pos > 0.0 {
+        hinge.sum_all()? / n_pos
     } else {
-        hinge.sum_all()?.zeros_like()?
-    };
-    total = (total + (&cap * obj.cap_weight)?)?;
-    let occ_last = occ.narrow(2, t - 1, 1)?.mean_all()?;
+        hinge.sum_all()?.zeros_like()
+    }
+}
+
+/// One step's terms from the total, the KL and CE values, the capacity
+/// term and the occupancy (L, Hkv, T).
+fn terms(
+    total: &Tensor,
+    kl: f64,
+    ce: f64,
+    cap: &Tensor,
+    occ: &Tensor,
+) -> candle_core::Result<Losses> {
+    let t = occ.dims()[2];
     let s = |x: &Tensor| -> candle_core::Result<f64> { x.to_dtype(DType::F64)?.to_scalar::<f64>() };
-    let l = Losses {
-        total: s(&total)?,
-        kl: s(&kl)?,
-        ce: ce_v,
-        cap: s(&cap)?,
-        occupancy: s(&occ_last)?,
+    Ok(Losses {
+        total: s(total)?,
+        kl,
+        ce,
+        cap: s(cap)?,
+        occupancy: s(&occ.narrow(2, t - 1, 1)?.mean_all()?)?,
+    })
+}
+
+/// The loss's terms and the gradient of its total for every gate variable
+/// (`GateVars::all` order; `None` where a variable has none), the same
+/// numbers as `loss(..).backward()` (to float rounding), computed layer by
+/// layer so that only one layer's autodiff graph lives at a time:
+///
+/// 1. a forward pass keeping each layer's input and log β, no graph;
+/// 2. the quality term on the last layer's output, differentiated by
+///    that output alone; the capacity term differentiated by the
+///    occupancy (L, Hkv, T) alone;
+/// 3. from the last layer down, the layer recomputed from its kept input
+///    with its graph, and differentiated through ⟨output, gradient from
+///    above⟩ + λ·⟨its occupancy, the capacity term's gradient⟩: that gives
+///    the gradient for the layer below and this layer's gate gradients
+///    (summed over layers for the shared `rg10` head).
+///
+/// The T² attention graph is then held for one layer instead of all of
+/// them, for about a third more arithmetic (every layer runs twice).
+pub fn loss_grads_by_layer(
+    base: &Base,
+    gates: &GateVars,
+    tokens: &[u32],
+    teacher: &Tensor,
+    obj: &Objective,
+) -> candle_core::Result<(Losses, Vec<Option<Tensor>>)> {
+    let n_layers = base.layers.len();
+    let seq = base.seq_consts(tokens.len())?;
+    // 1. each layer's input and log β, no graphs kept
+    let mut inputs = Vec::with_capacity(n_layers);
+    let mut occ = Vec::with_capacity(n_layers);
+    let mut x = base.embed(tokens)?;
+    for l in 0..n_layers {
+        let (y, lb) = base.layer(l, &x, Some(gates), &seq)?;
+        let lb = lb.expect("a gated layer returns its log β").detach();
+        occ.push(occupancy(std::slice::from_ref(&lb))?.squeeze(0)?); // (Hkv, T)
+        inputs.push(x);
+        x = y.detach();
+    }
+    // 2. the quality term's gradient by the last output
+    let top = Var::from_tensor(&x)?;
+    let (qual, kl, ce_v) = quality(&base.logits(top.as_tensor())?, tokens, teacher, obj)?;
+    let mut g_x = qual
+        .backward()?
+        .get(top.as_tensor())
+        .cloned()
+        .unwrap_or(x.zeros_like()?);
+    //    and the capacity term's by the occupancy          (L, Hkv, T)
+    let occ = Var::from_tensor(&Tensor::stack(&occ, 0)?)?;
+    let cap = capacity(occ.as_tensor(), gates.arch, obj.budget)?;
+    let g_occ = match cap.backward()?.get(occ.as_tensor()) {
+        Some(g) => (g * obj.cap_weight)?,
+        None => occ.as_tensor().zeros_like()?,
     };
-    Ok((total, l))
+    let total = (qual + (&cap * obj.cap_weight)?)?;
+    let terms = terms(&total, kl, ce_v, &cap, occ.as_tensor())?;
+    // 3. the layers again, last first, each with its own graph
+    let vars = gates.all();
+    let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
+    for l in (0..n_layers).rev() {
+        let x_in = Var::from_tensor(&inputs[l])?;
+        let (y, lb) = base.layer(l, x_in.as_tensor(), Some(gates), &seq)?;
+        let lb = lb.expect("a gated layer returns its log β");
+        let occ_l = occupancy(std::slice::from_ref(&lb))?.squeeze(0)?;
+        let surrogate = ((y * &g_x)?.sum_all()? + (occ_l * g_occ.get(l)?)?.sum_all()?)?;
+        let g = surrogate.backward()?;
+        for (acc, var) in grads.iter_mut().zip(&vars) {
+            if let Some(gv) = g.get(var.as_tensor()) {
+                *acc = Some(match acc.take() {
+                    Some(a) => (a + gv)?,
+                    None => gv.clone(),
+                });
+            }
+        }
+        g_x = match g.get(x_in.as_tensor()) {
+            Some(gx) => gx.clone(),
+            None => inputs[l].zeros_like()?,
+        };
+    }
+    Ok((terms, grads))
 }
 
 /// log softmax over the last dimension.
@@ -172,13 +285,26 @@ impl AdamW {
     /// One update of `vars` from the gradients of `loss`, at learning rate
     /// `lr` (warm-up and schedule are the caller's).
     pub fn step(&mut self, vars: &[&Var], loss: &Tensor, lr: f64) -> candle_core::Result<()> {
-        let grads = loss.backward()?;
+        let g = loss.backward()?;
+        let grads: Vec<Option<Tensor>> =
+            vars.iter().map(|v| g.get(v.as_tensor()).cloned()).collect();
+        self.apply(vars, &grads, lr)
+    }
+
+    /// One update of `vars` from their gradients `grads` (same order; a
+    /// variable without one keeps its value and moments).
+    pub fn apply(
+        &mut self,
+        vars: &[&Var],
+        grads: &[Option<Tensor>],
+        lr: f64,
+    ) -> candle_core::Result<()> {
         self.step += 1;
         let (b1, b2) = (self.beta1, self.beta2);
         let c1 = 1.0 - b1.powi(self.step as i32);
         let c2 = 1.0 - b2.powi(self.step as i32);
-        for (i, var) in vars.iter().enumerate() {
-            let Some(g) = grads.get(var.as_tensor()) else {
+        for (i, (var, g)) in vars.iter().zip(grads).enumerate() {
+            let Some(g) = g else {
                 continue;
             };
             self.m[i] = ((&self.m[i] * b1)? + (g * (1.0 - b1))?)?;
@@ -296,11 +422,20 @@ pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Re
 /// on SmolLM2-135M against peak RSS at 128 / 256 / 512 tokens, 2 threads:
 /// 2.4 / 4.1 / 9.3 GB estimated, 3.0 / 4.6 / 9.3 GB measured. The T² term
 /// dominates where the check matters (1024 tokens: 26.5 GB estimated; the
-/// run was killed at 22 GB on a 24 GB machine).
-pub fn graph_bytes(c: &crate::model::Config, seq_len: usize) -> u64 {
+/// run was killed at 22 GB on a 24 GB machine). With `by_layer`
+/// ([`loss_grads_by_layer`]) one layer's graph lives at a time, beside
+/// every layer's kept input.
+pub fn graph_bytes(c: &crate::model::Config, seq_len: usize, by_layer: bool) -> u64 {
     let t = seq_len as u64;
-    let quad = 64 * (c.n_layers * c.n_heads) as u64 * t * t;
-    let per_tok = 4 * ((c.n_layers * (24 * c.dim + 12 * c.ffn_dim)) as u64 + 16 * c.vocab as u64);
+    let graphs = if by_layer { 1 } else { c.n_layers } as u64;
+    let quad = 64 * graphs * c.n_heads as u64 * t * t;
+    let per_layer_tok = 4 * (24 * c.dim + 12 * c.ffn_dim) as u64;
+    let kept = if by_layer {
+        4 * (c.n_layers * c.dim) as u64
+    } else {
+        0
+    };
+    let per_tok = graphs * per_layer_tok + kept + 4 * 16 * c.vocab as u64;
     let params =
         (c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim) + c.vocab * c.dim) as u64;
     quad + per_tok * t + 8 * params
@@ -314,6 +449,9 @@ pub struct TrainConfig {
     pub bias_init: f32,
     pub objective: Objective,
     pub seq_len: usize,
+    /// Gradients layer by layer ([`loss_grads_by_layer`]): one layer's
+    /// attention graph in memory instead of all of them.
+    pub by_layer: bool,
     pub steps: usize,
     pub lr: f64,
     pub warmup: usize,
@@ -425,20 +563,34 @@ pub fn train(base: &Base, stream: &[u32], cfg: &TrainConfig) -> Result<(Gates, V
             .and_then(|f| log_softmax(&f.logits))
             .map_err(ce)?
             .detach();
-        let (total, l) = loss(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
-        if !l.total.is_finite() {
-            return Err(Error::Other(format!(
-                "training diverged at step {} (loss {})",
-                step + 1,
-                l.total
-            )));
-        }
         let lr = if step < cfg.warmup {
             cfg.lr * (step + 1) as f64 / cfg.warmup as f64
         } else {
             cfg.lr
         };
-        opt.step(&all, &total, lr).map_err(ce)?;
+        let diverged = |l: &Losses| {
+            Error::Other(format!(
+                "training diverged at step {} (loss {})",
+                step + 1,
+                l.total
+            ))
+        };
+        let l = if cfg.by_layer {
+            let (l, grads) =
+                loss_grads_by_layer(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
+            if !l.total.is_finite() {
+                return Err(diverged(&l));
+            }
+            opt.apply(&all, &grads, lr).map_err(ce)?;
+            l
+        } else {
+            let (total, l) = loss(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
+            if !l.total.is_finite() {
+                return Err(diverged(&l));
+            }
+            opt.step(&all, &total, lr).map_err(ce)?;
+            l
+        };
         history.push(l);
         if cfg.progress {
             let done = step + 1 - first;
@@ -491,6 +643,7 @@ fn metadata(cfg: &TrainConfig, h: &[Losses], init: &serde_json::Value) -> serde_
         "trainer": format!("kvrun {} train gates", env!("CARGO_PKG_VERSION")),
         "budget": cfg.objective.budget,
         "seq_len": cfg.seq_len,
+        "grad_checkpoint": cfg.by_layer,
         "steps": h.len(),
         "lr": cfg.lr,
         "ce_weight": cfg.objective.ce_weight,

@@ -348,15 +348,32 @@ impl Base {
     /// The model over `tokens` (T ≤ max_pos), retention-gated by `gates`
     /// when given.
     pub fn forward(&self, tokens: &[u32], gates: Option<&GateVars>) -> Result<Forward> {
-        let c = &self.config;
+        let seq = self.seq_consts(tokens.len())?;
+        let mut x = self.embed(tokens)?;
+        let mut log_beta = Vec::new();
+        for l in 0..self.layers.len() {
+            let (y, lb) = self.layer(l, &x, gates, &seq)?;
+            log_beta.extend(lb);
+            x = y;
+        }
+        Ok(Forward {
+            logits: self.logits(&x)?,
+            log_beta,
+        })
+    }
+
+    /// The residual stream's start: the tokens' embeddings (T, D).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+        self.embd.index_select(&ids, 0)
+    }
+
+    /// What every layer of a T-token sequence shares: the causal mask and
+    /// the ages.
+    pub fn seq_consts(&self, t: usize) -> Result<SeqConsts> {
         let dev = Device::Cpu;
-        let t = tokens.len();
-        let (hq, hkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
-        let group = hq / hkv;
-        let ids = Tensor::from_slice(tokens, t, &dev)?;
-        let mut x = self.embd.index_select(&ids, 0)?; // (T, D)
-                                                      // causal mask (T, T): 0 at or below the diagonal, −inf above; ages
-                                                      // t − i (0 above the diagonal, masked anyway)
+        // causal mask (T, T): 0 at or below the diagonal, −inf above; ages
+        // t − i (0 above the diagonal, masked anyway)
         let mut mask = vec![0f32; t * t];
         let mut age = vec![0f32; t * t];
         for q in 0..t {
@@ -368,62 +385,87 @@ impl Base {
                 }
             }
         }
-        let mask = Tensor::from_vec(mask, (t, t), &dev)?.to_dtype(self.dtype)?;
-        let age = Tensor::from_vec(age, (1, t, t), &dev)?.to_dtype(self.dtype)?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let mut log_beta = Vec::new();
-        for (l, lw) in self.layers.iter().enumerate() {
-            // attention rmsnorm: the gate's input too               (T, D)
-            let h = rmsnorm(&x, &lw.attn_norm, c.norm_eps)?;
-            // projections and RoPE                      (T, H, hd) / (T, Hkv, hd)
-            let q = linear(&h, &lw.wq, lw.bq.as_ref())?.reshape((t, hq, hd))?;
-            let k = linear(&h, &lw.wk, lw.bk.as_ref())?.reshape((t, hkv, hd))?;
-            let v = linear(&h, &lw.wv, lw.bv.as_ref())?.reshape((t, hkv, hd))?;
-            let q = self.rope(&q)?;
-            let k = self.rope(&k)?;
-            // grouped heads: q as (Hkv, g·T, hd) against k (Hkv, T, hd)
-            let q = q
-                .reshape((t, hkv, group, hd))?
-                .permute((1, 2, 0, 3))?
-                .contiguous()?
-                .reshape((hkv, group * t, hd))?;
-            let k = k.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
-            let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
-                                                      // scaled logits                                   (Hkv, g, T, T)
-            let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, t))?;
-            if let Some(g) = gates {
-                // retention: logits × β_i^(t−i)                  (Hkv, 1, T, T)
-                let lb = g.log_beta(l, &h)?; // (T, Hkv)
-                let decay = age
-                    .broadcast_mul(&lb.t()?.unsqueeze(1)?)?
-                    .exp()?
-                    .unsqueeze(1)?;
-                s = s.broadcast_mul(&decay)?;
-                log_beta.push(lb);
-            }
-            let s = s.broadcast_add(&mask)?;
-            let p = candle_core::Tensor::exp(&s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?)?;
-            let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
-            // weighted values, heads back in place              (T, Hq·hd)
-            let o = p
-                .reshape((hkv, group * t, t))?
-                .matmul(&v)?
-                .reshape((hkv, group, t, hd))?
-                .permute((2, 0, 1, 3))?
-                .contiguous()?
-                .reshape((t, hq * hd))?;
-            x = (x + linear(&o, &lw.wo, None)?)?;
-            // SwiGLU feed-forward                                    (T, D)
-            let h2 = rmsnorm(&x, &lw.ffn_norm, c.norm_eps)?;
-            let f = (linear(&h2, &lw.w_gate, None)?.silu()? * linear(&h2, &lw.w_up, None)?)?;
-            x = (x + linear(&f, &lw.w_down, None)?)?;
-        }
-        let h = rmsnorm(&x, &self.out_norm, c.norm_eps)?;
-        Ok(Forward {
-            logits: linear(&h, &self.output, None)?,
-            log_beta,
+        Ok(SeqConsts {
+            mask: Tensor::from_vec(mask, (t, t), &dev)?.to_dtype(self.dtype)?,
+            age: Tensor::from_vec(age, (1, t, t), &dev)?.to_dtype(self.dtype)?,
         })
     }
+
+    /// Decoder layer `l` over the residual stream x (T, D): the new stream
+    /// and, with gates, the layer's log β (T, Hkv).
+    pub fn layer(
+        &self,
+        l: usize,
+        x: &Tensor,
+        gates: Option<&GateVars>,
+        seq: &SeqConsts,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.config;
+        let lw = &self.layers[l];
+        let t = x.dims()[0];
+        let (hq, hkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let group = hq / hkv;
+        let scale = 1.0 / (hd as f64).sqrt();
+        // attention rmsnorm: the gate's input too                   (T, D)
+        let h = rmsnorm(x, &lw.attn_norm, c.norm_eps)?;
+        // projections and RoPE                      (T, H, hd) / (T, Hkv, hd)
+        let q = linear(&h, &lw.wq, lw.bq.as_ref())?.reshape((t, hq, hd))?;
+        let k = linear(&h, &lw.wk, lw.bk.as_ref())?.reshape((t, hkv, hd))?;
+        let v = linear(&h, &lw.wv, lw.bv.as_ref())?.reshape((t, hkv, hd))?;
+        let q = self.rope(&q)?;
+        let k = self.rope(&k)?;
+        // grouped heads: q as (Hkv, g·T, hd) against k (Hkv, T, hd)
+        let q = q
+            .reshape((t, hkv, group, hd))?
+            .permute((1, 2, 0, 3))?
+            .contiguous()?
+            .reshape((hkv, group * t, hd))?;
+        let k = k.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
+        let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
+                                                  // scaled logits                                   (Hkv, g, T, T)
+        let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, t))?;
+        let mut log_beta = None;
+        if let Some(g) = gates {
+            // retention: logits × β_i^(t−i)                      (Hkv, 1, T, T)
+            let lb = g.log_beta(l, &h)?; // (T, Hkv)
+            let decay = seq
+                .age
+                .broadcast_mul(&lb.t()?.unsqueeze(1)?)?
+                .exp()?
+                .unsqueeze(1)?;
+            s = s.broadcast_mul(&decay)?;
+            log_beta = Some(lb);
+        }
+        let s = s.broadcast_add(&seq.mask)?;
+        let p = candle_core::Tensor::exp(&s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?)?;
+        let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
+        // weighted values, heads back in place                  (T, Hq·hd)
+        let o = p
+            .reshape((hkv, group * t, t))?
+            .matmul(&v)?
+            .reshape((hkv, group, t, hd))?
+            .permute((2, 0, 1, 3))?
+            .contiguous()?
+            .reshape((t, hq * hd))?;
+        let x = (x + linear(&o, &lw.wo, None)?)?;
+        // SwiGLU feed-forward                                        (T, D)
+        let h2 = rmsnorm(&x, &lw.ffn_norm, c.norm_eps)?;
+        let f = (linear(&h2, &lw.w_gate, None)?.silu()? * linear(&h2, &lw.w_up, None)?)?;
+        Ok(((&x + linear(&f, &lw.w_down, None)?)?, log_beta))
+    }
+
+    /// Next-token logits (T, vocab) from the final residual stream.
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let h = rmsnorm(x, &self.out_norm, self.config.norm_eps)?;
+        linear(&h, &self.output, None)
+    }
+}
+
+/// The causal mask (T, T) and the ages t − i (1, T, T) of one sequence.
+#[derive(Debug)]
+pub struct SeqConsts {
+    mask: Tensor,
+    age: Tensor,
 }
 
 /// Soft occupancy S_t = Σ_{i≤t} β_i^(t−i) of every (layer, KV head) at

@@ -404,7 +404,7 @@ mod train {
     use kvrun::backend::{Rope, RopeStyle};
     use kvrun::model::{Arch, Config};
     use kvrun::train::model::{Base, GateVars, Layer};
-    use kvrun::train::{log_softmax, loss, train, Objective, TrainConfig};
+    use kvrun::train::{log_softmax, loss, loss_grads_by_layer, train, Objective, TrainConfig};
 
     fn randn(rng: &mut Rng, shape: &[usize], std: f64) -> Tensor {
         let n: usize = shape.iter().product();
@@ -510,6 +510,72 @@ mod train {
         }
     }
 
+    /// Gradient checkpointing changes where the gradients are computed, not
+    /// what they are: layer by layer, every gate tensor's gradient and every
+    /// loss term equal the whole graph's (f64, both gate architectures, CE
+    /// and the capacity hinge active).
+    #[test]
+    fn layer_by_layer_gradients_equal_the_whole_graph() {
+        let base = tiny_base();
+        let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11, 8, 1];
+        let teacher = log_softmax(&base.forward(&toks, None).unwrap().logits).unwrap();
+        for arch in [GateArch::Rg10, GateArch::Rg] {
+            let obj = Objective {
+                budget: 3,
+                ce_weight: 0.5,
+                cap_weight: 1.7,
+            };
+            let g = random_gates(arch, 16, 6, 2, 2, 0.5, 1.5, 5);
+            let vars = GateVars::from_gates(&g, DType::F64).unwrap();
+            let (l, whole) = loss(&base, &vars, &toks, &teacher, &obj).unwrap();
+            assert!(
+                whole.kl > 0.0 && whole.ce > 0.0 && whole.cap > 0.0,
+                "{whole:?}"
+            );
+            let grads = l.backward().unwrap();
+            let (terms, by_layer) =
+                loss_grads_by_layer(&base, &vars, &toks, &teacher, &obj).unwrap();
+            for (a, b) in [
+                (whole.total, terms.total),
+                (whole.kl, terms.kl),
+                (whole.ce, terms.ce),
+                (whole.cap, terms.cap),
+                (whole.occupancy, terms.occupancy),
+            ] {
+                assert!(
+                    (a - b).abs() <= 1e-12 * (1.0 + a.abs()),
+                    "{arch:?}: {whole:?} vs {terms:?}"
+                );
+            }
+            let all = vars.all();
+            assert_eq!(by_layer.len(), all.len());
+            for (vi, (var, gl)) in all.iter().zip(&by_layer).enumerate() {
+                let gw: Vec<f64> = grads
+                    .get(var.as_tensor())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let gl: Vec<f64> = gl
+                    .as_ref()
+                    .expect("every gate tensor has a gradient")
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let scale = gw.iter().fold(0f64, |m, x| m.max(x.abs()));
+                assert!(scale > 0.0, "{arch:?} tensor {vi}: zero gradient");
+                for (j, (a, b)) in gw.iter().zip(&gl).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-10 * scale,
+                        "{arch:?} tensor {vi} entry {j}: whole graph {a} vs layer by layer {b}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_training_model_matches_kvrun_logits() {
         let gg = Gguf::open(&util::default_model()).unwrap();
@@ -583,6 +649,7 @@ mod train {
                 cap_weight: 1.0,
             },
             seq_len: 32,
+            by_layer: false,
             steps: 6,
             lr: 5e-2,
             warmup: 1,
@@ -608,11 +675,14 @@ mod train {
         assert_eq!(saved.hidden, g.hidden);
         assert_eq!(saved.meta["steps"], 6);
         assert_eq!(saved.meta["model"], "smollm2");
-        // resume: two more steps continue the same history
+        // resume: two more steps continue the same history (their
+        // gradients layer by layer)
         cfg.steps = 8;
         cfg.resume = true;
+        cfg.by_layer = true;
         let (_, h2) = train(&base, &stream, &cfg).unwrap();
         assert_eq!(h2.len(), 8);
+        assert!(h2[7].total < first, "{} vs {first}", h2[7].total);
         for (a, b) in h.iter().zip(&h2) {
             assert!((a.total - b.total).abs() < 1e-9);
         }
