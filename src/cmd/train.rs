@@ -44,12 +44,6 @@ pub struct GatesArgs {
     /// Tokens per training sequence.
     #[arg(long = "seq-len", default_value_t = 256)]
     pub seq_len: usize,
-    /// Gradient checkpointing: run each layer again in the backward pass, so
-    /// that one layer's attention graph is in memory instead of all of them
-    /// (about a third more arithmetic). Chosen by itself when the whole
-    /// graph would not fit in the available memory
-    #[arg(long = "grad-checkpoint")]
-    pub grad_checkpoint: bool,
     /// Optimizer steps (one sequence each).
     #[arg(long = "steps", default_value_t = 300)]
     pub steps: usize,
@@ -132,30 +126,22 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
     crate::train::set_threads(threads);
     let model = load_model(&a.model)?;
     let w = model.weights();
-    // the whole autodiff graph if it fits, else one layer's at a time
-    let mut by_layer = a.grad_checkpoint;
     if let Some(have) = available_memory() {
-        let need = train::graph_bytes(&w.config, a.seq_len, true);
+        let need = train::graph_bytes(&w.config, a.seq_len);
         if need > have {
             return Err(Error::arg(
                 "--seq-len",
                 format!(
-                    "{} tokens need about {:.1} GiB to train even layer by layer (the gated attention keeps {} heads × {}² values for the backward pass); {:.1} GiB are available: use a shorter --seq-len",
+                    "{} tokens need about {:.1} GiB to train (one layer's gated attention keeps {} heads × {}² values for the backward pass, the vocabulary-wide rows {} × {}); {:.1} GiB are available: use a shorter --seq-len",
                     a.seq_len,
                     need as f64 / GIB,
                     w.config.n_heads,
                     a.seq_len,
+                    a.seq_len,
+                    w.config.vocab,
                     have as f64 / GIB
                 ),
             ));
-        }
-        if !by_layer && train::graph_bytes(&w.config, a.seq_len, false) > have {
-            by_layer = true;
-            eprintln!(
-                "train gates: the whole backward graph of {} tokens would not fit in {:.1} GiB: gradients layer by layer (--grad-checkpoint)",
-                a.seq_len,
-                have as f64 / GIB
-            );
         }
     }
     let specs: Vec<DataSpec> = a
@@ -206,7 +192,6 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
             cap_weight: a.cap_weight,
         },
         seq_len: a.seq_len,
-        by_layer,
         steps: a.steps,
         lr: a.lr,
         warmup: a.warmup,

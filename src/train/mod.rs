@@ -68,8 +68,8 @@ pub struct Losses {
 
 /// The loss of `gates` on `tokens` (the teacher's log-probabilities
 /// `teacher` (T, vocab) given) as a differentiable scalar, and its terms.
-/// One autodiff graph over the whole model (see [`loss_grads_by_layer`]
-/// for the memory-lean way to its gradients).
+/// One autodiff graph over the whole model: the reference that
+/// [`loss_grads_by_layer`] (what the trainer runs) is tested against.
 pub fn loss(
     base: &Base,
     gates: &GateVars,
@@ -181,7 +181,9 @@ fn terms(
 ///    (summed over layers for the shared `rg10` head).
 ///
 /// The T² attention graph is then held for one layer instead of all of
-/// them, for about a third more arithmetic (every layer runs twice).
+/// them: every layer runs twice, yet on SmolLM2 at 512 tokens a step took
+/// 14.1 s against the whole graph's 15.0 s (which allocates 3.5× the
+/// memory), so the trainer always works this way.
 pub fn loss_grads_by_layer(
     base: &Base,
     gates: &GateVars,
@@ -414,28 +416,22 @@ pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Re
 }
 
 /// About how many bytes one training step of `seq_len` tokens holds at
-/// its peak: the autodiff graph keeps, per layer and query head, a handful
-/// of T × T tensors (logits, retention decay, softmax and their
-/// gradients: 16 f32 values per element measured), plus per token the
-/// layers' activations and a few vocabulary-wide rows (teacher, student,
-/// softmax); the frozen model's own f32 copy is the constant term. Checked
-/// on SmolLM2-135M against peak RSS at 128 / 256 / 512 tokens, 2 threads:
-/// 2.4 / 4.1 / 9.3 GB estimated, 3.0 / 4.6 / 9.3 GB measured. The T² term
-/// dominates where the check matters (1024 tokens: 26.5 GB estimated; the
-/// run was killed at 22 GB on a 24 GB machine). With `by_layer`
-/// ([`loss_grads_by_layer`]) one layer's graph lives at a time, beside
-/// every layer's kept input.
-pub fn graph_bytes(c: &crate::model::Config, seq_len: usize, by_layer: bool) -> u64 {
+/// its peak, gradients layer by layer ([`loss_grads_by_layer`]): one
+/// layer's autodiff graph, which keeps per query head a handful of T × T
+/// tensors (logits, retention decay, softmax and their gradients: 16 f32
+/// values per element), that layer's activations and every layer's kept
+/// input per token, a few vocabulary-wide rows per token (teacher,
+/// student, softmax), and the frozen model's own f32 copy. On
+/// SmolLM2-135M, 2 threads: 3.0 / 5.2 GB estimated at 512 / 1024 tokens,
+/// 2.8 / 4.8 GB peak RSS measured. (One graph over the whole model, as
+/// [`loss`] builds, keeps the T² term of every layer: 9.7 GB measured at
+/// 512 tokens; 1024 tokens, estimated at 26.5 GB, was killed at 22 GB.)
+pub fn graph_bytes(c: &crate::model::Config, seq_len: usize) -> u64 {
     let t = seq_len as u64;
-    let graphs = if by_layer { 1 } else { c.n_layers } as u64;
-    let quad = 64 * graphs * c.n_heads as u64 * t * t;
-    let per_layer_tok = 4 * (24 * c.dim + 12 * c.ffn_dim) as u64;
-    let kept = if by_layer {
-        4 * (c.n_layers * c.dim) as u64
-    } else {
-        0
-    };
-    let per_tok = graphs * per_layer_tok + kept + 4 * 16 * c.vocab as u64;
+    let quad = 64 * c.n_heads as u64 * t * t;
+    let layer_tok = 4 * (24 * c.dim + 12 * c.ffn_dim) as u64;
+    let kept = 4 * (c.n_layers * c.dim) as u64;
+    let per_tok = layer_tok + kept + 4 * 16 * c.vocab as u64;
     let params =
         (c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim) + c.vocab * c.dim) as u64;
     quad + per_tok * t + 8 * params
@@ -449,9 +445,6 @@ pub struct TrainConfig {
     pub bias_init: f32,
     pub objective: Objective,
     pub seq_len: usize,
-    /// Gradients layer by layer ([`loss_grads_by_layer`]): one layer's
-    /// attention graph in memory instead of all of them.
-    pub by_layer: bool,
     pub steps: usize,
     pub lr: f64,
     pub warmup: usize,
@@ -568,29 +561,16 @@ pub fn train(base: &Base, stream: &[u32], cfg: &TrainConfig) -> Result<(Gates, V
         } else {
             cfg.lr
         };
-        let diverged = |l: &Losses| {
-            Error::Other(format!(
+        let (l, grads) =
+            loss_grads_by_layer(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
+        if !l.total.is_finite() {
+            return Err(Error::Other(format!(
                 "training diverged at step {} (loss {})",
                 step + 1,
                 l.total
-            ))
-        };
-        let l = if cfg.by_layer {
-            let (l, grads) =
-                loss_grads_by_layer(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
-            if !l.total.is_finite() {
-                return Err(diverged(&l));
-            }
-            opt.apply(&all, &grads, lr).map_err(ce)?;
-            l
-        } else {
-            let (total, l) = loss(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
-            if !l.total.is_finite() {
-                return Err(diverged(&l));
-            }
-            opt.step(&all, &total, lr).map_err(ce)?;
-            l
-        };
+            )));
+        }
+        opt.apply(&all, &grads, lr).map_err(ce)?;
         history.push(l);
         if cfg.progress {
             let done = step + 1 - first;
@@ -643,7 +623,6 @@ fn metadata(cfg: &TrainConfig, h: &[Losses], init: &serde_json::Value) -> serde_
         "trainer": format!("kvrun {} train gates", env!("CARGO_PKG_VERSION")),
         "budget": cfg.objective.budget,
         "seq_len": cfg.seq_len,
-        "grad_checkpoint": cfg.by_layer,
         "steps": h.len(),
         "lr": cfg.lr,
         "ce_weight": cfg.objective.ce_weight,

@@ -649,7 +649,6 @@ mod train {
                 cap_weight: 1.0,
             },
             seq_len: 32,
-            by_layer: false,
             steps: 6,
             lr: 5e-2,
             warmup: 1,
@@ -675,11 +674,9 @@ mod train {
         assert_eq!(saved.hidden, g.hidden);
         assert_eq!(saved.meta["steps"], 6);
         assert_eq!(saved.meta["model"], "smollm2");
-        // resume: two more steps continue the same history (their
-        // gradients layer by layer)
+        // resume: two more steps continue the same history
         cfg.steps = 8;
         cfg.resume = true;
-        cfg.by_layer = true;
         let (_, h2) = train(&base, &stream, &cfg).unwrap();
         assert_eq!(h2.len(), 8);
         assert!(h2[7].total < first, "{} vs {first}", h2[7].total);
