@@ -461,19 +461,31 @@ mod train {
         Base::from_parts(c, &rope, embd, layers, norm, out, 16, DType::F64).unwrap()
     }
 
+    /// The tiny model's teacher on `toks`, the objective (M = 3, CE 0.5,
+    /// λ = `cap_weight`) and random f64 gates of `arch` (seed `seed`).
+    fn gated_problem(
+        base: &Base,
+        toks: &[u32],
+        arch: GateArch,
+        cap_weight: f64,
+        seed: u64,
+    ) -> (Tensor, Objective, GateVars) {
+        let teacher = log_softmax(&base.forward(toks, None).unwrap().logits).unwrap();
+        let obj = Objective {
+            budget: 3,
+            ce_weight: 0.5,
+            cap_weight,
+        };
+        let g = random_gates(arch, 16, 6, 2, 2, 0.5, 1.5, seed);
+        (teacher, obj, GateVars::from_gates(&g, DType::F64).unwrap())
+    }
+
     #[test]
     fn gate_gradients_match_finite_differences() {
         let base = tiny_base();
         let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11];
-        let teacher = log_softmax(&base.forward(&toks, None).unwrap().logits).unwrap();
         for arch in [GateArch::Rg10, GateArch::Rg] {
-            let obj = Objective {
-                budget: 3,
-                ce_weight: 0.5,
-                cap_weight: 1.0,
-            };
-            let g = random_gates(arch, 16, 6, 2, 2, 0.5, 1.5, 3);
-            let vars = GateVars::from_gates(&g, DType::F64).unwrap();
+            let (teacher, obj, vars) = gated_problem(&base, &toks, arch, 1.0, 3);
             let (l, terms) = loss(&base, &vars, &toks, &teacher, &obj).unwrap();
             assert!(terms.kl > 0.0 && terms.cap > 0.0, "{terms:?}");
             let grads = l.backward().unwrap();
@@ -518,15 +530,8 @@ mod train {
     fn layer_by_layer_gradients_equal_the_whole_graph() {
         let base = tiny_base();
         let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11, 8, 1];
-        let teacher = log_softmax(&base.forward(&toks, None).unwrap().logits).unwrap();
         for arch in [GateArch::Rg10, GateArch::Rg] {
-            let obj = Objective {
-                budget: 3,
-                ce_weight: 0.5,
-                cap_weight: 1.7,
-            };
-            let g = random_gates(arch, 16, 6, 2, 2, 0.5, 1.5, 5);
-            let vars = GateVars::from_gates(&g, DType::F64).unwrap();
+            let (teacher, obj, vars) = gated_problem(&base, &toks, arch, 1.7, 5);
             let (l, whole) = loss(&base, &vars, &toks, &teacher, &obj).unwrap();
             assert!(
                 whole.kl > 0.0 && whole.ce > 0.0 && whole.cap > 0.0,
