@@ -422,8 +422,8 @@ pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Re
 /// values per element), that layer's activations and every layer's kept
 /// input per token, a few vocabulary-wide rows per token (teacher,
 /// student, softmax), and the frozen model's own f32 copy. On
-/// SmolLM2-135M, 2 threads: 3.0 / 5.2 GB estimated at 512 / 1024 tokens,
-/// 2.8 / 4.8 GB peak RSS measured. (One graph over the whole model, as
+/// SmolLM2-135M, 2 threads: 3.0 / 5.2 / 10.5 GB estimated at 512 / 1024 /
+/// 2048 tokens, 2.8 / 4.7 / 8.5 GB peak RSS measured. (One graph over the whole model, as
 /// [`loss`] builds, keeps the T² term of every layer: 9.7 GB measured at
 /// 512 tokens; 1024 tokens, estimated at 26.5 GB, was killed at 22 GB.)
 pub fn graph_bytes(c: &crate::model::Config, seq_len: usize) -> u64 {
