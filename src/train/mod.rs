@@ -284,17 +284,9 @@ impl AdamW {
         })
     }
 
-    /// One update of `vars` from the gradients of `loss`, at learning rate
-    /// `lr` (warm-up and schedule are the caller's).
-    pub fn step(&mut self, vars: &[&Var], loss: &Tensor, lr: f64) -> candle_core::Result<()> {
-        let g = loss.backward()?;
-        let grads: Vec<Option<Tensor>> =
-            vars.iter().map(|v| g.get(v.as_tensor()).cloned()).collect();
-        self.apply(vars, &grads, lr)
-    }
-
     /// One update of `vars` from their gradients `grads` (same order; a
-    /// variable without one keeps its value and moments).
+    /// variable without one keeps its value and moments), at learning rate
+    /// `lr` (warm-up and schedule are the caller's).
     pub fn apply(
         &mut self,
         vars: &[&Var],
@@ -423,9 +415,10 @@ pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Re
 /// input per token, a few vocabulary-wide rows per token (teacher,
 /// student, softmax), and the frozen model's own f32 copy. On
 /// SmolLM2-135M, 2 threads: 3.0 / 5.2 / 10.5 GB estimated at 512 / 1024 /
-/// 2048 tokens, 2.8 / 4.7 / 8.5 GB peak RSS measured. (One graph over the whole model, as
-/// [`loss`] builds, keeps the T² term of every layer: 9.7 GB measured at
-/// 512 tokens; 1024 tokens, estimated at 26.5 GB, was killed at 22 GB.)
+/// 2048 tokens, 2.8 / 4.7 / 8.5 GB peak RSS measured. (One graph over the
+/// whole model, as [`loss`] builds, keeps the T² term of every layer:
+/// 9.7 GB measured at 512 tokens; 1024 tokens, estimated at 26.5 GB, was
+/// killed at 22 GB.)
 pub fn graph_bytes(c: &crate::model::Config, seq_len: usize) -> u64 {
     let t = seq_len as u64;
     let quad = 64 * c.n_heads as u64 * t * t;

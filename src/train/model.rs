@@ -422,7 +422,8 @@ impl Base {
             .reshape((hkv, group * t, hd))?;
         let k = k.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
         let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
-                                                  // scaled logits                                   (Hkv, g, T, T)
+
+        // scaled logits                                       (Hkv, g, T, T)
         let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, t))?;
         let mut log_beta = None;
         if let Some(g) = gates {

@@ -1,8 +1,8 @@
 //! Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
 //! weight rows × `N` tokens per call ([`TileFn`]; `N` = 4 for batched
-//! prefill, 1 for decoding), so
-//! each weight block is loaded and unpacked once for `N` tokens and each
-//! activation block (and its block sums) once for `MR` rows.
+//! prefill, 1 for decoding), so each weight block is loaded and unpacked
+//! once for `N` tokens and each activation block (and its block sums) once
+//! for `MR` rows.
 //!
 //! The weight types are 32-weight blocks with an f16 scale `d` in front:
 //! Q8_0 holds 32 i8 weights, Q4_0 16 bytes of nibbles (weight i < 16 is
@@ -34,7 +34,7 @@
 //! is a const parameter, [`W_Q8_0`], [`W_Q4_0`] or [`W_Q5_0`].
 
 use super::isa::{detected, Level};
-pub use super::qgemm_x86::MR;
+use super::qgemm_x86::MR;
 use half::f16;
 
 /// A tile kernel: `(nb, MR weight rows, N token rows) -> out[r][t]`.
