@@ -8,6 +8,8 @@
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
 //! - `qgemm_lanes`: Q4_K, Q5_K and Q6_K × Q8_K with 8 weight rows in the
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
+//! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
+//!   AVX-512 levels), the same arithmetic bit for bit;
 //! - `qgemm_q8_0`: Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI,
 //!   AVX2), prefill and decode;
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
@@ -35,6 +37,8 @@ pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
+#[cfg(target_arch = "x86_64")]
+mod qgemm_k_decode;
 pub mod qgemm_lanes;
 pub mod qgemm_q8_0;
 pub mod qgemm_x86;

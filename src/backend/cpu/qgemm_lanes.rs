@@ -41,7 +41,8 @@
 //! result = acc + acc_m
 //! ```
 //!
-//! Decoding (one token) reads the rows as they are instead ([`rows`]:
+//! Decoding (one token) reads the rows as they are instead (at the AVX-512
+//! levels with 512-bit registers, in [`super::qgemm_k_decode`]; [`rows`]:
 //! ggml's unpacking, a row's integer lanes summed exactly, then the 8 rows'
 //! sums moved into lanes for the same float steps): with one token the
 //! transposes cost more than they save, and the result is the same bit for
@@ -74,7 +75,7 @@ pub const Q8_K_BYTES: usize = 292;
 /// `q` must point to 12 readable bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-unsafe fn unpack16(q: *const u8) -> [u32; 4] {
+pub(super) unsafe fn unpack16(q: *const u8) -> [u32; 4] {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -95,7 +96,7 @@ unsafe fn unpack16(q: *const u8) -> [u32; 4] {
 /// Q5_K_M decode, `_MM_HINT_T1` 2 calls ahead ran 19–23 t/s where
 /// `_MM_HINT_T0` 1 or 2 calls ahead ran 11–12 and no prefetch 8.5; the
 /// 7B Q4_K_M 4.8–5.1 against 3.7–4.2).
-const PREFETCH_CALLS: usize = 2;
+pub(super) const PREFETCH_CALLS: usize = 2;
 
 /// Weight rows per call.
 pub const ROWS: usize = 8;
@@ -117,7 +118,7 @@ fn block_bytes(dtype: DType) -> usize {
     }
 }
 
-fn check<const N: usize>(dtype: DType, nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) {
+pub(super) fn check<const N: usize>(dtype: DType, nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) {
     assert!(
         w.iter().all(|r| r.len() >= nb * block_bytes(dtype)),
         "{dtype} lanes: weight row too short"
@@ -200,20 +201,26 @@ pub fn lanes_scalar<const N: usize>(
     std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(dtype, nb, w[r], a[t])))
 }
 
-/// The kernel of `N` tokens for `dtype` at SIMD level `level`, where this
-/// arithmetic is the level's path for that type (AVX2, and AVX-512 without
-/// VNNI) and the CPU runs it; `None` for other types and levels.
+/// The kernel of `N` tokens for `dtype` (Q4_K, Q5_K, Q6_K) at SIMD level
+/// `level` (AVX2 and above) where the CPU runs it: prefill here (with
+/// `vpdpbusd` at avx512vnni), decoding (`N` = 1) here at avx2 and in
+/// [`super::qgemm_k_decode`] at the AVX-512 levels; `None` for other types
+/// and levels.
 pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Option<LanesFn<N>> {
     use super::isa::{detected, Level};
     if level > detected() || level == Level::Portable {
         return None;
     }
+    // decoding with AVX-512: the 512-bit kernels (two runs per instruction)
+    #[cfg(target_arch = "x86_64")]
+    if N == 1 && level >= Level::Avx512 {
+        if let Some(k) = super::qgemm_k_decode::kernel::<N>(dtype, level == Level::Avx512Vnni) {
+            return Some(k);
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if level == Level::Avx512Vnni {
         match dtype {
-            DType::Q4K if N == 1 => return Some(rows::<N, Q4k, true>),
-            DType::Q5K if N == 1 => return Some(rows::<N, Q5k, true>),
-            DType::Q6K if N == 1 => return Some(rows::<N, Q6k, true>),
             DType::Q4K => return Some(lanes::<N, Q4k, true>),
             DType::Q5K => return Some(lanes::<N, Q5k, true>),
             DType::Q6K => return Some(lanes::<N, Q6k, true>),
@@ -222,9 +229,9 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
     }
     #[cfg(target_arch = "x86_64")]
     match dtype {
-        DType::Q4K if N == 1 => return Some(rows::<N, Q4k, false>),
-        DType::Q5K if N == 1 => return Some(rows::<N, Q5k, false>),
-        DType::Q6K if N == 1 => return Some(rows::<N, Q6k, false>),
+        DType::Q4K if N == 1 => return Some(rows::<N, Q4k>),
+        DType::Q5K if N == 1 => return Some(rows::<N, Q5k>),
+        DType::Q6K if N == 1 => return Some(rows::<N, Q6k>),
         DType::Q4K => return Some(lanes::<N, Q4k, false>),
         DType::Q5K => return Some(lanes::<N, Q5k, false>),
         DType::Q6K => return Some(lanes::<N, Q6k, false>),
@@ -244,7 +251,7 @@ type Runs = [[__m256i; 8]; 4];
 /// What the kernel needs of a format: where its quants, scales and offsets
 /// are and how they combine (see the module doc).
 #[cfg(target_arch = "x86_64")]
-trait Format {
+pub(super) trait Format {
     const DTYPE: DType;
     const BYTES: usize;
     /// Groups of 4 weights summed in i16 before the `madd` by the scale.
@@ -317,21 +324,27 @@ unsafe fn row_scales_mins(x: *const u8) -> ([__m256i; 8], __m256i) {
     use std::arch::x86_64::*;
     // SAFETY: x + 4 is the block's 12 scale bytes.
     let u = unsafe { unpack16(x.add(4)) };
-    let sc: [u8; 8] = std::array::from_fn(|s| (u[s / 4] >> (8 * (s % 4))) as u8);
     // SAFETY (intrinsics): AVX2, the caller's contract.
     unsafe {
-        let scv = std::array::from_fn(|s| _mm256_set1_epi16(sc[s] as i16));
+        // the 8 scales as i16 in both 128-bit halves, then scale s spread
+        // over all 16 i16 lanes by one byte shuffle
+        let sc = _mm_cvtsi64_si128((u[0] as u64 | (u[1] as u64) << 32) as i64);
+        let sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc));
+        let scv = std::array::from_fn(|s| {
+            let pick = (((2 * s + 1) << 8) | (2 * s)) as i16;
+            _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(pick))
+        });
         let mins = _mm_cvtsi64_si128((u[2] as u64 | (u[3] as u64) << 32) as i64);
         (scv, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)))
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-struct Q4k;
+pub(super) struct Q4k;
 #[cfg(target_arch = "x86_64")]
-struct Q5k;
+pub(super) struct Q5k;
 #[cfg(target_arch = "x86_64")]
-struct Q6k;
+pub(super) struct Q6k;
 
 /// The rows' f16 at byte `off` of their superblocks, as 8 float lanes.
 ///
@@ -339,7 +352,7 @@ struct Q6k;
 /// AVX2 + F16C; `x[r] + off` holds 2 readable bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn f16_lanes(x: &[*const u8; ROWS], off: usize) -> __m256 {
+pub(super) unsafe fn f16_lanes(x: &[*const u8; ROWS], off: usize) -> __m256 {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
     let h: [i16; ROWS] =
@@ -939,24 +952,19 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
     }
 }
 
+/// The AVX2 decoding kernel (the AVX-512 levels have their own,
+/// [`super::qgemm_k_decode`]).
 #[cfg(target_arch = "x86_64")]
-fn rows<const N: usize, F: Format, const VNNI: bool>(
+fn rows<const N: usize, F: Format>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
     check(F::DTYPE, nb, w, a);
     // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
-    // F16C, and with VNNI only at level avx512vnni (AVX-512 F/BW/VL/VNNI);
-    // every row holds nb superblocks (checked just above), which bounds all
-    // loads.
-    unsafe {
-        if VNNI {
-            rows_vnni_impl::<N, F>(nb, w, a)
-        } else {
-            rows_avx2_impl::<N, F>(nb, w, a)
-        }
-    }
+    // F16C; every row holds nb superblocks (checked just above), which
+    // bounds all loads.
+    unsafe { rows_avx2_impl::<N, F>(nb, w, a) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -967,18 +975,7 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
     a: &[&[u8]; N],
 ) -> [[f32; N]; ROWS] {
     // SAFETY: the caller's contract (rows).
-    unsafe { rows_body::<N, F, false>(nb, w, a) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_vnni_impl<const N: usize, F: Format>(
-    nb: usize,
-    w: &[&[u8]; ROWS],
-    a: &[&[u8]; N],
-) -> [[f32; N]; ROWS] {
-    // SAFETY: the caller's contract (rows).
-    unsafe { rows_body::<N, F, true>(nb, w, a) }
+    unsafe { rows_body::<N, F>(nb, w, a) }
 }
 
 /// Integer lanes of 8 rows reduced to one sum per row: `h[p]` is
@@ -986,7 +983,7 @@ unsafe fn rows_vnni_impl<const N: usize, F: Format>(
 /// result is the sum of row r's 8 lanes (exact: integer adds).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn sum_rows(h: [__m256i; 4]) -> __m256i {
+pub(super) fn sum_rows(h: [__m256i; 4]) -> __m256i {
     use std::arch::x86_64::*;
     // SAFETY: register-only AVX2 ops, inlined into AVX2 functions.
     unsafe {
@@ -1005,14 +1002,13 @@ fn sum_rows(h: [__m256i; 4]) -> __m256i {
 /// those of the 8 rows moved into lanes for the float steps, so the
 /// arithmetic is the module's (bit for bit the lanes kernel's). With one
 /// token the lanes kernel's in-register transposes cost more than they
-/// save. With `VNNI`, `vpdpwssd` fuses each `madd` by the scales with its
-/// add.
+/// save.
 ///
 /// # Safety
 /// As [`lanes_body`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows_body<const N: usize, F: Format, const VNNI: bool>(
+unsafe fn rows_body<const N: usize, F: Format>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
@@ -1057,11 +1053,7 @@ unsafe fn rows_body<const N: usize, F: Format, const VNNI: bool>(
                             let y8 = _mm256_loadu_si256(y[t].add(4 + 32 * k).cast());
                             // |2·63·128| < 2^15: maddubs cannot saturate
                             let prod = _mm256_maddubs_epi16(q[k], y8);
-                            s = if VNNI {
-                                _mm256_dpwssd_epi32(s, prod, scv[k])
-                            } else {
-                                _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]))
-                            };
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]));
                         }
                         let o = _mm256_madd_epi16(bs[t], off);
                         if F::MINS {

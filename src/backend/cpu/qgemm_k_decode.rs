@@ -1,0 +1,392 @@
+//! K-quant (Q4_K, Q5_K, Q6_K) decoding kernels with 512-bit registers: one
+//! token against 8 weight rows per call, for the AVX-512 levels (with
+//! VNNI's `vpdpwssd` where present).
+//!
+//! The arithmetic is [`super::qgemm_lanes`]'s, bit for bit (one exact
+//! integer sum per row and superblock, then one `fma` per superblock for the
+//! 8 rows at once; see that module's doc and its `dot_scalar`), so a
+//! prompt's logits do not depend on which kernel ran a token. What changes
+//! is how the integer sum is reached. The 256-bit decoding kernel multiplies
+//! one run of 32 weights per instruction and spreads each run's scale from a
+//! general register; here every instruction covers two runs:
+//!
+//! - a 64-byte load of quants holds two runs in each nibble half (Q4_K,
+//!   Q5_K: runs 2c and 2c + 2 in the low nibbles of chunks c, c + 1), so two
+//!   `and`s and a shift give two registers of two runs each; the
+//!   activations are rearranged once per superblock (shared by the 8 rows)
+//!   into the same pairs;
+//! - the scales of a pair are spread to their 128-bit lanes by one in-lane
+//!   byte shuffle (Q4_K / Q5_K: the 8 unpacked scales are copied to every
+//!   lane first) or one word permute (Q6_K, a scale per 16 weights: one per
+//!   lane);
+//! - `maddubs` (unsigned quants × signed activations, pairs in i16), then
+//!   `madd` by the scales into i32 and the add (one `vpdpwssd` with VNNI);
+//!   the four pair products are summed in two chains, the two halves of the
+//!   512-bit sum folded, and the 8 rows' lanes reduced as the 256-bit
+//!   kernel does.
+//!
+//! Overflow: `maddubs` sums two products, at most 2·63·128 = 16128 (Q6_K's
+//! quants are below 64) in i16; everything after is i32 far from its range.
+//!
+//! On a 2-core Zen 4 VM (AVX-512 executed in 256-bit halves), one core
+//! looping over 8-row calls (the 7B's 3584-wide rows, kernels interleaved in
+//! one process, best of 7, three runs) ran 1.15–1.25× the multiply-adds per
+//! second of the 256-bit kernel for Q4_K and Q6_K, from L2 and streaming
+//! from memory alike (Q4_K: 41–45 against 34–37 GMAC/s from L2, 32–34
+//! against 27–29 from memory), and 1.0–1.1× for Q5_K.
+
+use super::qgemm_lanes::{Format, LanesFn, Q4k, Q5k, Q6k, PREFETCH_CALLS, Q8_K_BYTES, ROWS};
+use crate::tensor::DType;
+use std::arch::x86_64::*;
+
+/// The decoding kernel of `dtype` with 512-bit registers (`vnni`: fuse the
+/// `madd` by the scales with its add); `None` for other types. The caller
+/// checks that the CPU has AVX-512 F/BW/VL (and VNNI with `vnni`).
+pub(super) fn kernel<const N: usize>(dtype: DType, vnni: bool) -> Option<LanesFn<N>> {
+    Some(match (dtype, vnni) {
+        (DType::Q4K, true) => decode::<N, Q4k, true>,
+        (DType::Q4K, false) => decode::<N, Q4k, false>,
+        (DType::Q5K, true) => decode::<N, Q5k, true>,
+        (DType::Q5K, false) => decode::<N, Q5k, false>,
+        (DType::Q6K, true) => decode::<N, Q6k, true>,
+        (DType::Q6K, false) => decode::<N, Q6k, false>,
+        _ => return None,
+    })
+}
+
+/// What the 512-bit kernel needs of a format beyond [`Format`].
+pub(super) trait Wide: Format {
+    /// The superblock's 256 activations (Q8_K `qs` at `y + 4`) as four
+    /// registers in the order of [`Wide::row_wide`]'s quant pairs.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW; `y` is a whole Q8_K block.
+    unsafe fn acts(y: *const u8) -> [__m512i; 4];
+
+    /// One row's superblock: four registers of unsigned quants (two runs of
+    /// 32 each, in the order of [`Wide::acts`]), the i16 scale of each of
+    /// their weights' pairs, and the i16 factors of the activation's 16
+    /// block sums (as [`Format::row`]: the mins, or Q6_K's scales).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW; `x` is a whole superblock.
+    unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i);
+}
+
+/// The activations of runs (0, 2), (1, 3), (4, 6), (5, 7), the pairs of
+/// Q4_K's and Q5_K's 64-byte quant loads.
+///
+/// # Safety
+/// AVX-512 F; `y` is a whole Q8_K block.
+#[inline(always)]
+unsafe fn pairs_2apart(y: *const u8) -> [__m512i; 4] {
+    // SAFETY: the caller's contract: 256 activation bytes at y + 4.
+    unsafe {
+        let ya = _mm512_loadu_si512(y.add(4).cast());
+        let yb = _mm512_loadu_si512(y.add(68).cast());
+        let yc = _mm512_loadu_si512(y.add(132).cast());
+        let yd = _mm512_loadu_si512(y.add(196).cast());
+        // (runs 0, 2), (1, 3), (4, 6), (5, 7)
+        [
+            _mm512_shuffle_i64x2(ya, yb, 0x44),
+            _mm512_shuffle_i64x2(ya, yb, 0xee),
+            _mm512_shuffle_i64x2(yc, yd, 0x44),
+            _mm512_shuffle_i64x2(yc, yd, 0xee),
+        ]
+    }
+}
+
+/// Byte-shuffle masks spreading i16 scale `a` over 128-bit lanes 0-1 and
+/// `b` over lanes 2-3, from 8 i16 scales copied to every lane; for the run
+/// pairs (0, 2), (1, 3), (4, 6), (5, 7).
+static PICK_K: [[u8; 64]; 4] = {
+    let pairs = [(0u8, 2u8), (1, 3), (4, 6), (5, 7)];
+    let mut t = [[0u8; 64]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut i = 0;
+        while i < 64 {
+            let s = if i < 32 { pairs[p].0 } else { pairs[p].1 };
+            t[p][i] = 2 * s + (i % 2) as u8;
+            i += 1;
+        }
+        p += 1;
+    }
+    t
+};
+
+/// Q4_K / Q5_K: the run-pair scale registers and the mins' factors.
+///
+/// # Safety
+/// AVX-512 F/BW; `x` is a whole Q4_K or Q5_K superblock.
+#[inline(always)]
+unsafe fn k_scales(x: *const u8) -> ([__m512i; 4], __m256i) {
+    // SAFETY: x + 4 holds the 12 scale bytes (the caller's contract).
+    let u = unsafe { super::qgemm_lanes::unpack16(x.add(4)) };
+    // SAFETY (intrinsics, loads of the static masks): AVX-512 F/BW.
+    unsafe {
+        let sc = _mm_cvtsi64_si128((u[0] as u64 | (u[1] as u64) << 32) as i64);
+        let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sc));
+        let scv = std::array::from_fn(|p| {
+            _mm512_shuffle_epi8(sc16, _mm512_loadu_si512(PICK_K[p].as_ptr().cast()))
+        });
+        let mins = _mm_cvtsi64_si128((u[2] as u64 | (u[3] as u64) << 32) as i64);
+        (scv, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)))
+    }
+}
+
+/// Low and high nibbles of 64 quant bytes.
+///
+/// # Safety
+/// AVX-512 F/BW.
+#[inline(always)]
+unsafe fn nibbles(v: __m512i) -> (__m512i, __m512i) {
+    // SAFETY: register-only AVX-512 F/BW ops (the caller's contract).
+    unsafe {
+        let low = _mm512_set1_epi8(0x0f);
+        (
+            _mm512_and_si512(v, low),
+            _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+        )
+    }
+}
+
+impl Wide for Q4k {
+    #[inline(always)]
+    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
+        // SAFETY: the trait's contract.
+        unsafe { pairs_2apart(y) }
+    }
+    #[inline(always)]
+    unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+        // SAFETY (loads, intrinsics): the trait's contract; quants at
+        // 16..144, chunk c holding run 2c low and 2c + 1 high.
+        unsafe {
+            let (l0, h0) = nibbles(_mm512_loadu_si512(x.add(16).cast()));
+            let (l1, h1) = nibbles(_mm512_loadu_si512(x.add(80).cast()));
+            let (scv, off) = k_scales(x);
+            ([l0, h0, l1, h1], scv, off)
+        }
+    }
+}
+
+/// Q5_K: for each run pair, the bits of `qh` holding the pair's fifth bits
+/// (one per 256-bit half) and the shift that moves them to bit 4 (left for
+/// the pairs (0, 2) and (1, 3), right for (4, 6) and (5, 7)).
+const Q5_FIFTH: [(u8, u8, u16, u16); 4] = [(0, 2, 4, 2), (1, 3, 3, 1), (4, 6, 0, 2), (5, 7, 1, 3)];
+
+impl Wide for Q5k {
+    #[inline(always)]
+    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
+        // SAFETY: the trait's contract.
+        unsafe { pairs_2apart(y) }
+    }
+    #[inline(always)]
+    unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+        // SAFETY (loads, intrinsics): the trait's contract; low nibbles as
+        // Q4_K's at 48..176; the fifth bit of run s is bit s of the 32 bytes
+        // at 16..48 (copied to both halves); 16-bit shifts keep each bit in
+        // its byte.
+        unsafe {
+            let (l0, h0) = nibbles(_mm512_loadu_si512(x.add(48).cast()));
+            let (l1, h1) = nibbles(_mm512_loadu_si512(x.add(112).cast()));
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16).cast()));
+            let fifth = |p: usize| {
+                let (a, b, sa, sb) = Q5_FIFTH[p];
+                let m = _mm512_inserti64x4(
+                    _mm512_set1_epi8((1u8 << a) as i8),
+                    _mm256_set1_epi8((1u8 << b) as i8),
+                    1,
+                );
+                let m = _mm512_and_si512(qh, m);
+                let n = _mm512_inserti64x4(
+                    _mm512_set1_epi16(sa as i16),
+                    _mm256_set1_epi16(sb as i16),
+                    1,
+                );
+                if p < 2 {
+                    _mm512_sllv_epi16(m, n)
+                } else {
+                    _mm512_srlv_epi16(m, n)
+                }
+            };
+            let q = [l0, h0, l1, h1];
+            let q = std::array::from_fn(|p| _mm512_or_si512(q[p], fifth(p)));
+            let (scv, off) = k_scales(x);
+            (q, scv, off)
+        }
+    }
+}
+
+/// Q6_K: word indices spreading scale 4p + lane of the 16 i16 scales over
+/// each 128-bit lane of run pair p.
+static PICK_Q6: [[u16; 32]; 4] = {
+    let mut t = [[0u16; 32]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut i = 0;
+        while i < 32 {
+            t[p][i] = (4 * p + i / 8) as u16;
+            i += 1;
+        }
+        p += 1;
+    }
+    t
+};
+
+impl Wide for Q6k {
+    #[inline(always)]
+    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
+        // SAFETY: the trait's contract; runs (0, 1), (2, 3), (4, 5), (6, 7)
+        // are the Q8_K order.
+        unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+    }
+    #[inline(always)]
+    unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+        // SAFETY (loads, intrinsics): the trait's contract. Half n (runs
+        // 4n..4n+3): ql bytes 64n.. hold runs 4n, 4n + 1 in their low
+        // nibbles and 4n + 2, 4n + 3 in their high ones; qh bytes 32n..
+        // (at 128) give bits 4-5 of run 4n + k from their bits 2k, 2k + 1.
+        // Scales: 16 i8 at 192, one per 16 weights.
+        unsafe {
+            let two = _mm512_set1_epi8(0x30);
+            let h = _mm512_loadu_si512(x.add(128).cast());
+            let mut q = [_mm512_setzero_si512(); 4];
+            for n in 0..2 {
+                let (lo, hi) = nibbles(_mm512_loadu_si512(x.add(64 * n).cast()));
+                // qh half n in both 256-bit halves
+                let hn = if n == 0 {
+                    _mm512_shuffle_i64x2(h, h, 0x44)
+                } else {
+                    _mm512_shuffle_i64x2(h, h, 0xee)
+                };
+                // runs 4n, 4n + 1: bits 0-1 and 2-3 up to 4-5
+                let up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+                // runs 4n + 2, 4n + 3: bits 4-5 and 6-7 down to 4-5
+                let down = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+                let hu = _mm512_and_si512(_mm512_sllv_epi16(hn, up), two);
+                let hd = _mm512_and_si512(_mm512_srlv_epi16(hn, down), two);
+                q[2 * n] = _mm512_or_si512(lo, hu);
+                q[2 * n + 1] = _mm512_or_si512(hi, hd);
+            }
+            let sc8 = _mm_loadu_si128(x.add(192).cast());
+            let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+            let scv = std::array::from_fn(|p| {
+                _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
+            });
+            (q, scv, _mm256_cvtepi8_epi16(sc8))
+        }
+    }
+}
+
+fn decode<const N: usize, F: Wide, const VNNI: bool>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    super::qgemm_lanes::check(F::DTYPE, nb, w, a);
+    let mut out = [[0f32; N]; ROWS];
+    for t in 0..N {
+        // SAFETY: handed out (`kernel`, through lanes_for) only where the
+        // CPU has AVX-512 F/BW/VL (and VNNI for VNNI); every row holds nb
+        // superblocks and every activation row nb Q8_K blocks (checked just
+        // above), which bounds all loads.
+        let o = unsafe {
+            if VNNI {
+                decode_vnni::<F>(nb, w, a[t])
+            } else {
+                decode_avx512::<F>(nb, w, a[t])
+            }
+        };
+        for r in 0..ROWS {
+            out[r][t] = o[r];
+        }
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn decode_avx512<F: Wide>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROWS] {
+    // SAFETY: the caller's contract (decode).
+    unsafe { body::<F, false>(nb, w, y) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn decode_vnni<F: Wide>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROWS] {
+    // SAFETY: the caller's contract (decode).
+    unsafe { body::<F, true>(nb, w, y) }
+}
+
+/// One token against 8 rows.
+///
+/// # Safety
+/// AVX-512 F/BW/VL, F16C, FMA (and VNNI with `VNNI`) where this is inlined;
+/// every row of `w` holds `nb` superblocks of `F`, `y` holds `nb` Q8_K
+/// blocks.
+#[inline(always)]
+unsafe fn body<F: Wide, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROWS] {
+    use super::qgemm_lanes::sum_rows;
+    // SAFETY: the function's contract: every intrinsic has its features
+    // where this is inlined; every load is inside nb blocks.
+    unsafe {
+        let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_m = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY (pointer arithmetic, loads): b < nb.
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * F::BYTES));
+            let yb = y.as_ptr().add(b * Q8_K_BYTES);
+            // the rows 2 calls on, into L2 (as the 256-bit kernel); a
+            // prefetch never faults, wrapping_add keeps the provenance
+            let ahead = PREFETCH_CALLS * ROWS * nb * F::BYTES;
+            for p in x {
+                for &line in F::LINES {
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast());
+                }
+            }
+            let ys = F::acts(yb);
+            let bs = _mm256_loadu_si256(yb.add(260).cast());
+            // per row: 8 i32 lanes summing to the integer sum (v) and to the
+            // block sums' term (vm)
+            let mut v = [_mm256_setzero_si256(); ROWS];
+            let mut vm = [_mm256_setzero_si256(); ROWS];
+            for r in 0..ROWS {
+                let (q, scv, off) = F::row_wide(x[r]);
+                let mut s = [_mm512_setzero_si512(); 2];
+                for p in 0..4 {
+                    let prod = _mm512_maddubs_epi16(q[p], ys[p]);
+                    s[p % 2] = if VNNI {
+                        _mm512_dpwssd_epi32(s[p % 2], prod, scv[p])
+                    } else {
+                        _mm512_add_epi32(s[p % 2], _mm512_madd_epi16(prod, scv[p]))
+                    };
+                }
+                let s = _mm512_add_epi32(s[0], s[1]);
+                let s =
+                    _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s));
+                let o = _mm256_madd_epi16(bs, off);
+                if F::MINS {
+                    v[r] = s;
+                    vm[r] = o;
+                } else {
+                    // the −32 offset of every weight
+                    v[r] = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
+                }
+            }
+            let h = std::array::from_fn(|p| _mm256_hadd_epi32(v[2 * p], v[2 * p + 1]));
+            let (xd, xm) = F::heads(&x);
+            let dy = yb.cast::<f32>().read_unaligned();
+            if F::MINS {
+                let hm = std::array::from_fn(|p| _mm256_hadd_epi32(vm[2 * p], vm[2 * p + 1]));
+                let dm = _mm256_mul_ps(_mm256_set1_ps(-dy), xm);
+                acc_m = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(sum_rows(hm)), acc_m);
+            }
+            let d = _mm256_mul_ps(_mm256_set1_ps(dy), xd);
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum_rows(h)), acc);
+        }
+        let mut out = [0f32; ROWS];
+        // SAFETY: out holds 8 floats.
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
+    }
+}
