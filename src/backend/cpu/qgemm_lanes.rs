@@ -860,6 +860,30 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
             let mut isum = [_mm256_setzero_si256(); N];
             for u in 0..F::UNITS {
                 let q = F::unit(&x, u, &state);
+                if VNNI {
+                    // per scale: its groups' 4-products summed in i32, the
+                    // tokens innermost (N independent `vpdpbusd` chains),
+                    // then multiplied by the scale
+                    let per = F::SCALE_LEN / 4;
+                    for (k, run) in q.iter().take(F::RUNS).enumerate() {
+                        let s = F::RUNS * u + k;
+                        for j in 0..8 / per {
+                            let mut p32 = [_mm256_setzero_si256(); N];
+                            for g in j * per..(j + 1) * per {
+                                for (t, p32) in p32.iter_mut().enumerate() {
+                                    let yt = y[t].add(4 + 32 * s + 4 * g).cast::<i32>();
+                                    let yv = _mm256_set1_epi32(yt.read_unaligned());
+                                    *p32 = _mm256_dpbusd_epi32(*p32, run[g], yv);
+                                }
+                            }
+                            let scale = sc32[(32 * s + 4 * per * j) / F::SCALE_LEN];
+                            for (isum, p32) in isum.iter_mut().zip(p32) {
+                                *isum = _mm256_add_epi32(*isum, _mm256_mullo_epi32(p32, scale));
+                            }
+                        }
+                    }
+                    continue;
+                }
                 for (t, isum) in isum.iter_mut().enumerate() {
                     for (k, run) in q.iter().take(F::RUNS).enumerate() {
                         let s = F::RUNS * u + k;
@@ -867,19 +891,6 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                         let yg = |g: usize| {
                             _mm256_set1_epi32(ys.add(4 * g).cast::<i32>().read_unaligned())
                         };
-                        if VNNI {
-                            // per scale: its groups' 4-products summed in i32
-                            let per = F::SCALE_LEN / 4;
-                            for j in 0..8 / per {
-                                let mut p32 = _mm256_setzero_si256();
-                                for g in j * per..(j + 1) * per {
-                                    p32 = _mm256_dpbusd_epi32(p32, run[g], yg(g));
-                                }
-                                let scale = sc32[(32 * s + 4 * per * j) / F::SCALE_LEN];
-                                *isum = _mm256_add_epi32(*isum, _mm256_mullo_epi32(p32, scale));
-                            }
-                            continue;
-                        }
                         for j in 0..8 / F::G {
                             let mut p16 = _mm256_setzero_si256();
                             for g in j * F::G..(j + 1) * F::G {
