@@ -30,10 +30,10 @@
 //!
 //! On a 2-core Zen 4 VM (AVX-512 executed in 256-bit halves), one core
 //! looping over 8-row calls (the 7B's 3584-wide rows, kernels interleaved in
-//! one process, best of 7, three runs) ran 1.15–1.25× the multiply-adds per
+//! one process, best of 7, three runs) ran 1.14–1.23× the multiply-adds per
 //! second of the 256-bit kernel for Q4_K and Q6_K, from L2 and streaming
-//! from memory alike (Q4_K: 41–45 against 34–37 GMAC/s from L2, 32–34
-//! against 27–29 from memory), and 1.0–1.1× for Q5_K.
+//! from memory alike (Q4_K in the fastest run: 45 against 37 GMAC/s from L2,
+//! 34 against 29 from memory), and 1.0–1.13× for Q5_K.
 
 use super::qgemm_lanes::{Format, LanesFn, Q4k, Q5k, Q6k, PREFETCH_CALLS, Q8_K_BYTES, ROWS};
 use crate::tensor::DType;
