@@ -61,7 +61,12 @@ pub(super) trait Wide: Format {
     ///
     /// # Safety
     /// AVX-512 F/BW; `y` is a whole Q8_K block.
-    unsafe fn acts(y: *const u8) -> [__m512i; 4];
+    #[inline(always)]
+    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
+        // SAFETY: the trait's contract; runs (0, 2), (1, 3), (4, 6), (5, 7),
+        // the pairs of Q4_K's and Q5_K's quant loads (Q6_K has its own).
+        unsafe { pairs_2apart(y) }
+    }
 
     /// One row's superblock: four registers of unsigned quants (two runs of
     /// 32 each, in the order of [`Wide::acts`]), the i16 scale of each of
@@ -151,21 +156,29 @@ unsafe fn nibbles(v: __m512i) -> (__m512i, __m512i) {
     }
 }
 
-impl Wide for Q4k {
-    #[inline(always)]
-    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
-        // SAFETY: the trait's contract.
-        unsafe { pairs_2apart(y) }
+/// The 128 nibble-packed quant bytes at `qs` (chunk c: run 2c low, 2c + 1
+/// high) as the run pairs (0, 2), (1, 3), (4, 6), (5, 7).
+///
+/// # Safety
+/// AVX-512 F/BW; `qs` points to 128 readable bytes.
+#[inline(always)]
+unsafe fn run_pairs(qs: *const u8) -> [__m512i; 4] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let (l0, h0) = nibbles(_mm512_loadu_si512(qs.cast()));
+        let (l1, h1) = nibbles(_mm512_loadu_si512(qs.add(64).cast()));
+        [l0, h0, l1, h1]
     }
+}
+
+impl Wide for Q4k {
     #[inline(always)]
     unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
         // SAFETY (loads, intrinsics): the trait's contract; quants at
         // 16..144, chunk c holding run 2c low and 2c + 1 high.
         unsafe {
-            let (l0, h0) = nibbles(_mm512_loadu_si512(x.add(16).cast()));
-            let (l1, h1) = nibbles(_mm512_loadu_si512(x.add(80).cast()));
             let (scv, off) = k_scales(x);
-            ([l0, h0, l1, h1], scv, off)
+            (run_pairs(x.add(16)), scv, off)
         }
     }
 }
@@ -177,19 +190,13 @@ const Q5_FIFTH: [(u8, u8, u16, u16); 4] = [(0, 2, 4, 2), (1, 3, 3, 1), (4, 6, 0,
 
 impl Wide for Q5k {
     #[inline(always)]
-    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
-        // SAFETY: the trait's contract.
-        unsafe { pairs_2apart(y) }
-    }
-    #[inline(always)]
     unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
         // SAFETY (loads, intrinsics): the trait's contract; low nibbles as
         // Q4_K's at 48..176; the fifth bit of run s is bit s of the 32 bytes
         // at 16..48 (copied to both halves); 16-bit shifts keep each bit in
         // its byte.
         unsafe {
-            let (l0, h0) = nibbles(_mm512_loadu_si512(x.add(48).cast()));
-            let (l1, h1) = nibbles(_mm512_loadu_si512(x.add(112).cast()));
+            let q = run_pairs(x.add(48));
             let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16).cast()));
             let fifth = |p: usize| {
                 let (a, b, sa, sb) = Q5_FIFTH[p];
@@ -210,7 +217,6 @@ impl Wide for Q5k {
                     _mm512_srlv_epi16(m, n)
                 }
             };
-            let q = [l0, h0, l1, h1];
             let q = std::array::from_fn(|p| _mm512_or_si512(q[p], fifth(p)));
             let (scv, off) = k_scales(x);
             (q, scv, off)
