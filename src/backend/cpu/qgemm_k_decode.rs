@@ -35,7 +35,7 @@
 //! from memory alike (Q4_K in the fastest run: 45 against 37 GMAC/s from L2,
 //! 34 against 29 from memory), and 1.0–1.13× for Q5_K.
 
-use super::qgemm_lanes::{Format, LanesFn, Q4k, Q5k, Q6k, PREFETCH_CALLS, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Format, LanesFn, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
 use crate::tensor::DType;
 use std::arch::x86_64::*;
 
@@ -331,7 +331,7 @@ unsafe fn decode_vnni<F: Wide>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; 
 /// blocks.
 #[inline(always)]
 unsafe fn body<F: Wide, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROWS] {
-    use super::qgemm_lanes::sum_rows;
+    use super::qgemm_lanes::{float_step, prefetch_ahead, sum_rows};
     // SAFETY: the function's contract: every intrinsic has its features
     // where this is inlined; every load is inside nb blocks.
     unsafe {
@@ -342,14 +342,7 @@ unsafe fn body<F: Wide, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]
             // SAFETY (pointer arithmetic, loads): b < nb.
             let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * F::BYTES));
             let yb = y.as_ptr().add(b * Q8_K_BYTES);
-            // the rows 2 calls on, into L2 (as the 256-bit kernel); a
-            // prefetch never faults, wrapping_add keeps the provenance
-            let ahead = PREFETCH_CALLS * ROWS * nb * F::BYTES;
-            for p in x {
-                for &line in F::LINES {
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast());
-                }
-            }
+            prefetch_ahead::<F>(&x, nb);
             let ys = F::acts(yb);
             let bs = _mm256_loadu_si256(yb.add(260).cast());
             // per row: 8 i32 lanes summing to the integer sum (v) and to the
@@ -384,11 +377,9 @@ unsafe fn body<F: Wide, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]
             let dy = yb.cast::<f32>().read_unaligned();
             if F::MINS {
                 let hm = std::array::from_fn(|p| _mm256_hadd_epi32(vm[2 * p], vm[2 * p + 1]));
-                let dm = _mm256_mul_ps(_mm256_set1_ps(-dy), xm);
-                acc_m = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(sum_rows(hm)), acc_m);
+                acc_m = float_step(-dy, xm, sum_rows(hm), acc_m);
             }
-            let d = _mm256_mul_ps(_mm256_set1_ps(dy), xd);
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum_rows(h)), acc);
+            acc = float_step(dy, xd, sum_rows(h), acc);
         }
         let mut out = [0f32; ROWS];
         // SAFETY: out holds 8 floats.

@@ -96,7 +96,7 @@ pub(super) unsafe fn unpack16(q: *const u8) -> [u32; 4] {
 /// Q5_K_M decode, `_MM_HINT_T1` 2 calls ahead ran 19–23 t/s where
 /// `_MM_HINT_T0` 1 or 2 calls ahead ran 11–12 and no prefetch 8.5; the
 /// 7B Q4_K_M 4.8–5.1 against 3.7–4.2).
-pub(super) const PREFETCH_CALLS: usize = 2;
+const PREFETCH_CALLS: usize = 2;
 
 /// Weight rows per call.
 pub const ROWS: usize = 8;
@@ -352,7 +352,7 @@ pub(super) struct Q6k;
 /// AVX2 + F16C; `x[r] + off` holds 2 readable bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn f16_lanes(x: &[*const u8; ROWS], off: usize) -> __m256 {
+unsafe fn f16_lanes(x: &[*const u8; ROWS], off: usize) -> __m256 {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
     let h: [i16; ROWS] =
@@ -916,7 +916,6 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                         _ => _mm_extract_epi32(v, 3),
                     })
                 };
-                let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
                 if F::MINS {
                     // pairs (2i, 2i + 1) of 32-value sums against the mins
                     let bs32 =
@@ -926,8 +925,7 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                         _mm256_add_epi32(m(0), m(1)),
                         _mm256_add_epi32(m(2), m(3)),
                     );
-                    let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
-                    acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
+                    acc_m[t] = float_step(-yd, xm, msum, acc_m[t]);
                 } else {
                     // pairs (2i, 2i + 1) of 16-value sums against −32·scale
                     let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
@@ -947,7 +945,7 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                     );
                     isum = _mm256_add_epi32(isum, osum);
                 }
-                acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc[t]);
+                acc[t] = float_step(yd, xd, isum, acc[t]);
             }
         }
         let mut out = [[0f32; N]; ROWS];
@@ -987,6 +985,44 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
 ) -> [[f32; N]; ROWS] {
     // SAFETY: the caller's contract (rows).
     unsafe { rows_body::<N, F>(nb, w, a) }
+}
+
+/// One float step of the module's arithmetic (see the module doc):
+/// `fma(s·x, f32(i), acc)` for 8 rows, with `s` the activation's scale (or
+/// its negation, for the mins), `x` the rows' d (or dmin) and `i` their
+/// exact integer sums. Every kernel here and in `qgemm_k_decode` ends a
+/// superblock through this, so they agree bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn float_step(s: f32, x: __m256, i: __m256i, acc: __m256) -> __m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX + FMA ops, inlined into the kernels'
+    // target-feature functions (all enable AVX2 and FMA).
+    unsafe {
+        _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_set1_ps(s), x),
+            _mm256_cvtepi32_ps(i),
+            acc,
+        )
+    }
+}
+
+/// The decoding kernels' prefetch: superblock `x[r]` of the rows
+/// [`PREFETCH_CALLS`] calls on (the rows after these in a contiguous
+/// matrix), into L2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn prefetch_ahead<F: Format>(x: &[*const u8; ROWS], nb: usize) {
+    use std::arch::x86_64::*;
+    let ahead = PREFETCH_CALLS * ROWS * nb * F::BYTES;
+    for p in x {
+        for &line in F::LINES {
+            // SAFETY: a prefetch (SSE, always present on x86_64) never
+            // faults and reads nothing the program sees; wrapping_add keeps
+            // `p`'s provenance
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast()) };
+        }
+    }
 }
 
 /// Integer lanes of 8 rows reduced to one sum per row: `h[p]` is
@@ -1037,16 +1073,7 @@ unsafe fn rows_body<const N: usize, F: Format>(
             // weight / activation row holds nb blocks.
             let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * F::BYTES));
             let y: [*const u8; N] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
-            // fetch this block of the rows 2 calls on (the rows after these
-            // in a contiguous matrix) into L2; only a hint, never a read
-            let ahead = PREFETCH_CALLS * ROWS * nb * F::BYTES;
-            for p in x {
-                for &line in F::LINES {
-                    // a prefetch never faults and reads nothing the program
-                    // sees; wrapping_add keeps `p`'s provenance
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead + line).cast());
-                }
-            }
+            prefetch_ahead::<F>(&x, nb);
             let bs: [__m256i; N] =
                 std::array::from_fn(|t| _mm256_loadu_si256(y[t].add(260).cast()));
             // per token, pairs of rows' integer lanes (hadd), then per row
@@ -1088,12 +1115,9 @@ unsafe fn rows_body<const N: usize, F: Format>(
             for t in 0..N {
                 let yd = y[t].cast::<f32>().read_unaligned();
                 if F::MINS {
-                    let dm = _mm256_mul_ps(_mm256_set1_ps(-yd), xm);
-                    let msum = sum_rows(hm[t]);
-                    acc_m[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), acc_m[t]);
+                    acc_m[t] = float_step(-yd, xm, sum_rows(hm[t]), acc_m[t]);
                 }
-                let d = _mm256_mul_ps(_mm256_set1_ps(yd), xd);
-                acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum_rows(h[t])), acc[t]);
+                acc[t] = float_step(yd, xd, sum_rows(h[t]), acc[t]);
             }
         }
         let mut out = [[0f32; N]; ROWS];
