@@ -425,7 +425,8 @@ fn tile_matches_ggml(
 /// ggml's `vec_dot` (whose lanes it does not follow).
 #[test]
 fn k_quant_lanes_kernels_match_their_scalar_model() {
-    use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, lanes_for, lanes_scalar, ROWS, TOKS};
+    use kvrun::backend::cpu::matmul::k_quant_kernel;
+    use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, lanes_scalar, ROWS, TOKS};
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
@@ -457,9 +458,10 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                 }
             }
             for level in simd_levels() {
-                let (Some(fw), Some(f1)) =
-                    (lanes_for::<TOKS>(dt, level), lanes_for::<1>(dt, level))
-                else {
+                let (Some(fw), Some(f1)) = (
+                    k_quant_kernel::<TOKS>(dt, level),
+                    k_quant_kernel::<1>(dt, level),
+                ) else {
                     continue;
                 };
                 checked += 1;
@@ -581,7 +583,7 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             let mut out = vec![f32::NAN; n_tok * n_out];
             matmul_q_at(&pool, &m, &act, n_tok, &mut out, level);
             // K-quants on AVX2 follow the rows-in-lanes arithmetic, not ggml's
-            let lanes = kvrun::backend::cpu::qgemm_lanes::lanes_for::<1>(dt, level).is_some();
+            let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
                     let a = &act[t * ab..(t + 1) * ab];

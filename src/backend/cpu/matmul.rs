@@ -147,6 +147,25 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
     matmul_q_at(pool, w, act, n_tok, out, isa::level());
 }
 
+/// The K-quant kernel (Q4_K, Q5_K, Q6_K) of `N` tokens the engine runs at
+/// SIMD level `level` where the CPU has it: decoding (`N` = 1) at the
+/// AVX-512 levels takes the 512-bit kernels of `qgemm_k_decode` (two runs
+/// per instruction), everything else `qgemm_lanes`'s; `None` for other types
+/// and for levels without a kernel. Every choice follows
+/// `qgemm_lanes::lanes_scalar` bit for bit.
+pub fn k_quant_kernel<const N: usize>(
+    dtype: DType,
+    level: Level,
+) -> Option<qgemm_lanes::LanesFn<N>> {
+    #[cfg(target_arch = "x86_64")]
+    if N == 1 && level >= Level::Avx512 && level <= isa::detected() {
+        if let Some(k) = super::qgemm_k_decode::kernel::<N>(dtype, level == Level::Avx512Vnni) {
+            return Some(k);
+        }
+    }
+    qgemm_lanes::lanes_for::<N>(dtype, level)
+}
+
 /// [`matmul_q`] with the kernels of SIMD level `level` (those above what
 /// the CPU runs are skipped), so one process can run every path.
 pub fn matmul_q_at(
@@ -166,8 +185,8 @@ pub fn matmul_q_at(
     // count takes this arithmetic, so a prompt's result does not depend on
     // its chunking
     if let (Some(tile), Some(one)) = (
-        qgemm_lanes::lanes_for::<{ qgemm_lanes::TOKS }>(w.dtype, level),
-        qgemm_lanes::lanes_for::<1>(w.dtype, level),
+        k_quant_kernel::<{ qgemm_lanes::TOKS }>(w.dtype, level),
+        k_quant_kernel::<1>(w.dtype, level),
     ) {
         return if n_tok == 1 {
             matvec_k(pool, w, act, out, one)

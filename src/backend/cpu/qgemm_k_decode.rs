@@ -293,7 +293,7 @@ fn decode<const N: usize, F: Wide, const VNNI: bool>(
     super::qgemm_lanes::check(F::DTYPE, nb, w, a);
     let mut out = [[0f32; N]; ROWS];
     for t in 0..N {
-        // SAFETY: handed out (`kernel`, through lanes_for) only where the
+        // SAFETY: handed out (`kernel`, through matmul::k_quant_kernel) only where the
         // CPU has AVX-512 F/BW/VL (and VNNI for VNNI); every row holds nb
         // superblocks and every activation row nb Q8_K blocks (checked just
         // above), which bounds all loads.

@@ -202,21 +202,15 @@ pub fn lanes_scalar<const N: usize>(
 }
 
 /// The kernel of `N` tokens for `dtype` (Q4_K, Q5_K, Q6_K) at SIMD level
-/// `level` (AVX2 and above) where the CPU runs it: prefill here (with
-/// `vpdpbusd` at avx512vnni), decoding (`N` = 1) here at avx2 and in
-/// [`super::qgemm_k_decode`] at the AVX-512 levels; `None` for other types
-/// and levels.
+/// `level` (AVX2 and above) where the CPU runs it, from this file: prefill
+/// (with `vpdpbusd` at avx512vnni) and 256-bit decoding; `None` for other
+/// types and levels. The engine's choice, which takes the 512-bit decoding
+/// kernels of `qgemm_k_decode` at the AVX-512 levels, is
+/// `matmul::k_quant_kernel`.
 pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Option<LanesFn<N>> {
     use super::isa::{detected, Level};
     if level > detected() || level == Level::Portable {
         return None;
-    }
-    // decoding with AVX-512: the 512-bit kernels (two runs per instruction)
-    #[cfg(target_arch = "x86_64")]
-    if N == 1 && level >= Level::Avx512 {
-        if let Some(k) = super::qgemm_k_decode::kernel::<N>(dtype, level == Level::Avx512Vnni) {
-            return Some(k);
-        }
     }
     #[cfg(target_arch = "x86_64")]
     if level == Level::Avx512Vnni {
