@@ -418,6 +418,81 @@ fn tile_matches_ggml(
     eprintln!("{dt}: scalar model and {simd_seen} SIMD level(s) checked");
 }
 
+/// Q8_0 at the VNNI level (`qgemm_q8_0_vnni`): the prefill tile (tokens in
+/// the lanes, over packed activations and side data) and the decoding
+/// kernel equal their scalar model bit for bit on fresh random data; the
+/// model is within float rounding (1e-4 relative) of an f64 dot product of
+/// the same quantized data and of ggml's `vec_dot`.
+#[test]
+fn q8_0_vnni_kernels_match_their_scalar_model() {
+    use kvrun::backend::cpu::qgemm_q8_0_vnni::{
+        decode_for, dot_scalar, pack_acts, pack_side, tile_for, PACKED_ACT_BYTES, ROWS, SIDE_BYTES,
+        TOKS,
+    };
+    let seed = 0x5eed_0808 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let dt = DType::Q8_0;
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+    let kernels = (tile_for(Level::Avx512Vnni), decode_for(Level::Avx512Vnni));
+    if kernels.0.is_none() {
+        eprintln!("skipping the avx512vnni Q8_0 kernels: this CPU lacks them");
+    }
+    for n_in in [32usize, 64, 640, 3584, 8960] {
+        let nb = n_in / 32;
+        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+        let (w, act) = quant_problem(dt, &mut r, ROWS, n_in, TOKS);
+        let rows: [&[u8]; ROWS] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
+        let toks: [&[u8]; TOKS] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
+        let model: Vec<Vec<f32>> = (0..ROWS)
+            .map(|i| {
+                (0..TOKS)
+                    .map(|t| dot_scalar(nb, rows[i], toks[t]))
+                    .collect()
+            })
+            .collect();
+        for i in 0..ROWS {
+            for t in 0..TOKS {
+                let m = model[i][t];
+                let exact = kvrun::quant::dot_q_ref(dt, n_in, rows[i], toks[t]);
+                let g = tr.dot(n_in, rows[i], toks[t]);
+                for (what, v) in [("f64", exact), ("ggml", g)] {
+                    assert!(
+                        (m - v).abs() <= 1e-4 * (1.0 + v.abs()),
+                        "n_in {n_in} ({i},{t}): model {m} vs {what} {v}"
+                    );
+                }
+            }
+        }
+        let (Some(tile), Some(decode)) = kernels else {
+            continue;
+        };
+        let mut packed = vec![0u8; nb * PACKED_ACT_BYTES];
+        let mut side = vec![0u8; nb * SIDE_BYTES];
+        pack_acts(nb, &toks, &mut packed);
+        pack_side(nb, &rows, &mut side);
+        let v = tile(nb, &rows, &side, &packed);
+        for t in 0..TOKS {
+            let one = decode(nb, &rows, &[toks[t]]);
+            for i in 0..ROWS {
+                let m = model[i][t];
+                assert_eq!(
+                    v[i][t].to_bits(),
+                    m.to_bits(),
+                    "n_in {n_in} ({i},{t}): tile {} vs model {m}",
+                    v[i][t]
+                );
+                assert_eq!(
+                    one[i][0].to_bits(),
+                    m.to_bits(),
+                    "n_in {n_in} ({i},{t}): decode {} vs model {m}",
+                    one[i][0]
+                );
+            }
+        }
+    }
+}
+
 /// The rows-in-lanes K-quant kernels (Q4_K, Q5_K, Q6_K; AVX2, AVX-512
 /// without VNNI) equal their scalar model bit for bit, for 8 tokens and for
 /// 1, on fresh random data; the model is within float rounding (1e-4
@@ -563,6 +638,9 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q8_0, 37, 640, 5),
         (DType::Q8_0, 9, 96, 1),
         (DType::Q8_0, 4, 32, 4),
+        (DType::Q8_0, 70, 96, 2),
+        (DType::Q8_0, 13, 64, 3),
+        (DType::Q8_0, 130, 128, 17),
         (DType::Q4_0, 18, 64, 7),
         (DType::Q4_0, 37, 640, 5),
         (DType::Q4_0, 9, 96, 1),
@@ -582,13 +660,18 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             let pool = ThreadPool::new(threads);
             let mut out = vec![f32::NAN; n_tok * n_out];
             matmul_q_at(&pool, &m, &act, n_tok, &mut out, level);
-            // K-quants on AVX2 follow the rows-in-lanes arithmetic, not ggml's
+            // K-quants on AVX2 follow the rows-in-lanes arithmetic, Q8_0
+            // with VNNI its own, not ggml's
             let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
+            let q8_vnni = dt == DType::Q8_0
+                && kvrun::backend::cpu::qgemm_q8_0_vnni::tile_for(level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
                     let a = &act[t * ab..(t + 1) * ab];
                     let g = if lanes {
                         kvrun::backend::cpu::qgemm_lanes::dot_scalar(dt, n_in / 256, m.row(i), a)
+                    } else if q8_vnni {
+                        kvrun::backend::cpu::qgemm_q8_0_vnni::dot_scalar(n_in / 32, m.row(i), a)
                     } else {
                         tr.dot(n_in, m.row(i), a)
                     };

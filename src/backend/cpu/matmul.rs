@@ -10,7 +10,7 @@ use super::isa::{self, Level};
 use super::pool::{split, SharedMut, ThreadPool};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_lanes, qgemm_q8_0};
+use super::{qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -194,6 +194,20 @@ pub fn matmul_q_at(
             matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile))
         };
     }
+    // Q8_0 with VNNI: tokens in the lanes (prefill) and its own decoding,
+    // one arithmetic for every token count
+    if w.dtype == DType::Q8_0 {
+        if let (Some(tile), Some(one)) = (
+            qgemm_q8_0_vnni::tile_for(level),
+            qgemm_q8_0_vnni::decode_for(level),
+        ) {
+            return if n_tok == 1 {
+                matvec_k(pool, w, act, out, one)
+            } else {
+                matmul_q8_0_vnni(pool, w, act, n_tok, out, tile)
+            };
+        }
+    }
     let (tile_n, tile_1) = match w.dtype {
         DType::Q8_0 => (
             qgemm_q8_0::tile_for::<W_Q8_0, NT>(level),
@@ -233,6 +247,84 @@ pub fn matmul_q_at(
                     let s = w.traits.dot(n_in, w.row(r), a);
                     // SAFETY: row r belongs to this thread's tiles only.
                     unsafe { o.write(t * n_out + r, s) };
+                }
+            }
+        }
+    });
+}
+
+/// Q8_0 × Q8_0 (`n_tok` ≥ 2) with `qgemm_q8_0_vnni`'s prefill tile: the
+/// token tiles are packed once (threads split them; the last one padded
+/// with its last token), then each thread takes `LANES_ROW_TILE`-row
+/// blocks, packs its micro tiles' side data (scales, corrections) and
+/// streams every packed token tile (in L1) past them (weights from L2).
+fn matmul_q8_0_vnni(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    tile: qgemm_q8_0_vnni::TileFn,
+) {
+    use qgemm_q8_0_vnni::{pack_acts, pack_side, PACKED_ACT_BYTES, ROWS, SIDE_BYTES, TOKS};
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nb = n_in / w.dtype.block_len();
+    let nt = pool.n_threads();
+    let n_tt = n_tok.div_ceil(TOKS);
+    let tile_bytes = nb * PACKED_ACT_BYTES;
+    // the packed token tiles  (n_tt, nb, PACKED_ACT_BYTES)
+    let mut packed = vec![0u8; n_tt * tile_bytes];
+    let p = SharedMut::new(&mut packed[..]);
+    pool.run(|i| {
+        let (t0, t1) = split(n_tt, i, nt);
+        for tt in t0..t1 {
+            let toks: [&[u8]; TOKS] = std::array::from_fn(|k| {
+                let t = (tt * TOKS + k).min(n_tok - 1);
+                &act[t * ab..(t + 1) * ab]
+            });
+            // SAFETY: token tile tt belongs to this thread only.
+            pack_acts(nb, &toks, unsafe { p.slice(tt * tile_bytes, tile_bytes) });
+        }
+    });
+    let packed = &packed[..];
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|i| {
+        let n_blocks = n_out.div_ceil(LANES_ROW_TILE);
+        let (blk0, blk1) = split(n_blocks, i, nt);
+        let side_bytes = nb * SIDE_BYTES;
+        // the side data of a block's micro tiles  (LANES_ROW_TILE / ROWS, nb, SIDE_BYTES)
+        let mut side = vec![0u8; LANES_ROW_TILE / ROWS * side_bytes];
+        for blk in blk0..blk1 {
+            let r0 = blk * LANES_ROW_TILE;
+            let r1 = (r0 + LANES_ROW_TILE).min(n_out);
+            let n_micro = (r1 - r0).div_ceil(ROWS);
+            // micro tile m: rows r0 + m·ROWS .. (the last row repeated)
+            let mut rows = [[&[] as &[u8]; ROWS]; LANES_ROW_TILE / ROWS];
+            for m in 0..n_micro {
+                rows[m] = std::array::from_fn(|k| w.row((r0 + m * ROWS + k).min(r1 - 1)));
+                pack_side(
+                    nb,
+                    &rows[m],
+                    &mut side[m * side_bytes..(m + 1) * side_bytes],
+                );
+            }
+            for tt in 0..n_tt {
+                let a = &packed[tt * tile_bytes..(tt + 1) * tile_bytes];
+                let n_t = TOKS.min(n_tok - tt * TOKS);
+                for m in 0..n_micro {
+                    let res = tile(nb, &rows[m], &side[m * side_bytes..(m + 1) * side_bytes], a);
+                    let (rm, n_r) = (r0 + m * ROWS, ROWS.min(r1 - r0 - m * ROWS));
+                    for j in 0..n_t {
+                        let t = tt * TOKS + j;
+                        // SAFETY: rows r0..r1 belong to this thread only.
+                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
+                        for (k, d) in dst.iter_mut().enumerate() {
+                            *d = res[k][j];
+                        }
+                    }
                 }
             }
         }
