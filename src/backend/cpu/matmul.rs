@@ -7,7 +7,7 @@
 //! (`qgemm_q8_0`, prefill and decode).
 
 use super::isa::{self, Level};
-use super::pool::{split, SharedMut, ThreadPool};
+use super::pool::{split, Chunks, SharedMut, ThreadPool};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
 use super::{qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
@@ -233,19 +233,17 @@ pub fn matmul_q_at(
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
     let act = &act[..n_tok * ab];
-    let nt = pool.n_threads();
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
-    pool.run(|i| {
-        let n_tiles = n_out.div_ceil(ROW_TILE);
-        let (tile0, tile1) = split(n_tiles, i, nt);
-        for tile in tile0..tile1 {
+    let tiles = Chunks::new(n_out.div_ceil(ROW_TILE));
+    pool.run(|_| {
+        while let Some(tile) = tiles.next() {
             let r0 = tile * ROW_TILE;
             let r1 = (r0 + ROW_TILE).min(n_out);
             for t in 0..n_tok {
                 let a = &act[t * ab..(t + 1) * ab];
                 for r in r0..r1 {
                     let s = w.traits.dot(n_in, w.row(r), a);
-                    // SAFETY: row r belongs to this thread's tiles only.
+                    // SAFETY: tile `tile` (rows r0..r1) was handed to this thread only.
                     unsafe { o.write(t * n_out + r, s) };
                 }
             }
@@ -255,9 +253,9 @@ pub fn matmul_q_at(
 
 /// Q8_0 × Q8_0 (`n_tok` ≥ 2) with `qgemm_q8_0_vnni`'s prefill tile: the
 /// token tiles are packed once (threads split them; the last one padded
-/// with its last token), then each thread takes `LANES_ROW_TILE`-row
-/// blocks, packs its micro tiles' side data (scales, corrections) and
-/// streams every packed token tile (in L1) past them (weights from L2).
+/// with its last token), then the threads take `LANES_ROW_TILE`-row
+/// blocks as they come free, pack its micro tiles' side data (scales, corrections) and
+/// stream every packed token tile (in L1) past them (weights from L2).
 fn matmul_q8_0_vnni(
     pool: &ThreadPool,
     w: &QMat<'_>,
@@ -291,13 +289,12 @@ fn matmul_q8_0_vnni(
     });
     let packed = &packed[..];
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
-    pool.run(|i| {
-        let n_blocks = n_out.div_ceil(LANES_ROW_TILE);
-        let (blk0, blk1) = split(n_blocks, i, nt);
+    let blocks = Chunks::new(n_out.div_ceil(LANES_ROW_TILE));
+    pool.run(|_| {
         let side_bytes = nb * SIDE_BYTES;
         // the side data of a block's micro tiles  (LANES_ROW_TILE / ROWS, nb, SIDE_BYTES)
         let mut side = vec![0u8; LANES_ROW_TILE / ROWS * side_bytes];
-        for blk in blk0..blk1 {
+        while let Some(blk) = blocks.next() {
             let r0 = blk * LANES_ROW_TILE;
             let r1 = (r0 + LANES_ROW_TILE).min(n_out);
             let n_micro = (r1 - r0).div_ceil(ROWS);
@@ -319,7 +316,7 @@ fn matmul_q8_0_vnni(
                     let (rm, n_r) = (r0 + m * ROWS, ROWS.min(r1 - r0 - m * ROWS));
                     for j in 0..n_t {
                         let t = tt * TOKS + j;
-                        // SAFETY: rows r0..r1 belong to this thread only.
+                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
                         let dst = unsafe { o.slice(t * n_out + rm, n_r) };
                         for (k, d) in dst.iter_mut().enumerate() {
                             *d = res[k][j];
@@ -372,7 +369,8 @@ impl Tile {
 }
 
 /// `matmul_q` with a tile microkernel (`tile.rows()` × `tile.toks()` per
-/// call): each thread takes `tile.row_tile()`-row blocks; per block, token
+/// call): the threads take `tile.row_tile()`-row blocks as they come free
+/// ([`Chunks`]); per block, token
 /// tiles stream past its micro tiles (one token tile stays in L1).
 /// Ragged edges repeat the last row / token and drop the extra results.
 fn matmul_q_tiled(
@@ -412,15 +410,13 @@ fn matmul_q_tiled(
             }
         });
     }
-    let nt = pool.n_threads();
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
-    pool.run(|i| {
-        let row_tile = tile.row_tile();
-        let n_blocks = n_out.div_ceil(row_tile);
-        let (blk0, blk1) = split(n_blocks, i, nt);
+    let row_tile = tile.row_tile();
+    let blocks = Chunks::new(n_out.div_ceil(row_tile));
+    pool.run(|_| {
         let mut w_sc = vec![qgemm_x86::TileScales::default(); ROW_TILE / MR];
         let mr = tile.rows();
-        for blk in blk0..blk1 {
+        while let Some(blk) = blocks.next() {
             let r0 = blk * row_tile;
             let r1 = (r0 + row_tile).min(n_out);
             let n_micro = (r1 - r0).div_ceil(mr);
@@ -455,7 +451,7 @@ fn matmul_q_tiled(
                     let (rm, n_r) = (r0 + m * mr, mr.min(r1 - r0 - m * mr));
                     for j in 0..n_t {
                         let t = tt * ntok + j;
-                        // SAFETY: rows r0..r1 belong to this thread only.
+                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
                         let dst = unsafe { o.slice(t * n_out + rm, n_r) };
                         for (k, d) in dst.iter_mut().enumerate() {
                             *d = res[k][j];
@@ -492,7 +488,9 @@ fn first_nt<'r, 'a>(toks: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; NT] {
 
 /// One token through a matrix with an `R`-row kernel of the `qgemm_q8_0`
 /// call shape (the 4-row tiles, or the 8-row `qgemm_lanes`): the rows
-/// split between threads in blocks of `R`, the activation shared by all.
+/// split between threads in blocks of `R`, the activation shared by all
+/// (a fixed split, not [`Chunks`]: each thread streams one run of rows, which
+/// the kernels' prefetch of the tiles ahead relies on).
 fn matvec_k<const R: usize>(
     pool: &ThreadPool,
     w: &QMat<'_>,

@@ -216,6 +216,34 @@ pub fn split(n: usize, i: usize, n_threads: usize) -> (usize, usize) {
     (start, (start + per).min(n))
 }
 
+/// Work items `0..n` handed out one at a time to whichever thread asks
+/// next (dynamic scheduling): on a shared or noisy machine a thread that
+/// loses its core for a while simply takes fewer items, where a fixed
+/// [`split`] would leave the others waiting for it at the end of the op.
+/// Which thread computes an item never changes its arithmetic.
+#[derive(Debug)]
+pub struct Chunks {
+    next: AtomicUsize,
+    n: usize,
+}
+
+impl Chunks {
+    /// Items `0..n`.
+    pub fn new(n: usize) -> Chunks {
+        Chunks {
+            next: AtomicUsize::new(0),
+            n,
+        }
+    }
+
+    /// The next item nobody has taken, or `None` when all are taken.
+    #[inline]
+    pub fn next(&self) -> Option<usize> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        (i < self.n).then_some(i)
+    }
+}
+
 /// A raw pointer to an output buffer that threads write disjoint parts of,
 /// valid for the lifetime `'a` of the borrow it was made from.
 #[derive(Debug)]
@@ -279,6 +307,30 @@ impl<'a, T> SharedMut<'a, T> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    /// Every item is handed out exactly once across the threads, even when
+    /// one thread is slow, and a slow thread takes fewer items.
+    #[test]
+    fn chunks_hand_out_every_item_once() {
+        let pool = ThreadPool::new(3);
+        let n = 500;
+        let chunks = Chunks::new(n);
+        let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        let per_thread: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        pool.run(|i| {
+            while let Some(c) = chunks.next() {
+                seen[c].fetch_add(1, Ordering::SeqCst);
+                per_thread[i].fetch_add(1, Ordering::SeqCst);
+                if i == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+            }
+        });
+        assert!(seen.iter().all(|s| s.load(Ordering::SeqCst) == 1));
+        assert!(chunks.next().is_none());
+        let slow = per_thread[0].load(Ordering::SeqCst);
+        assert!(slow < n / 3, "the sleeping thread took {slow} of {n}");
+    }
 
     /// A panic in the caller's share is re-raised only after the workers
     /// finished with the job (they still see valid data), and the pool
