@@ -501,13 +501,15 @@ fn q8_0_vnni_kernels_match_their_scalar_model() {
 #[test]
 fn k_quant_lanes_kernels_match_their_scalar_model() {
     use kvrun::backend::cpu::matmul::k_quant_kernel;
-    use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, lanes_scalar, ROWS, TOKS};
+    use kvrun::backend::cpu::qgemm_lanes::{
+        dot_scalar, lanes_scalar, packed_for, PACKED_BYTES, ROWS, TOKS,
+    };
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
-        let mut checked = 0;
+        let (mut checked, mut packed_checked) = (0, 0);
         for n_in in [256usize, 768, 3584, 18944] {
             let nb = n_in / 256;
             let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
@@ -533,6 +535,24 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                 }
             }
             for level in simd_levels() {
+                // the packed-row-block kernel (VNNI): packed once, same bits
+                if let Some((pack, kernel)) = packed_for(dt, level) {
+                    let mut p = vec![0u8; nb * PACKED_BYTES];
+                    pack(nb, &rows, &mut p);
+                    let v = kernel(nb, &p, &toks);
+                    for i in 0..ROWS {
+                        for t in 0..TOKS {
+                            let m = model[i][t];
+                            assert_eq!(
+                                v[i][t].to_bits(),
+                                m.to_bits(),
+                                "{dt} n_in {n_in} ({i},{t}): packed {} vs model {m}",
+                                v[i][t]
+                            );
+                        }
+                    }
+                    packed_checked += 1;
+                }
                 let (Some(fw), Some(f1)) = (
                     k_quant_kernel::<TOKS>(dt, level),
                     k_quant_kernel::<1>(dt, level),
@@ -566,6 +586,12 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
             assert!(
                 checked > 0,
                 "no {dt} rows-in-lanes kernel ran on an AVX2 CPU"
+            );
+        }
+        if kvrun::backend::cpu::isa::detected() == Level::Avx512Vnni {
+            assert!(
+                packed_checked > 0,
+                "no packed {dt} kernel ran on a VNNI CPU"
             );
         }
     }

@@ -898,54 +898,228 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                 }
             }
             for t in 0..N {
-                let mut isum = isum[t];
-                let yd = y[t].cast::<f32>().read_unaligned();
-                // the activation's 16-value sums
-                let bs = _mm256_loadu_si256(y[t].add(260).cast());
-                let pair = |v: __m128i, i: usize| {
-                    _mm256_set1_epi32(match i {
-                        0 => _mm_extract_epi32(v, 0),
-                        1 => _mm_extract_epi32(v, 1),
-                        2 => _mm_extract_epi32(v, 2),
-                        _ => _mm_extract_epi32(v, 3),
-                    })
-                };
-                if F::MINS {
-                    // pairs (2i, 2i + 1) of 32-value sums against the mins
-                    let bs32 =
-                        _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-                    let m = |i: usize| _mm256_madd_epi16(off[i], pair(bs32, i));
-                    let msum = _mm256_add_epi32(
-                        _mm256_add_epi32(m(0), m(1)),
-                        _mm256_add_epi32(m(2), m(3)),
-                    );
-                    acc_m[t] = float_step(-yd, xm, msum, acc_m[t]);
-                } else {
-                    // pairs (2i, 2i + 1) of 16-value sums against −32·scale
-                    let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-                    let o = |i: usize| {
-                        let v = if i < 4 { lo } else { hi };
-                        _mm256_madd_epi16(off[i], pair(v, i % 4))
-                    };
-                    let osum = _mm256_add_epi32(
-                        _mm256_add_epi32(
-                            _mm256_add_epi32(o(0), o(1)),
-                            _mm256_add_epi32(o(2), o(3)),
-                        ),
-                        _mm256_add_epi32(
-                            _mm256_add_epi32(o(4), o(5)),
-                            _mm256_add_epi32(o(6), o(7)),
-                        ),
-                    );
-                    isum = _mm256_add_epi32(isum, osum);
-                }
-                acc[t] = float_step(yd, xd, isum, acc[t]);
+                superblock_end::<F>(y[t], isum[t], xd, xm, &off, &mut acc[t], &mut acc_m[t]);
             }
         }
         let mut out = [[0f32; N]; ROWS];
         for t in 0..N {
             let mut v = [0f32; ROWS];
             // SAFETY: v holds 8 floats.
+            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
+            for r in 0..ROWS {
+                out[r][t] = v[r];
+            }
+        }
+        out
+    }
+}
+
+/// The end of one superblock for one token (8 rows in the lanes): the
+/// offsets against the activation's 16-value sums (Q4_K/Q5_K: the mins into
+/// `acc_m`; Q6_K: −32·scale folded into `isum`), then the float steps.
+///
+/// # Safety
+/// AVX2 and FMA enabled where this is inlined; `y` is a whole Q8_K block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn superblock_end<F: Format>(
+    y: *const u8,
+    mut isum: __m256i,
+    xd: __m256,
+    xm: __m256,
+    off: &[__m256i; 8],
+    acc: &mut __m256,
+    acc_m: &mut __m256,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: the function's contract (features; y + 260 holds the 16
+    // bsums).
+    unsafe {
+        let yd = y.cast::<f32>().read_unaligned();
+        // the activation's 16-value sums
+        let bs = _mm256_loadu_si256(y.add(260).cast());
+        let pair = |v: __m128i, i: usize| {
+            _mm256_set1_epi32(match i {
+                0 => _mm_extract_epi32(v, 0),
+                1 => _mm_extract_epi32(v, 1),
+                2 => _mm_extract_epi32(v, 2),
+                _ => _mm_extract_epi32(v, 3),
+            })
+        };
+        if F::MINS {
+            // pairs (2i, 2i + 1) of 32-value sums against the mins
+            let bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            let m = |i: usize| _mm256_madd_epi16(off[i], pair(bs32, i));
+            let msum = _mm256_add_epi32(_mm256_add_epi32(m(0), m(1)), _mm256_add_epi32(m(2), m(3)));
+            *acc_m = float_step(-yd, xm, msum, *acc_m);
+        } else {
+            // pairs (2i, 2i + 1) of 16-value sums against −32·scale
+            let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            let o = |i: usize| {
+                let v = if i < 4 { lo } else { hi };
+                _mm256_madd_epi16(off[i], pair(v, i % 4))
+            };
+            let osum = _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(o(0), o(1)), _mm256_add_epi32(o(2), o(3))),
+                _mm256_add_epi32(_mm256_add_epi32(o(4), o(5)), _mm256_add_epi32(o(6), o(7))),
+            );
+            isum = _mm256_add_epi32(isum, osum);
+        }
+        *acc = float_step(yd, xd, isum, *acc);
+    }
+}
+
+/// Bytes of one superblock of a packed micro tile ([`pack_rows`]): the 8
+/// rows' `d` and `dmin` (f32 lanes), 16 scale vectors (i32, the VNNI
+/// kernel's form), 8 offset vectors (the mins or −32·scale pairs, i16), then
+/// the unsigned quants of the 8 runs of 32, group by group, rows in lanes.
+pub const PACKED_BYTES: usize = 64 + 16 * 32 + 8 * 32 + 64 * 32;
+const PACKED_SC: usize = 64;
+const PACKED_OFF: usize = PACKED_SC + 16 * 32;
+const PACKED_Q: usize = PACKED_OFF + 8 * 32;
+
+/// Packs 8 rows (`nb` superblocks) once, so every token tile after the
+/// first skips their transposes and unpacking.
+pub type PackFn = fn(usize, &[&[u8]; ROWS], &mut [u8]);
+/// The VNNI prefill kernel over a packed micro tile: `(nb, packed rows
+/// (nb · PACKED_BYTES), 8 token rows) -> out[r][t]`, bit for bit
+/// [`lanes_for`]'s.
+pub type PackedFn = fn(usize, &[u8], &[&[u8]; TOKS]) -> [[f32; TOKS]; ROWS];
+
+/// The packing prefill pair for `dtype` at SIMD level `level`: only at
+/// avx512vnni (where it runs), `None` elsewhere.
+pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<(PackFn, PackedFn)> {
+    use super::isa::{detected, Level};
+    if level != Level::Avx512Vnni || detected() != Level::Avx512Vnni {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    match dtype {
+        DType::Q4K => return Some((pack_rows::<Q4k>, lanes_packed::<Q4k>)),
+        DType::Q5K => return Some((pack_rows::<Q5k>, lanes_packed::<Q5k>)),
+        DType::Q6K => return Some((pack_rows::<Q6k>, lanes_packed::<Q6k>)),
+        _ => {}
+    }
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+fn pack_rows<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
+    check::<0>(F::DTYPE, nb, w, &[]);
+    assert!(
+        out.len() >= nb * PACKED_BYTES,
+        "{} pack: buffer too short",
+        F::DTYPE
+    );
+    // SAFETY: handed out (packed_for) only where the CPU has AVX-512
+    // F/BW/VL/VNNI, AVX2, FMA and F16C; every row holds nb superblocks and
+    // `out` nb packed ones (checked just above), which bounds all accesses.
+    unsafe { pack_rows_impl::<F>(nb, w, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn pack_rows_impl<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
+    use std::arch::x86_64::*;
+    // SAFETY (all loads and stores): b < nb; the caller's contract.
+    unsafe {
+        for b in 0..nb {
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr().add(b * F::BYTES));
+            let o = out.as_mut_ptr().add(b * PACKED_BYTES);
+            let (xd, xm) = F::heads(&x);
+            _mm256_storeu_ps(o.cast(), xd);
+            _mm256_storeu_ps(o.add(32).cast(), xm);
+            let (sc, off) = F::scales(&x);
+            for (j, v) in sc.iter().enumerate() {
+                // the high half of each pair, sign kept (lanes_body's sc32)
+                _mm256_storeu_si256(o.add(PACKED_SC + 32 * j).cast(), _mm256_srai_epi32(*v, 16));
+            }
+            for (i, v) in off.iter().enumerate() {
+                _mm256_storeu_si256(o.add(PACKED_OFF + 32 * i).cast(), *v);
+            }
+            let state = F::begin(&x);
+            for u in 0..F::UNITS {
+                let q = F::unit(&x, u, &state);
+                for (k, run) in q.iter().take(F::RUNS).enumerate() {
+                    let s = F::RUNS * u + k;
+                    for (g, v) in run.iter().enumerate() {
+                        _mm256_storeu_si256(o.add(PACKED_Q + 32 * (8 * s + g)).cast(), *v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn lanes_packed<F: Format>(nb: usize, p: &[u8], a: &[&[u8]; TOKS]) -> [[f32; TOKS]; ROWS] {
+    assert!(
+        p.len() >= nb * PACKED_BYTES,
+        "{} lanes: packed tile too short",
+        F::DTYPE
+    );
+    assert!(
+        a.iter().all(|r| r.len() >= nb * Q8_K_BYTES),
+        "{} lanes: activation row too short",
+        F::DTYPE
+    );
+    // SAFETY: handed out (packed_for) only at level avx512vnni (AVX-512
+    // F/BW/VL/VNNI, AVX2, FMA, F16C); the packed tile and every activation
+    // row hold nb superblocks (checked just above).
+    unsafe { lanes_packed_impl::<F>(nb, p, a) }
+}
+
+/// `lanes_body`'s VNNI path over a packed micro tile (the same integer
+/// sums in the same order, the same float steps).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn lanes_packed_impl<F: Format>(
+    nb: usize,
+    p: &[u8],
+    a: &[&[u8]; TOKS],
+) -> [[f32; TOKS]; ROWS] {
+    use std::arch::x86_64::*;
+    // SAFETY (all loads): b < nb; the caller's contract.
+    unsafe {
+        let ap: [*const u8; TOKS] = std::array::from_fn(|t| a[t].as_ptr());
+        let mut acc = [_mm256_setzero_ps(); TOKS];
+        let mut acc_m = [_mm256_setzero_ps(); TOKS];
+        let per = F::SCALE_LEN / 4;
+        for b in 0..nb {
+            let o = p.as_ptr().add(b * PACKED_BYTES);
+            let y: [*const u8; TOKS] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
+            let (xd, xm) = (_mm256_loadu_ps(o.cast()), _mm256_loadu_ps(o.add(32).cast()));
+            let off: [__m256i; 8] =
+                std::array::from_fn(|i| _mm256_loadu_si256(o.add(PACKED_OFF + 32 * i).cast()));
+            let mut isum = [_mm256_setzero_si256(); TOKS];
+            for s in 0..8 {
+                for j in 0..8 / per {
+                    let mut p32 = [_mm256_setzero_si256(); TOKS];
+                    for g in j * per..(j + 1) * per {
+                        let wv = _mm256_loadu_si256(o.add(PACKED_Q + 32 * (8 * s + g)).cast());
+                        for (t, p32) in p32.iter_mut().enumerate() {
+                            let yt = y[t].add(4 + 32 * s + 4 * g).cast::<i32>();
+                            *p32 = _mm256_dpbusd_epi32(
+                                *p32,
+                                wv,
+                                _mm256_set1_epi32(yt.read_unaligned()),
+                            );
+                        }
+                    }
+                    let k = (32 * s + 4 * per * j) / F::SCALE_LEN;
+                    let scale = _mm256_loadu_si256(o.add(PACKED_SC + 32 * k).cast());
+                    for (isum, p32) in isum.iter_mut().zip(p32) {
+                        *isum = _mm256_add_epi32(*isum, _mm256_mullo_epi32(p32, scale));
+                    }
+                }
+            }
+            for t in 0..TOKS {
+                superblock_end::<F>(y[t], isum[t], xd, xm, &off, &mut acc[t], &mut acc_m[t]);
+            }
+        }
+        let mut out = [[0f32; TOKS]; ROWS];
+        for t in 0..TOKS {
+            let mut v = [0f32; ROWS];
             _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
             for r in 0..ROWS {
                 out[r][t] = v[r];
