@@ -48,6 +48,13 @@
 //! transposes cost more than they save, and the result is the same bit for
 //! bit, so a prompt's logits still do not depend on how it is chunked.
 //!
+//! With VNNI the prefill also runs over packed micro tiles ([`packed_for`]):
+//! [`PackFn`] writes a micro tile's transposed, unpacked quants and decoded
+//! scales once per row block (the caller keeps a block's tiles in L2), and
+//! [`PackedFn`] streams token tiles past them with the same integer sums
+//! and float steps, so it equals the unpacked kernel bit for bit while
+//! paying the unpacking once per block instead of once per token tile.
+//!
 //! It differs from ggml's (8 float lanes per row summed at the end) by
 //! float rounding only: tests/engine/kernels.rs bounds it against an f64
 //! dot product of the same quantized data and against `vec_dot`.
