@@ -324,15 +324,11 @@ fn matmul_q8_0_vnni(
                 let n_t = TOKS.min(n_tok - tt * TOKS);
                 for m in 0..n_micro {
                     let res = tile(nb, &rows[m], &side[m * side_bytes..(m + 1) * side_bytes], a);
-                    let (rm, n_r) = (r0 + m * ROWS, ROWS.min(r1 - r0 - m * ROWS));
-                    for j in 0..n_t {
-                        let t = tt * TOKS + j;
-                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
-                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
-                        for (k, d) in dst.iter_mut().enumerate() {
-                            *d = res[k][j];
-                        }
-                    }
+                    let rm = r0 + m * ROWS;
+                    // SAFETY: block blk (rows r0..r1) was handed to this thread only.
+                    unsafe {
+                        store_tile(o, n_out, &res, (rm, ROWS.min(r1 - rm)), (tt * TOKS, n_t))
+                    };
                 }
             }
         }
@@ -395,19 +391,36 @@ fn matmul_k_packed(
                 let n_t = TOKS.min(n_tok - tt * TOKS);
                 for m in 0..n_micro {
                     let res = kernel(nb, &packed[m * pb..(m + 1) * pb], &a);
-                    let (rm, n_r) = (r0 + m * ROWS, ROWS.min(r1 - r0 - m * ROWS));
-                    for j in 0..n_t {
-                        let t = tt * TOKS + j;
-                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
-                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
-                        for (k, d) in dst.iter_mut().enumerate() {
-                            *d = res[k][j];
-                        }
-                    }
+                    let rm = r0 + m * ROWS;
+                    // SAFETY: block blk (rows r0..r1) was handed to this thread only.
+                    unsafe {
+                        store_tile(o, n_out, &res, (rm, ROWS.min(r1 - rm)), (tt * TOKS, n_t))
+                    };
                 }
             }
         }
     });
+}
+
+/// Write a tile's results `res[row][token]` to `o` (token-major, `n_out`
+/// per token): rows `rm..rm + n_r`, tokens `t0..t0 + n_t`.
+///
+/// # Safety
+/// No other thread writes those rows of `o` meanwhile.
+unsafe fn store_tile(
+    o: SharedMut<'_, f32>,
+    n_out: usize,
+    res: &[[f32; WIDE]; WIDE],
+    (rm, n_r): (usize, usize),
+    (t0, n_t): (usize, usize),
+) {
+    for j in 0..n_t {
+        // SAFETY: the caller's contract; the slice is inside `o`.
+        let dst = unsafe { o.slice((t0 + j) * n_out + rm, n_r) };
+        for (k, d) in dst.iter_mut().enumerate() {
+            *d = res[k][j];
+        }
+    }
 }
 
 /// A tile microkernel and the operand formats it takes.
@@ -530,15 +543,9 @@ fn matmul_q_tiled(
                             wide[..NT].copy_from_slice(n);
                         }
                     }
-                    let (rm, n_r) = (r0 + m * mr, mr.min(r1 - r0 - m * mr));
-                    for j in 0..n_t {
-                        let t = tt * ntok + j;
-                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
-                        let dst = unsafe { o.slice(t * n_out + rm, n_r) };
-                        for (k, d) in dst.iter_mut().enumerate() {
-                            *d = res[k][j];
-                        }
-                    }
+                    let rm = r0 + m * mr;
+                    // SAFETY: block blk (rows r0..r1) was handed to this thread only.
+                    unsafe { store_tile(o, n_out, &res, (rm, mr.min(r1 - rm)), (tt * ntok, n_t)) };
                 }
             }
         }
