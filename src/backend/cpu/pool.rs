@@ -17,7 +17,7 @@ use std::any::Any;
 use std::cell::UnsafeCell;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -244,6 +244,106 @@ impl Chunks {
     }
 }
 
+/// Items `0..n` first split into one contiguous run per thread (as
+/// [`split`]), each run taken front to back by its owner; a thread whose
+/// run is used up steals the back half of what is left of another's and
+/// goes on with that as its own run. Each thread therefore streams long
+/// runs of consecutive items (what a kernel prefetching the items ahead
+/// needs), yet none waits at the end of the op for one that lost its core
+/// for a while. Which thread computes an item never changes its arithmetic.
+#[derive(Debug)]
+pub struct Runs {
+    /// Per thread, its run `[lo, hi)` packed as `lo << 32 | hi`, each on
+    /// its own cache line so the owners' takes do not contend.
+    runs: Vec<PaddedU64>,
+}
+
+#[derive(Debug)]
+#[repr(align(64))]
+struct PaddedU64(AtomicU64);
+
+#[inline]
+fn pack_run(lo: usize, hi: usize) -> u64 {
+    ((lo as u64) << 32) | hi as u64
+}
+
+#[inline]
+fn unpack_run(v: u64) -> (usize, usize) {
+    ((v >> 32) as usize, (v & 0xffff_ffff) as usize)
+}
+
+impl Runs {
+    /// Items `0..n` over `n_threads` threads.
+    pub fn new(n: usize, n_threads: usize) -> Runs {
+        assert!(n < 1 << 32, "Runs: {n} items do not fit a packed run");
+        let n_threads = n_threads.max(1);
+        Runs {
+            runs: (0..n_threads)
+                .map(|i| {
+                    let (lo, hi) = split(n, i, n_threads);
+                    PaddedU64(AtomicU64::new(pack_run(lo, hi)))
+                })
+                .collect(),
+        }
+    }
+
+    /// The next item for thread `i`: the front of its own run, else the
+    /// first item of the back half it steals from another thread's run;
+    /// `None` once every run is empty.
+    #[inline]
+    pub fn next(&self, i: usize) -> Option<usize> {
+        let own = &self.runs[i].0;
+        let mut cur = own.load(Ordering::Relaxed);
+        loop {
+            let (lo, hi) = unpack_run(cur);
+            if lo >= hi {
+                break;
+            }
+            match own.compare_exchange_weak(
+                cur,
+                pack_run(lo + 1, hi),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(lo),
+                Err(now) => cur = now,
+            }
+        }
+        self.steal(i)
+    }
+
+    #[cold]
+    fn steal(&self, i: usize) -> Option<usize> {
+        let nt = self.runs.len();
+        for k in 1..nt {
+            let victim = &self.runs[(i + k) % nt].0;
+            let mut cur = victim.load(Ordering::Relaxed);
+            loop {
+                let (lo, hi) = unpack_run(cur);
+                if lo >= hi {
+                    break;
+                }
+                let mid = hi - (hi - lo).div_ceil(2);
+                match victim.compare_exchange_weak(
+                    cur,
+                    pack_run(lo, mid),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        // only this thread refills its own (empty) run;
+                        // others never shrink an empty one
+                        self.runs[i].0.store(pack_run(mid + 1, hi), Ordering::Relaxed);
+                        return Some(mid);
+                    }
+                    Err(now) => cur = now,
+                }
+            }
+        }
+        None
+    }
+}
+
 /// A raw pointer to an output buffer that threads write disjoint parts of,
 /// valid for the lifetime `'a` of the borrow it was made from.
 #[derive(Debug)]
@@ -330,6 +430,40 @@ mod tests {
         assert!(chunks.next().is_none());
         let slow = per_thread[0].load(Ordering::SeqCst);
         assert!(slow < n / 3, "the sleeping thread took {slow} of {n}");
+    }
+
+    /// Every item is computed exactly once, each thread works through
+    /// long runs of consecutive items (few steals), and a slow thread's run
+    /// is taken over by the others.
+    #[test]
+    fn runs_hand_out_every_item_once_and_steal_from_a_slow_thread() {
+        for nt in [1, 2, 3] {
+            let pool = ThreadPool::new(nt);
+            let n = 301;
+            let runs = Runs::new(n, nt);
+            let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let order: Vec<Mutex<Vec<usize>>> = (0..nt).map(|_| Mutex::new(Vec::new())).collect();
+            pool.run(|i| {
+                while let Some(c) = runs.next(i) {
+                    seen[c].fetch_add(1, Ordering::SeqCst);
+                    order[i].lock().unwrap().push(c);
+                    if i == 0 && nt > 1 {
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                    }
+                }
+            });
+            assert!(seen.iter().all(|s| s.load(Ordering::SeqCst) == 1), "{nt} threads");
+            assert!(runs.next(0).is_none());
+            for (i, o) in order.iter().enumerate() {
+                let o = o.lock().unwrap();
+                let segments = 1 + o.windows(2).filter(|w| w[1] != w[0] + 1).count();
+                assert!(segments <= 24, "thread {i} of {nt}: {segments} runs");
+            }
+            if nt > 1 {
+                let slow = order[0].lock().unwrap().len();
+                assert!(slow < n.div_ceil(nt) / 2, "the sleeping thread took {slow} of {n}");
+            }
+        }
     }
 
     /// A panic in the caller's share is re-raised only after the workers
