@@ -639,11 +639,16 @@ fn build_arch(
     let u = |v: usize| Value::U32(v as u32);
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::Str(arch.into())),
-        // (a name with "phi3" in it would make llama.cpp look up Phi-3's
-        // own special tokens, which another tokenizer lacks)
+        // named for its shape, as a reshaped header is; but not "phi3":
+        // a name with that in it would make llama.cpp look up Phi-3's own
+        // special tokens, which another tokenizer lacks
         (
             "general.name".into(),
-            Value::Str("kvrun synthetic model".into()),
+            Value::Str(if arch == "phi3" {
+                format!("synthetic {}L x {}", s.layers, s.dim)
+            } else {
+                format!("synthetic {arch} {}L x {}", s.layers, s.dim)
+            }),
         ),
         ("general.file_type".into(), Value::U32(mix.file_type())),
         (key("context_length"), u(4096)),

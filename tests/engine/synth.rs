@@ -72,6 +72,18 @@ fn synth_is_a_function_of_the_seed_and_keeps_the_header() {
         g.get_str("general.name").unwrap(),
         format!("synthetic qwen2 {}L x {}", s.layers, s.dim)
     );
+    // so is a model built from scratch (`--arch`), phi3 without its name
+    for (arch, name) in [("llama", "synthetic llama"), ("phi3", "synthetic")] {
+        let r = Recipe {
+            arch: Some(arch),
+            ..tiny(Mix::Q8_0)
+        };
+        let built = synth::in_memory(&h, &r, Path::new("synth:x"), &spec(7, 2)).unwrap();
+        assert_eq!(
+            built.get_str("general.name").unwrap(),
+            format!("{name} {}L x {}", s.layers, s.dim)
+        );
+    }
     g.check_data().unwrap();
     for t in &g.tensors {
         let v = g.tensor(&t.name).unwrap();

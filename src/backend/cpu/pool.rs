@@ -333,7 +333,9 @@ impl Runs {
                     Ok(_) => {
                         // only this thread refills its own (empty) run;
                         // others never shrink an empty one
-                        self.runs[i].0.store(pack_run(mid + 1, hi), Ordering::Relaxed);
+                        self.runs[i]
+                            .0
+                            .store(pack_run(mid + 1, hi), Ordering::Relaxed);
                         return Some(mid);
                     }
                     Err(now) => cur = now,
@@ -452,7 +454,10 @@ mod tests {
                     }
                 }
             });
-            assert!(seen.iter().all(|s| s.load(Ordering::SeqCst) == 1), "{nt} threads");
+            assert!(
+                seen.iter().all(|s| s.load(Ordering::SeqCst) == 1),
+                "{nt} threads"
+            );
             assert!(runs.next(0).is_none());
             for (i, o) in order.iter().enumerate() {
                 let o = o.lock().unwrap();
@@ -461,7 +466,10 @@ mod tests {
             }
             if nt > 1 {
                 let slow = order[0].lock().unwrap().len();
-                assert!(slow < n.div_ceil(nt) / 2, "the sleeping thread took {slow} of {n}");
+                assert!(
+                    slow < n.div_ceil(nt) / 2,
+                    "the sleeping thread took {slow} of {n}"
+                );
             }
         }
     }
