@@ -36,6 +36,12 @@ pub struct BenchArgs {
     /// Skip the llama.cpp side.
     #[arg(long = "no-llama")]
     pub no_llama: bool,
+    /// Alternate the engines repetition by repetition (kvrun's sessions,
+    /// then llama.cpp, in turn) instead of running all of kvrun's first:
+    /// on a shared machine, load that comes and goes then hits both alike.
+    /// Both models stay loaded, so kvrun's own peak RSS is not reported.
+    #[arg(long = "interleave")]
+    pub interleave: bool,
     /// Prefill this many tokens before each test (llama-bench's -d): the
     /// tests then run at context depth D. llama.cpp keeps its full cache;
     /// kvrun uses --policy / --kv-budget.
@@ -210,9 +216,24 @@ fn bench_one(
         ctx_toks,
         toks,
     };
+    let no_llama = a.no_llama || device != crate::backend::Device::Cpu;
+    // --interleave: llama.cpp loaded now, measured inside kvrun's rep loop
+    let rival_lm = if a.interleave && !no_llama {
+        Some(rival_model(&path)?)
+    } else {
+        None
+    };
+    let mut rival = match &rival_lm {
+        Some(lm) => llama_rival(lm, &tests, n_ctx, n_threads, a.depth, ctx_toks, toks)?,
+        None => None,
+    };
     let ((ours, kv_lines, kv_peak), device_note, device_gbs) = match device {
         crate::backend::Device::Cpu => (
-            side.run(w, || Ok(crate::backend::Host::new(n_threads)))?,
+            side.run(
+                w,
+                || Ok(crate::backend::Host::new(n_threads)),
+                rival.as_deref_mut().map(|r| r as &mut dyn Rival),
+            )?,
             None,
             None,
         ),
@@ -225,15 +246,15 @@ fn bench_one(
                 b.name(),
                 t.elapsed().as_secs_f64()
             );
-            let m = side.run(&wd, || Ok(b.sibling(n_threads)))?;
+            let m = side.run(&wd, || Ok(b.sibling(n_threads)), None)?;
             (m, Some(note), Some(b.read_bandwidth()?))
         }
     };
-    let no_llama = a.no_llama || device != crate::backend::Device::Cpu;
     // the roofline: this machine's read bandwidth with the same threads,
     // and the bytes a decoded token reads (every weight but the embedding
     // table, plus the live KV)
-    let rss_kvrun = peak_rss_bytes();
+    // (interleaved, llama.cpp's model is resident too: no kvrun-only peak)
+    let rss_kvrun = peak_rss_bytes().filter(|_| rival.is_none());
     let gbs = match device {
         crate::backend::Device::Cuda(_) => device_gbs,
         crate::backend::Device::Cpu => {
@@ -252,6 +273,8 @@ fn bench_one(
     // llama.cpp
     let theirs = if no_llama {
         vec![None; tests.len()]
+    } else if let Some(r) = rival.take() {
+        r.results().into_iter().map(Some).collect()
     } else {
         llama_side(a, &path, &tests, n_ctx, n_threads, ctx_toks, toks)?
     };
@@ -307,6 +330,12 @@ fn bench_one(
         out.notes.push("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)".into());
     }
     out.notes.extend(kv_lines);
+    if a.interleave && !no_llama && cfg!(feature = "oracle") {
+        out.notes.push(
+            "interleaved: each repetition ran kvrun, then llama.cpp, with both models loaded"
+                .into(),
+        );
+    }
     if let Some(g) = gbs {
         out.notes.push(format!(
             "roofline: {g:.1} GB/s read bandwidth measured {}; a decoded token reads {:.1} MB of weights plus the live KV (peak)",
@@ -380,6 +409,116 @@ fn llama_side(
     Ok(theirs)
 }
 
+/// Another engine measured repetition by repetition beside kvrun's
+/// sessions (`--interleave`).
+trait Rival {
+    /// One repetition of test `i` (its setup untimed): tokens/s.
+    fn rep(&mut self, i: usize) -> Result<f64>;
+    /// Every timed repetition's tokens/s, per test.
+    fn results(self: Box<Self>) -> Vec<Vec<f64>>;
+}
+
+/// llama.cpp as a [`Rival`]: the same tests as [`llama_side`].
+#[cfg(feature = "oracle")]
+struct LlamaRival<'m> {
+    ctx: ggml_sys::LlamaContext<'m>,
+    tests: Vec<(String, usize)>,
+    depth: i32,
+    ctx_toks: Vec<i32>,
+    toks: Vec<i32>,
+    /// per test, the tokens/s of each call to `rep` (the first is the
+    /// warm-up, dropped by `results`)
+    rates: Vec<Vec<f64>>,
+}
+
+#[cfg(feature = "oracle")]
+impl Rival for LlamaRival<'_> {
+    fn rep(&mut self, i: usize) -> Result<f64> {
+        let n = self.tests[i].1;
+        self.ctx.clear();
+        if !self.ctx_toks.is_empty() {
+            self.ctx
+                .decode(&self.ctx_toks, 0, false)
+                .map_err(Error::Other)?;
+        }
+        let t = Instant::now();
+        if self.tests[i].0.starts_with("pp") {
+            self.ctx
+                .decode(&self.toks[..n], self.depth, false)
+                .map_err(Error::Other)?;
+        } else {
+            for (p, &tk) in self.toks[..n].iter().enumerate() {
+                self.ctx
+                    .decode(&[tk], self.depth + p as i32, false)
+                    .map_err(Error::Other)?;
+            }
+        }
+        let r = n as f64 / t.elapsed().as_secs_f64();
+        self.rates[i].push(r);
+        Ok(r)
+    }
+    fn results(self: Box<Self>) -> Vec<Vec<f64>> {
+        self.rates
+            .into_iter()
+            .map(|r| r.into_iter().skip(1).collect())
+            .collect()
+    }
+}
+
+/// llama.cpp's model for `--interleave` (nothing without the `oracle`
+/// feature).
+#[cfg(feature = "oracle")]
+type RivalModel = ggml_sys::LlamaModel;
+#[cfg(not(feature = "oracle"))]
+type RivalModel = ();
+
+#[cfg(feature = "oracle")]
+fn rival_model(path: &std::path::Path) -> Result<RivalModel> {
+    ggml_sys::LlamaModel::load(&path.to_string_lossy(), false).map_err(Error::Other)
+}
+
+#[cfg(not(feature = "oracle"))]
+fn rival_model(_path: &std::path::Path) -> Result<RivalModel> {
+    Ok(())
+}
+
+/// llama.cpp on `lm` as a [`Rival`] (`None` without the `oracle` feature:
+/// the table then says it was not measured).
+#[cfg(feature = "oracle")]
+fn llama_rival<'m>(
+    lm: &'m RivalModel,
+    tests: &[(String, usize)],
+    n_ctx: usize,
+    n_threads: usize,
+    depth: usize,
+    ctx_toks: &[u32],
+    toks: &[u32],
+) -> Result<Option<Box<dyn Rival + 'm>>> {
+    let ctx =
+        ggml_sys::LlamaContext::new(lm, n_ctx as u32, n_threads as i32).map_err(Error::Other)?;
+    Ok(Some(Box::new(LlamaRival {
+        ctx,
+        tests: tests.to_vec(),
+        depth: depth as i32,
+        ctx_toks: ctx_toks.iter().map(|&t| t as i32).collect(),
+        toks: toks.iter().map(|&t| t as i32).collect(),
+        rates: vec![Vec::new(); tests.len()],
+    })))
+}
+
+#[cfg(not(feature = "oracle"))]
+fn llama_rival<'m>(
+    _lm: &'m RivalModel,
+    _tests: &[(String, usize)],
+    _n_ctx: usize,
+    _n_threads: usize,
+    _depth: usize,
+    _ctx_toks: &[u32],
+    _toks: &[u32],
+) -> Result<Option<Box<dyn Rival + 'm>>> {
+    Ok(None)
+}
+
 /// Without the `oracle` feature there is no llama.cpp to compare with.
 #[cfg(not(feature = "oracle"))]
 fn llama_side(
@@ -420,6 +559,7 @@ impl KvrunSide<'_> {
         &self,
         w: &'w Weights<'w, B>,
         backend: impl Fn() -> Result<B>,
+        mut rival: Option<&mut dyn Rival>,
     ) -> Result<Measured> {
         let KvrunSide {
             a,
@@ -454,7 +594,7 @@ impl KvrunSide<'_> {
         };
         // ours[test][policy] = tokens/s of each repetition
         let mut ours: Vec<Vec<Vec<f64>>> = Vec::new();
-        for (t, n) in tests {
+        for (ti, (t, n)) in tests.iter().enumerate() {
             let n = *n;
             let pp = t.starts_with("pp");
             let run = |s: &mut Session<'_, B>| -> Result<()> {
@@ -480,6 +620,9 @@ impl KvrunSide<'_> {
                 setup(s)?;
                 run(s)?;
             }
+            if let Some(r) = rival.as_deref_mut() {
+                r.rep(ti)?; // its warm-up
+            }
             let mut res = vec![Vec::with_capacity(a.reps); sessions.len()];
             for _ in 0..a.reps {
                 for (pi, s) in sessions.iter_mut().enumerate() {
@@ -489,6 +632,9 @@ impl KvrunSide<'_> {
                     let t0 = Instant::now();
                     run(s)?;
                     res[pi].push(n as f64 / t0.elapsed().as_secs_f64());
+                }
+                if let Some(r) = rival.as_deref_mut() {
+                    r.rep(ti)?;
                 }
             }
             ours.push(res);

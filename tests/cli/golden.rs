@@ -243,6 +243,59 @@ fn bench_takes_a_list_of_models() {
     assert!(err.contains("/no/such.gguf"), "{err}");
 }
 
+/// `kvrun bench --interleave` measures llama.cpp repetition by repetition
+/// beside kvrun: both engines get a row per test with their own number of
+/// repetitions behind it, the table says the run was interleaved, and no
+/// kvrun-only peak RSS is claimed (both models were resident).
+#[test]
+fn bench_interleaves_the_engines() {
+    let m = util::default_model();
+    let (out, err, ok) = kvrun(&[
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "2",
+        "-t",
+        "2",
+        "--interleave",
+    ]);
+    assert!(ok, "{err}");
+    for test in ["pp8", "tg4"] {
+        for engine in ["kvrun", "llama.cpp"] {
+            let row = out
+                .lines()
+                .find(|l| l.contains(&format!("| {engine} | {test} |")))
+                .unwrap_or_else(|| panic!("no {engine} {test} row in {out}"));
+            // "t/s" is "mean ± sd" of measured repetitions
+            let rate: f64 = row
+                .split('|')
+                .nth(6)
+                .unwrap()
+                .split('±')
+                .next()
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            assert!(rate > 0.0, "{row}");
+            let ratio = row.split('|').nth(7).unwrap().trim();
+            let r: f64 = ratio.strip_suffix('x').unwrap().parse().unwrap();
+            if engine == "llama.cpp" {
+                assert_eq!(ratio, "1.00x", "{row}");
+            } else {
+                assert!(r > 0.0, "a ratio against llama.cpp: {row}");
+            }
+        }
+    }
+    assert!(out.lines().any(|l| l.starts_with("interleaved:")), "{out}");
+    assert!(!out.contains("before llama.cpp loads"), "{out}");
+}
+
 /// `kvrun bench` measures the machine's read bandwidth and prints, for
 /// decoding rows, the bytes a token reads and the fraction of that
 /// roofline reached (prefill rows are bound by compute: none).
