@@ -243,14 +243,11 @@ fn bench_takes_a_list_of_models() {
     assert!(err.contains("/no/such.gguf"), "{err}");
 }
 
-/// `kvrun bench --interleave` measures llama.cpp repetition by repetition
-/// beside kvrun: both engines get a row per test with their own number of
-/// repetitions behind it, the table says the run was interleaved, and no
-/// kvrun-only peak RSS is claimed (both models were resident).
-#[test]
-fn bench_interleaves_the_engines() {
+/// `kvrun bench` on the default model, pp8 and tg4 on 2 threads, plus
+/// `extra`: stdout, stderr, success.
+fn small_bench(extra: &[&str]) -> (String, String, bool) {
     let m = util::default_model();
-    let (out, err, ok) = kvrun(&[
+    let mut args = vec![
         "bench",
         "-m",
         m.to_str().unwrap(),
@@ -258,12 +255,20 @@ fn bench_interleaves_the_engines() {
         "8",
         "-n",
         "4",
-        "-r",
-        "2",
         "-t",
         "2",
-        "--interleave",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    kvrun(&args)
+}
+
+/// `kvrun bench --interleave` measures llama.cpp repetition by repetition
+/// beside kvrun: both engines get a row per test with their own number of
+/// repetitions behind it, the table says the run was interleaved, and no
+/// kvrun-only peak RSS is claimed (both models were resident).
+#[test]
+fn bench_interleaves_the_engines() {
+    let (out, err, ok) = small_bench(&["-r", "2", "--interleave"]);
     assert!(ok, "{err}");
     for test in ["pp8", "tg4"] {
         for engine in ["kvrun", "llama.cpp"] {
@@ -301,21 +306,7 @@ fn bench_interleaves_the_engines() {
 /// roofline reached (prefill rows are bound by compute: none).
 #[test]
 fn bench_prints_the_read_per_token_and_the_roofline() {
-    let m = util::default_model();
-    let (out, err, ok) = kvrun(&[
-        "bench",
-        "-m",
-        m.to_str().unwrap(),
-        "-p",
-        "8",
-        "-n",
-        "4",
-        "-r",
-        "1",
-        "-t",
-        "2",
-        "--no-llama",
-    ]);
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama"]);
     assert!(ok, "{err}");
     let header = out
         .lines()
