@@ -293,10 +293,7 @@ fn matmul_q8_0_vnni(
     pool.run(|i| {
         let (t0, t1) = split(n_tt, i, nt);
         for tt in t0..t1 {
-            let toks: [&[u8]; TOKS] = std::array::from_fn(|k| {
-                let t = (tt * TOKS + k).min(n_tok - 1);
-                &act[t * ab..(t + 1) * ab]
-            });
+            let toks: [&[u8]; TOKS] = token_tile(act, ab, n_tok, TOKS, tt);
             // SAFETY: token tile tt belongs to this thread only.
             pack_acts(nb, &toks, unsafe { p.slice(tt * tile_bytes, tile_bytes) });
         }
@@ -366,13 +363,7 @@ fn matmul_k_packed(
     let act = &act[..n_tok * ab];
     let nb = n_in / w.dtype.block_len();
     let n_tt = n_tok.div_ceil(TOKS);
-    // token rows of tile tt (the last one padded with its last token)
-    let toks = |tt: usize| -> [&[u8]; TOKS] {
-        std::array::from_fn(|k| {
-            let t = (tt * TOKS + k).min(n_tok - 1);
-            &act[t * ab..(t + 1) * ab]
-        })
-    };
+    let toks = |tt: usize| -> [&[u8]; TOKS] { token_tile(act, ab, n_tok, TOKS, tt) };
     let block_rows = micro * ROWS;
     let blocks = Chunks::new(n_out.div_ceil(block_rows));
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
@@ -486,14 +477,8 @@ fn matmul_q_tiled(
     let nb = n_in / w.dtype.block_len();
     let ntok = tile.toks();
     let n_tt = n_tok.div_ceil(ntok);
-    // token rows of tile tt (the last one padded with its last token; the
-    // first `ntok` entries used)
-    let toks = |tt: usize| -> [&[u8]; WIDE] {
-        std::array::from_fn(|k| {
-            let t = (tt * ntok + k.min(ntok - 1)).min(n_tok - 1);
-            &act[t * ab..(t + 1) * ab]
-        })
-    };
+    // (the first `ntok` entries used)
+    let toks = |tt: usize| -> [&[u8]; WIDE] { token_tile(act, ab, n_tok, ntok, tt) };
     // activation scales of every token tile, gathered once (Q4_1 only)  (n_tt,)
     let mut a_sc = vec![qgemm_x86::TileScales::default(); n_tt];
     if let Tile::Q4_1(_) = tile {
@@ -576,6 +561,23 @@ fn first_mr<'r, 'a>(rows: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; MR] {
 /// The first `NT` tokens of a wide token tile.
 fn first_nt<'r, 'a>(toks: &'r [&'a [u8]; WIDE]) -> &'r [&'a [u8]; NT] {
     toks[..NT].try_into().expect("NT <= WIDE")
+}
+
+/// The activation rows (`ab` bytes each, `n_tok` of them in `act`) of
+/// token tile `tt`, `per` tokens a tile: entry k is token tt·per + k;
+/// entries past the last token or past `per` repeat the tile's last token,
+/// whose results the callers drop.
+fn token_tile<const K: usize>(
+    act: &[u8],
+    ab: usize,
+    n_tok: usize,
+    per: usize,
+    tt: usize,
+) -> [&[u8]; K] {
+    std::array::from_fn(|k| {
+        let t = (tt * per + k.min(per - 1)).min(n_tok - 1);
+        &act[t * ab..(t + 1) * ab]
+    })
 }
 
 /// One token through a matrix with an `R`-row kernel of the `qgemm_q8_0`
