@@ -167,6 +167,19 @@ pub trait Backend: std::fmt::Debug + Send + Sync + Sized + 'static {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<Self::Mat<'w>>;
+    /// Take a matrix that is only read by rows (`embed`, `mat_row`), never
+    /// multiplied: the embedding table of a model with its own output
+    /// matrix. A backend that rearranges its matrices for the products
+    /// keeps this one as it is.
+    fn table<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<Self::Mat<'w>> {
+        self.matrix(dtype, n_in, n_out, bytes)
+    }
     /// Take a vector of weights.
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     /// A zeroed activation buffer of `len` floats.
@@ -306,6 +319,16 @@ pub trait WeightSink<B: Backend> {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<B::Mat<'w>>;
+    /// A matrix only read by rows (see [`Backend::table`]).
+    fn table<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<B::Mat<'w>> {
+        self.matrix(dtype, n_in, n_out, bytes)
+    }
     /// A vector.
     fn vector(&self, v: Vec<f32>) -> Result<B::Vector>;
 }
@@ -319,6 +342,15 @@ impl<B: Backend> WeightSink<B> for B {
         bytes: Cow<'w, [u8]>,
     ) -> Result<B::Mat<'w>> {
         Backend::matrix(self, dtype, n_in, n_out, bytes)
+    }
+    fn table<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<B::Mat<'w>> {
+        Backend::table(self, dtype, n_in, n_out, bytes)
     }
     fn vector(&self, v: Vec<f32>) -> Result<B::Vector> {
         Backend::vector(self, v)

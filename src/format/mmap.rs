@@ -2,6 +2,12 @@
 
 use crate::error::{Error, Result};
 use std::path::Path;
+use std::sync::Mutex;
+
+/// Address ranges `(start, len)` of the live maps of files: the only
+/// memory [`release`] will drop pages of (dropping those of an anonymous
+/// map or the heap would lose them).
+static FILE_MAPS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
 /// A read-only memory map of a whole file (an empty file maps to no bytes).
 #[derive(Debug)]
@@ -25,6 +31,8 @@ impl Mapped {
         // writes model files; a concurrent truncation by another process is the
         // usual mmap caveat (SIGBUS) that every mmap-based loader accepts.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let mut maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        maps.push((map.as_ptr() as usize, map.len()));
         Ok(Mapped { map: Some(map) })
     }
 
@@ -41,5 +49,45 @@ impl Mapped {
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        if let Some(m) = &self.map {
+            let start = m.as_ptr() as usize;
+            let mut maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+            maps.retain(|&(s, _)| s != start);
+        }
+    }
+}
+
+/// Drop the whole pages of `bytes` from this process's resident memory
+/// when they belong to the map of a file (a backend that keeps its own
+/// copy of some weights, e.g. repacked, calls this so those weights are
+/// not resident twice); a later read faults them back in from the file,
+/// unchanged. Returns how many bytes were released (0 when `bytes` is not
+/// in a file map).
+pub fn release(bytes: &[u8]) -> usize {
+    let (a, n) = (bytes.as_ptr() as usize, bytes.len());
+    let maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+    if !maps.iter().any(|&(s, len)| a >= s && a + n <= s + len) {
+        return 0;
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+    let (lo, hi) = (a.div_ceil(page) * page, (a + n) / page * page);
+    if hi <= lo {
+        return 0;
+    }
+    // SAFETY: [lo, hi) is whole pages inside a live read-only private map
+    // of a file (checked above, under the lock that its Drop takes), which
+    // this process never writes: MADV_DONTNEED only drops the pages, and a
+    // later read maps the file's same bytes back in.
+    let rc = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };
+    if rc == 0 {
+        hi - lo
+    } else {
+        0
     }
 }

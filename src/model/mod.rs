@@ -758,7 +758,13 @@ impl<'a, B: Backend + 'a> Weights<'a, B> {
             )
         });
         Ok(Weights {
-            token_embd: mat("token_embd.weight", [d, v])?,
+            // only read by rows unless it is also the output matrix
+            token_embd: if src.has("output.weight") {
+                let t = src.tensor("token_embd.weight", &[d, v])?;
+                sink.table(t.0, d as usize, v as usize, t.1)?
+            } else {
+                mat("token_embd.weight", [d, v])?
+            },
             output: if src.has("output.weight") {
                 Some(mat("output.weight", [d, v])?)
             } else {

@@ -653,6 +653,8 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4K, 8, 256, 3),
         (DType::Q4K, 40, 768, 9),
         (DType::Q4K, 13, 512, 17),
+        (DType::Q4K, 136, 768, 1),
+        (DType::Q4K, 72, 512, 11),
         (DType::Q5K, 18, 256, 7),
         (DType::Q5K, 37, 768, 5),
         (DType::Q5K, 5, 512, 1),
@@ -679,13 +681,24 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
         let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
+        // the same matrix as the VNNI level lays it out (Q4_K×8 where it
+        // has 8k rows; every level must give the plain matrix's results)
+        let m8 = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w))
+            .unwrap()
+            .repack_for(Level::Avx512Vnni);
         let ab = tr.act_bytes(n_in);
         // every kernel level this CPU runs, the portable one (ggml) included
         let levels = std::iter::once(Level::Portable).chain(simd_levels());
-        for (level, threads) in levels.flat_map(|l| [1, 2, 3].map(|n| (l, n))) {
+        let runs = levels.flat_map(|l| [1, 2, 3].map(|n| (l, n)));
+        let runs = runs.flat_map(|(l, n)| [(l, n, false), (l, n, true)]);
+        for (level, threads, repacked) in runs {
+            if repacked && !m8.is_repacked() {
+                continue;
+            }
             let pool = ThreadPool::new(threads);
             let mut out = vec![f32::NAN; n_tok * n_out];
-            matmul_q_at(&pool, &m, &act, n_tok, &mut out, level);
+            let mat = if repacked { &m8 } else { &m };
+            matmul_q_at(&pool, mat, &act, n_tok, &mut out, level);
             // K-quants on AVX2 follow the rows-in-lanes arithmetic, Q8_0
             // with VNNI its own, not ggml's
             let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
@@ -695,17 +708,17 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
                 for i in 0..n_out {
                     let a = &act[t * ab..(t + 1) * ab];
                     let g = if lanes {
-                        kvrun::backend::cpu::qgemm_lanes::dot_scalar(dt, n_in / 256, m.row(i), a)
+                        kvrun::backend::cpu::qgemm_lanes::dot_scalar(dt, n_in / 256, &m.row(i), a)
                     } else if q8_vnni {
-                        kvrun::backend::cpu::qgemm_q8_0_vnni::dot_scalar(n_in / 32, m.row(i), a)
+                        kvrun::backend::cpu::qgemm_q8_0_vnni::dot_scalar(n_in / 32, &m.row(i), a)
                     } else {
-                        tr.dot(n_in, m.row(i), a)
+                        tr.dot(n_in, &m.row(i), a)
                     };
                     let v = out[t * n_out + i];
                     assert_eq!(
                         v.to_bits(),
                         g.to_bits(),
-                        "{dt} {level} {n_out}x{n_in} tok {t} row {i}: {v} vs {g}"
+                        "{dt} {level} {n_out}x{n_in} repacked {repacked} tok {t} row {i}: {v} vs {g}"
                     );
                 }
             }
@@ -1218,6 +1231,119 @@ fn qgemm_speed() {
                 }
                 eprintln!("{line}");
             }
+        }
+    }
+}
+
+#[test]
+fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
+    use kvrun::backend::cpu::q4k_x8::{decode_for, decode_scalar, Q4kX8};
+    use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, ROWS};
+    let seed = 0x5eed_0418 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let dt = DType::Q4K;
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+    let mut checked = 0;
+    for n_in in [256usize, 768, 3584, 18944] {
+        let nb = n_in / 256;
+        let n_out = 3 * ROWS;
+        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
+        let x8 = Q4kX8::new(&w, n_out, nb);
+        let mut row = vec![0u8; rb];
+        for i in 0..n_out {
+            x8.row_into(i, &mut row);
+            assert_eq!(
+                row,
+                w[i * rb..(i + 1) * rb],
+                "n_in {n_in}: row {i} round trip"
+            );
+        }
+        let y = &act[..ab];
+        for blk in 0..n_out / ROWS {
+            let model = decode_scalar(nb, x8.block(blk), y);
+            for k in 0..ROWS {
+                let i = blk * ROWS + k;
+                let want = dot_scalar(dt, nb, &w[i * rb..(i + 1) * rb], y);
+                assert_eq!(model[k].to_bits(), want.to_bits(), "n_in {n_in} row {i}");
+            }
+            for level in simd_levels() {
+                if let Some(f) = decode_for(level) {
+                    let got = f(nb, x8.block(blk), y);
+                    for k in 0..ROWS {
+                        assert_eq!(
+                            got[k].to_bits(),
+                            model[k].to_bits(),
+                            "{level:?} n_in {n_in} row {}: {} vs {}",
+                            blk * ROWS + k,
+                            got[k],
+                            model[k]
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{checked} kernel calls checked");
+}
+
+/// One core: the row-major 512-bit decoding kernel against the repacked
+/// Q4_K×8 one, 8-row calls over a matrix in L2 and one streamed from memory.
+#[test]
+#[ignore]
+fn q4k_x8_speed() {
+    use kvrun::backend::cpu::matmul::k_quant_kernel;
+    use kvrun::backend::cpu::q4k_x8::{decode_for, Q4kX8};
+    use kvrun::backend::cpu::qgemm_lanes::ROWS;
+    let dt = DType::Q4K;
+    let mut r = Rng::new(5);
+    let n_in = 3584;
+    let nb = n_in / 256;
+    let rb = dt.row_bytes(n_in);
+    let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
+        .unwrap()
+        .act_bytes(n_in);
+    let Some(x8f) = decode_for(Level::Avx512Vnni) else {
+        eprintln!("no VNNI");
+        return;
+    };
+    let rowf = k_quant_kernel::<1>(dt, Level::Avx512Vnni).unwrap();
+    let sizes: Vec<usize> = std::env::var("KVRUN_SPEED_ROWS")
+        .map(|s| s.split(',').map(|x| x.parse().unwrap()).collect())
+        .unwrap_or_else(|_| vec![64, 18944]);
+    for n_out in sizes {
+        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
+        let x8 = Q4kX8::new(&w, n_out, nb);
+        let y = &act[..ab];
+        let reps = (200_000_000 / (n_out * n_in)).max(3);
+        for round in 0..3 {
+            let mut sink = 0f32;
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                for blk in 0..n_out / ROWS {
+                    let rows: [&[u8]; ROWS] = std::array::from_fn(|k| {
+                        &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]
+                    });
+                    sink += rowf(nb, &rows, &[y])[0][0];
+                }
+            }
+            let a = t.elapsed().as_secs_f64();
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                for blk in 0..n_out / ROWS {
+                    sink += x8f(nb, x8.block(blk), y)[0];
+                }
+            }
+            let b = t.elapsed().as_secs_f64();
+            let gb = (reps * n_out * rb) as f64 / 1e9;
+            eprintln!(
+                "{n_out}x{n_in} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
+                gb / a,
+                gb / b,
+                a / b
+            );
         }
     }
 }

@@ -366,10 +366,7 @@ fn hf_dir_config_matches_gguf() {
         w.layers[1].ffn.dense().unwrap().1,
         &w.layers[29].wk,
     ] {
-        assert!(
-            matches!(m.bytes, std::borrow::Cow::Borrowed(_)),
-            "{m:?} was copied"
-        );
+        assert!(m.is_borrowed(), "{m:?} was copied");
     }
     assert!(w.output.is_none());
 }

@@ -8,6 +8,7 @@
 
 use super::isa::{self, Level};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
+use super::q4k_x8::{self, Q4kX8};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
 use super::{qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
@@ -23,8 +24,11 @@ pub struct QMat<'a> {
     pub n_in: usize,
     /// Number of rows (output features).
     pub n_out: usize,
-    /// (n_out, row_bytes(n_in)) raw blocks, usually borrowed from the mmap.
-    pub bytes: Cow<'a, [u8]>,
+    /// (n_out, row_bytes(n_in)) raw blocks, usually borrowed from the mmap;
+    /// empty once repacked.
+    bytes: Cow<'a, [u8]>,
+    /// The same rows repacked for this machine's kernels (`repack_for`).
+    x8: Option<Q4kX8>,
     traits: CpuTraits,
 }
 
@@ -57,8 +61,63 @@ impl<'a> QMat<'a> {
             n_in,
             n_out,
             bytes,
+            x8: None,
             traits,
         })
+    }
+
+    /// The matrix in the layout the kernels of SIMD level `level` read
+    /// fastest: Q4_K with a multiple of 8 rows becomes Q4_K×8 at AVX-512
+    /// VNNI ([`Q4kX8`], the same bytes rearranged; mapped pages of the
+    /// original are released, so the weights are not resident twice);
+    /// anything else stays as it is. Results are the same bit for bit.
+    pub fn repack_for(self, level: Level) -> QMat<'a> {
+        if self.dtype != DType::Q4K
+            || !self.n_out.is_multiple_of(qgemm_lanes::ROWS)
+            || q4k_x8::decode_for(level).is_none()
+            || self.x8.is_some()
+        {
+            return self;
+        }
+        let nb = self.n_in / self.dtype.block_len();
+        let x8 = Q4kX8::new(&self.bytes, self.n_out, nb);
+        if let Cow::Borrowed(b) = self.bytes {
+            crate::format::mmap::release(b);
+        }
+        QMat {
+            bytes: Cow::Borrowed(&[]),
+            x8: Some(x8),
+            ..self
+        }
+    }
+
+    /// Whether the matrix reads its rows in place from the source it was
+    /// made from (usually the memory map), not from a copy.
+    pub fn is_borrowed(&self) -> bool {
+        self.x8.is_none() && matches!(self.bytes, Cow::Borrowed(_))
+    }
+
+    /// Whether the rows are repacked (`repack_for`).
+    pub fn is_repacked(&self) -> bool {
+        self.x8.is_some()
+    }
+
+    /// A copy in the GGUF row layout (the fallback of a kernel level
+    /// without a kernel for the repacked layout).
+    fn unpacked(&self) -> QMat<'static> {
+        let rb = self.dtype.row_bytes(self.n_in);
+        let mut bytes = vec![0u8; self.n_out * rb];
+        for (r, row) in bytes.chunks_exact_mut(rb).enumerate() {
+            row.copy_from_slice(&self.row(r));
+        }
+        QMat {
+            dtype: self.dtype,
+            n_in: self.n_in,
+            n_out: self.n_out,
+            bytes: Cow::Owned(bytes),
+            x8: None,
+            traits: self.traits,
+        }
     }
 
     /// From a 2-D tensor view (ggml order: dims[0] = n_in).
@@ -66,9 +125,23 @@ impl<'a> QMat<'a> {
         QMat::new(v.dtype, v.n_cols(), v.n_rows(), Cow::Borrowed(v.bytes))
     }
 
-    /// Bytes of one row.
+    /// Bytes of one row as GGUF stores it (gathered when repacked).
+    pub fn row(&self, r: usize) -> Cow<'_, [u8]> {
+        match &self.x8 {
+            Some(x8) => {
+                let mut out = vec![0u8; self.dtype.row_bytes(self.n_in)];
+                x8.row_into(r, &mut out);
+                Cow::Owned(out)
+            }
+            None => Cow::Borrowed(self.plain_row(r)),
+        }
+    }
+
+    /// Bytes of one row of a matrix that is not repacked (the kernels'
+    /// drivers, after `matmul_q_at` has taken the repacked ones).
     #[inline]
-    pub fn row(&self, r: usize) -> &[u8] {
+    fn plain_row(&self, r: usize) -> &[u8] {
+        debug_assert!(self.x8.is_none());
         let rb = self.dtype.row_bytes(self.n_in);
         &self.bytes[r * rb..(r + 1) * rb]
     }
@@ -80,7 +153,7 @@ impl<'a> QMat<'a> {
 
     /// Dequantize row `r` into `out` (n_in floats).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        crate::quant::dequantize_row(self.dtype, self.row(r), out);
+        crate::quant::dequantize_row(self.dtype, &self.row(r), out);
     }
 }
 
@@ -176,6 +249,22 @@ pub fn matmul_q_at(
     out: &mut [f32],
     level: Level,
 ) {
+    if let Some(x8) = &w.x8 {
+        // Q4_K×8: its own decoding kernel; prefill packs micro tiles from it
+        if let (Some(one), Some(packed)) = (
+            q4k_x8::decode_for(level),
+            qgemm_lanes::packed_for(w.dtype, level),
+        ) {
+            if n_tok == 1 {
+                return matvec_x8(pool, w, x8, act, out, one);
+            }
+            let nb = w.n_in / w.dtype.block_len();
+            let micro = (PACKED_BLOCK_BYTES / (nb * qgemm_lanes::PACKED_BYTES)).clamp(1, MAX_MICRO);
+            return matmul_k_packed(pool, w, act, n_tok, out, packed, micro);
+        }
+        // a level without kernels for the layout (a test asking for it)
+        return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
+    }
     if n_tok >= NT && w.dtype == DType::Q4_1 {
         if let Some(tile) = qgemm_x86::q4_1_tile_for(level) {
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
@@ -256,7 +345,7 @@ pub fn matmul_q_at(
             for t in 0..n_tok {
                 let a = &act[t * ab..(t + 1) * ab];
                 for r in r0..r1 {
-                    let s = w.traits.dot(n_in, w.row(r), a);
+                    let s = w.traits.dot(n_in, w.plain_row(r), a);
                     // SAFETY: `runs` hands tile `tile` (rows r0..r1) to one thread only.
                     unsafe { o.write(t * n_out + r, s) };
                 }
@@ -312,7 +401,7 @@ fn matmul_q8_0_vnni(
             // micro tile m: rows r0 + m·ROWS .. (the last row repeated)
             let mut rows = [[&[] as &[u8]; ROWS]; LANES_ROW_TILE / ROWS];
             for m in 0..n_micro {
-                rows[m] = std::array::from_fn(|k| w.row((r0 + m * ROWS + k).min(r1 - 1)));
+                rows[m] = std::array::from_fn(|k| w.plain_row((r0 + m * ROWS + k).min(r1 - 1)));
                 pack_side(
                     nb,
                     &rows[m],
@@ -371,13 +460,25 @@ fn matmul_k_packed(
         let pb = nb * PACKED_BYTES;
         // this thread's packed micro tiles  (micro, nb, PACKED_BYTES)
         let mut packed = vec![0u8; micro * pb];
+        // a micro tile's rows gathered from Q4_K×8  (ROWS, row bytes)
+        let rb = w.dtype.row_bytes(n_in);
+        let mut gathered = vec![0u8; if w.x8.is_some() { ROWS * rb } else { 0 }];
         while let Some(blk) = blocks.next() {
             let r0 = blk * block_rows;
             let r1 = (r0 + block_rows).min(n_out);
             let n_micro = (r1 - r0).div_ceil(ROWS);
             for m in 0..n_micro {
                 // micro tile m: rows r0 + m·ROWS .. (the last row repeated)
-                let rows = std::array::from_fn(|k| w.row((r0 + m * ROWS + k).min(r1 - 1)));
+                let pick = |k: usize| (r0 + m * ROWS + k).min(r1 - 1);
+                let rows: [&[u8]; ROWS] = match &w.x8 {
+                    Some(x8) => {
+                        for (k, row) in gathered.chunks_exact_mut(rb).enumerate() {
+                            x8.row_into(pick(k), row);
+                        }
+                        std::array::from_fn(|k| &gathered[k * rb..(k + 1) * rb])
+                    }
+                    None => std::array::from_fn(|k| w.plain_row(pick(k))),
+                };
                 pack(nb, &rows, &mut packed[m * pb..(m + 1) * pb]);
             }
             for tt in 0..n_tt {
@@ -506,7 +607,8 @@ fn matmul_q_tiled(
             // micro tile m: rows r0 + m·mr .. (the first `mr` entries used)
             let mut rows = [[&[] as &[u8]; WIDE]; MAX_MICRO];
             for m in 0..n_micro {
-                rows[m] = std::array::from_fn(|k| w.row((r0 + m * mr + k.min(mr - 1)).min(r1 - 1)));
+                rows[m] =
+                    std::array::from_fn(|k| w.plain_row((r0 + m * mr + k.min(mr - 1)).min(r1 - 1)));
                 if let Tile::Q4_1(_) = tile {
                     w_sc[m].q4_1(first_mr(&rows[m]), nb);
                 }
@@ -605,7 +707,7 @@ fn matvec_k<const R: usize>(
     pool.run(|i| {
         while let Some(m) = runs.next(i) {
             let r0 = m * R;
-            let rows: [&[u8]; R] = std::array::from_fn(|k| w.row((r0 + k).min(n_out - 1)));
+            let rows: [&[u8]; R] = std::array::from_fn(|k| w.plain_row((r0 + k).min(n_out - 1)));
             let res = tile(nb, &rows, &a);
             let n_r = R.min(n_out - r0);
             // SAFETY: `runs` hands micro tile m (rows r0..r0+n_r) to one thread only.
@@ -613,6 +715,32 @@ fn matvec_k<const R: usize>(
             for (k, d) in dst.iter_mut().enumerate() {
                 *d = res[k][0];
             }
+        }
+    });
+}
+
+/// One token through a Q4_K×8 matrix: the row blocks split between
+/// threads as in [`matvec_k`] (a run each, stolen from by threads that are
+/// done), each block one call of the repacked kernel.
+fn matvec_x8(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    x8: &Q4kX8,
+    act: &[u8],
+    out: &mut [f32],
+    kernel: q4k_x8::X8Fn,
+) {
+    use qgemm_lanes::ROWS;
+    let n_out = w.n_out;
+    let a = &act[..w.act_bytes()];
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_out]);
+    let runs = Runs::new(n_out / ROWS, nt);
+    pool.run(|i| {
+        while let Some(blk) = runs.next(i) {
+            let res = kernel(x8.nb, x8.block(blk), a);
+            // SAFETY: `runs` hands row block blk to one thread only.
+            unsafe { o.slice(blk * ROWS, ROWS) }.copy_from_slice(&res);
         }
     });
 }

@@ -39,6 +39,7 @@ pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
+pub mod q4k_x8;
 #[cfg(target_arch = "x86_64")]
 mod qgemm_k_decode;
 pub mod qgemm_lanes;
@@ -163,12 +164,23 @@ unsafe fn stream_sum_avx2(words: &[u64]) -> u64 {
 }
 
 /// Takes weights for the CPU without a running backend: matrices keep the
-/// mapped bytes as they are.
+/// mapped bytes as they are, except where the kernel level has a repacked
+/// layout for them ([`QMat::repack_for`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Loader;
 
 impl crate::backend::WeightSink<Cpu> for Loader {
     fn matrix<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<QMat<'w>> {
+        // as `Cpu::matrix`: rearranged for this level's products
+        Ok(QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level()))
+    }
+    fn table<'w>(
         &self,
         dtype: DType,
         n_in: usize,
@@ -226,6 +238,18 @@ impl Backend for Cpu {
     }
 
     fn matrix<'w>(
+        &self,
+        dtype: DType,
+        n_in: usize,
+        n_out: usize,
+        bytes: Cow<'w, [u8]>,
+    ) -> Result<QMat<'w>> {
+        // rearranged for this level's products where it has a layout for
+        // them (Q4_K×8 at AVX-512 VNNI)
+        Ok(QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level()))
+    }
+
+    fn table<'w>(
         &self,
         dtype: DType,
         n_in: usize,

@@ -1,0 +1,374 @@
+//! Q4_K repacked eight rows at a time (`Q4_K×8`), and its decoding kernel
+//! for AVX-512 VNNI: one token against 8 rows per call.
+//!
+//! Why repack: the row-major decoding kernels (`qgemm_k_decode`) multiply
+//! a run of 32 weights by its activations with `maddubs` and then by the
+//! run's scale with a `madd` (`vpdpwssd`): two multiplies per 64 weights,
+//! plus a scale shuffle per pair of runs and a reduction of every row's
+//! lanes per superblock. On a Zen 4 core that reached about 23 GB/s of
+//! weights, about what one core can read, so one or two threads decoded a
+//! 7B model at what the arithmetic allowed rather than at what memory did.
+//! With the 8 rows interleaved 8 bytes at a time, a 64-byte load holds 8
+//! quants of each of the 8 rows (two dwords per row after the nibbles are
+//! split), so `vpdpbusd` against the 8 activations broadcast to every row
+//! sums 4 products per 32-bit lane, *rows in lanes*: four of them cover a
+//! run of 32 weights of all 8 rows, and only then is the run's scale
+//! applied (one `vpdpwssd` per run per 8 rows). That is 1.25 multiplies per
+//! 64 weights, scales decoded for 8 rows at once, and no per-row reduction:
+//! the rows already sit in lanes for the float step.
+//!
+//! # Layout
+//! Rows `8R..8R + 8`, superblock `b`: a group of [`GROUP_BYTES`] = 8 × 144
+//! bytes (the same bytes as the 8 rows' superblocks, rearranged; groups of
+//! a row block follow each other by superblock, row blocks by row):
+//!
+//! | bytes | holds |
+//! |---|---|
+//! | 0..16 | `d` of rows 0..7 (f16) |
+//! | 16..32 | `dmin` of rows 0..7 (f16) |
+//! | 32..96 | per 128-bit lane L: bytes 0..4 and 8..12 of the packed scales of rows 2L and 2L + 1 (`A₂L A₂L₊₁ C₂L C₂L₊₁`) |
+//! | 96..128 | bytes 4..8 of the packed scales of rows 0..7 (`B₀..B₇`) |
+//! | 128..1152 | for chunk c < 4 and h < 4, 64 bytes at 128 + 64·(4c + h): byte 8r + j is `qs[32c + 8h + j]` of row r |
+//!
+//! So the scales of rows 2L, 2L + 1 unpack inside 128-bit lane L, where
+//! the `vpdpbusd` sums of those two rows are (row r in 32-bit lanes 2r and
+//! 2r + 1), and one in-lane byte shuffle per run spreads them.
+//!
+//! # Arithmetic
+//! The integer sums and the float steps are `qgemm_lanes`'s (its module
+//! doc and `dot_scalar`): per row and superblock the exact `isum` and
+//! `msum`, then `fma(dy·d, isum, acc)` and `fma(−dy·dmin, msum, acc_m)`;
+//! so a matrix gives the same logits bit for bit repacked or not, on any
+//! kernel. Overflow: a lane sums 16 products of a run (4 `vpdpbusd`),
+//! |sum| ≤ 16·15·128 = 30720, which `vpdpwssd` reads as an exact i16 (the
+//! sign-extended upper half is multiplied by 0).
+
+use super::qgemm_lanes::{Q4_K_BYTES, Q8_K_BYTES, ROWS};
+
+/// Bytes of one group (8 rows × one superblock).
+pub const GROUP_BYTES: usize = ROWS * Q4_K_BYTES;
+
+/// Offsets in a group.
+const G_DMIN: usize = 16;
+const G_AC: usize = 32;
+const G_B: usize = 96;
+const G_Q: usize = 128;
+
+/// A Q4_K matrix of `n_out` rows (a multiple of 8) × `nb` superblocks,
+/// repacked: `n_out / 8` row blocks of `nb` groups, 64-byte aligned.
+pub struct Q4kX8 {
+    buf: Vec<u8>,
+    off: usize,
+    /// Superblocks per row.
+    pub nb: usize,
+    /// Rows.
+    pub n_out: usize,
+}
+
+impl std::fmt::Debug for Q4kX8 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Q4kX8({}x{} superblocks)", self.n_out, self.nb)
+    }
+}
+
+impl Q4kX8 {
+    /// Repack `src`, `n_out` rows of `nb` Q4_K superblocks each (row-major,
+    /// as GGUF stores them); `n_out` must be a multiple of 8.
+    pub fn new(src: &[u8], n_out: usize, nb: usize) -> Q4kX8 {
+        assert!(n_out.is_multiple_of(ROWS), "Q4_K×8: {n_out} rows");
+        let rb = nb * Q4_K_BYTES;
+        assert_eq!(src.len(), n_out * rb, "Q4_K×8: matrix bytes");
+        let len = src.len();
+        // untouched zero pages (calloc); asked to come as transparent huge
+        // pages, which halved the first-touch cost of a 7B's matrices on a
+        // VM (and spares the decoding stream TLB misses)
+        let mut buf = vec![0u8; len + 63];
+        huge_pages(&buf);
+        let off = buf.as_ptr().align_offset(64).min(63);
+        let dst = &mut buf[off..off + len];
+        let block = ROWS * rb;
+        let pack_blocks = |first: usize, out: &mut [u8]| {
+            for (i, out) in out.chunks_exact_mut(block).enumerate() {
+                let r0 = (first + i) * ROWS;
+                for (b, g) in out.chunks_exact_mut(GROUP_BYTES).enumerate() {
+                    let x: [&[u8]; ROWS] = std::array::from_fn(|r| {
+                        let at = (r0 + r) * rb + b * Q4_K_BYTES;
+                        &src[at..at + Q4_K_BYTES]
+                    });
+                    pack_group(&x, g);
+                }
+            }
+        };
+        // the page faults of the new memory dominate: spread them over the
+        // cores for a large matrix
+        let n_blocks = n_out / ROWS;
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8);
+        if threads > 1 && len >= 8 << 20 {
+            let per = n_blocks.div_ceil(threads);
+            std::thread::scope(|s| {
+                for (t, part) in dst.chunks_mut(per * block).enumerate() {
+                    s.spawn(move || pack_blocks(t * per, part));
+                }
+            });
+        } else {
+            pack_blocks(0, dst);
+        }
+        Q4kX8 {
+            buf,
+            off,
+            nb,
+            n_out,
+        }
+    }
+
+    /// All groups, `(n_out / 8, nb, GROUP_BYTES)`.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.n_out * self.nb * Q4_K_BYTES]
+    }
+
+    /// The `nb` groups of row block `blk` (rows 8·blk..8·blk + 8).
+    pub fn block(&self, blk: usize) -> &[u8] {
+        let bb = self.nb * GROUP_BYTES;
+        &self.bytes()[blk * bb..(blk + 1) * bb]
+    }
+
+    /// Row `r` as GGUF stores it (`nb` superblocks) into `out`.
+    pub fn row_into(&self, r: usize, out: &mut [u8]) {
+        unpack_row(self.block(r / ROWS), self.nb, r % ROWS, out);
+    }
+}
+
+/// Ask for `buf`'s whole 2 MiB pages to be transparent huge pages (a
+/// hint; where the kernel ignores it nothing changes).
+fn huge_pages(buf: &[u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        let page = 2usize << 20;
+        let a = buf.as_ptr() as usize;
+        let (lo, hi) = (a.div_ceil(page) * page, (a + buf.len()) / page * page);
+        if hi > lo {
+            // SAFETY: [lo, hi) lies inside `buf`, heap memory this process
+            // owns; MADV_HUGEPAGE changes how it is backed, not its bytes.
+            unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
+}
+
+/// One group from the 8 rows' superblocks `x` (see the module doc).
+fn pack_group(x: &[&[u8]; ROWS], g: &mut [u8]) {
+    for (r, x) in x.iter().enumerate() {
+        g[2 * r..2 * r + 2].copy_from_slice(&x[0..2]);
+        g[G_DMIN + 2 * r..G_DMIN + 2 * r + 2].copy_from_slice(&x[2..4]);
+        let sc = &x[4..16];
+        let (lane, k) = (r / 2, r % 2);
+        let at = G_AC + 16 * lane + 4 * k;
+        g[at..at + 4].copy_from_slice(&sc[0..4]);
+        g[at + 8..at + 12].copy_from_slice(&sc[8..12]);
+        g[G_B + 4 * r..G_B + 4 * r + 4].copy_from_slice(&sc[4..8]);
+        let qs = &x[16..144];
+        for c in 0..4 {
+            for h in 0..4 {
+                let at = G_Q + 64 * (4 * c + h) + 8 * r;
+                g[at..at + 8].copy_from_slice(&qs[32 * c + 8 * h..32 * c + 8 * h + 8]);
+            }
+        }
+    }
+}
+
+/// Row `r` (< 8) of a row block's `nb` groups, as GGUF stores it.
+pub fn unpack_row(groups: &[u8], nb: usize, r: usize, out: &mut [u8]) {
+    assert!(groups.len() >= nb * GROUP_BYTES && out.len() >= nb * Q4_K_BYTES && r < ROWS);
+    for b in 0..nb {
+        let g = &groups[b * GROUP_BYTES..(b + 1) * GROUP_BYTES];
+        let x = &mut out[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
+        x[0..2].copy_from_slice(&g[2 * r..2 * r + 2]);
+        x[2..4].copy_from_slice(&g[G_DMIN + 2 * r..G_DMIN + 2 * r + 2]);
+        let (lane, k) = (r / 2, r % 2);
+        let at = G_AC + 16 * lane + 4 * k;
+        x[4..8].copy_from_slice(&g[at..at + 4]);
+        x[12..16].copy_from_slice(&g[at + 8..at + 12]);
+        x[8..12].copy_from_slice(&g[G_B + 4 * r..G_B + 4 * r + 4]);
+        for c in 0..4 {
+            for h in 0..4 {
+                let at = G_Q + 64 * (4 * c + h) + 8 * r;
+                x[16 + 32 * c + 8 * h..16 + 32 * c + 8 * h + 8].copy_from_slice(&g[at..at + 8]);
+            }
+        }
+    }
+}
+
+/// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
+/// row) -> the 8 rows' dot products`.
+pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
+
+/// Scalar model: each row unpacked and run through `qgemm_lanes::dot_scalar`.
+pub fn decode_scalar(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+    let mut row = vec![0u8; nb * Q4_K_BYTES];
+    std::array::from_fn(|r| {
+        unpack_row(groups, nb, r, &mut row);
+        super::qgemm_lanes::dot_scalar(crate::tensor::DType::Q4K, nb, &row, y)
+    })
+}
+
+/// The AVX-512 VNNI kernel where this CPU runs it at kernel level `level`.
+pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
+    use super::isa::{detected, Level};
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Avx512Vnni && level <= detected() {
+        return Some(decode);
+    }
+    let _ = (level, detected);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+fn decode(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+    assert!(
+        groups.len() >= nb * GROUP_BYTES && y.len() >= nb * Q8_K_BYTES,
+        "Q4_K×8 decode: short operands"
+    );
+    // SAFETY: handed out by `decode_for` only where the CPU has AVX-512
+    // F/BW/VL and VNNI; the lengths (checked above) bound every load.
+    unsafe { decode_vnni(nb, groups.as_ptr(), y.as_ptr()) }
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Byte-shuffle masks: for run s, 32-bit lane k of a 128-bit lane L gets
+/// the scale of run s of row 2L + k / 2 (unpacked in place, see
+/// `decode_vnni`) in its low byte and zeros above.
+#[cfg(target_arch = "x86_64")]
+static RUN_SCALE: [[u8; 64]; 8] = {
+    let mut t = [[0x80u8; 64]; 8];
+    let mut s = 0;
+    while s < 8 {
+        let mut i = 0;
+        while i < 64 {
+            let k = (i % 16) / 4;
+            if i % 4 == 0 {
+                let ro = k / 2;
+                t[s][i] = if s < 4 {
+                    (4 * ro + s) as u8
+                } else {
+                    (8 + 4 * ro + s - 4) as u8
+                };
+            }
+            i += 1;
+        }
+        s += 1;
+    }
+    t
+};
+
+/// Per 128-bit lane: bytes 0..8 keep 6 bits (scales 0..3), bytes 8..16 keep
+/// 4 (the low bits of scales 4..7).
+#[cfg(target_arch = "x86_64")]
+static SC_LOW: [u8; 64] = {
+    let mut t = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        t[i] = if i % 16 < 8 { 0x3f } else { 0x0f };
+        i += 1;
+    }
+    t
+};
+
+/// Sum the two 32-bit lanes of each row: lane r of the result is lanes 2r
+/// + 2r + 1 of `x` (exact, integer).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fold_pairs(x: __m512i) -> __m256i {
+    // SAFETY: register-only AVX-512 F ops (the caller's features).
+    unsafe { _mm512_cvtepi64_epi32(_mm512_add_epi32(x, _mm512_srli_epi64(x, 32))) }
+}
+
+/// One token against 8 repacked rows.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VNNI; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+    use super::qgemm_lanes::float_step;
+    // SAFETY: the function's contract: the features are enabled, every
+    // load is inside the nb groups / blocks.
+    unsafe {
+        let nib = _mm512_set1_epi8(0x0f);
+        let sc_low = _mm512_loadu_si512(SC_LOW.as_ptr().cast());
+        let sc_high = _mm512_set1_epi8(0x30);
+        let c_rows = _mm256_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15);
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_m = _mm256_setzero_ps();
+        for b in 0..nb {
+            let g = x.add(b * GROUP_BYTES);
+            let yb = y.add(b * Q8_K_BYTES);
+            // scales of rows 2L, 2L + 1 in 128-bit lane L: bytes 0..4 and
+            // 4..8 scales 0..3, bytes 8..12 and 12..16 scales 4..7 (low 4
+            // bits from C, high 2 from A's top bits)
+            let ac = _mm512_loadu_si512(g.add(G_AC).cast());
+            let low = _mm512_and_si512(ac, sc_low);
+            let high = _mm512_and_si512(_mm512_srli_epi16(_mm512_bslli_epi128(ac, 8), 2), sc_high);
+            let sc = _mm512_or_si512(low, high);
+            // the integer sums, row r in lanes 2r and 2r + 1
+            let mut isum = _mm512_setzero_si512();
+            for c in 0..4 {
+                let mut sl = _mm512_setzero_si512();
+                let mut sh = _mm512_setzero_si512();
+                for h in 0..4 {
+                    let v = _mm512_loadu_si512(g.add(G_Q + 64 * (4 * c + h)).cast());
+                    let lo = _mm512_and_si512(v, nib);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                    let ya = _mm512_set1_epi64(
+                        yb.add(4 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
+                    );
+                    let yh = _mm512_set1_epi64(
+                        yb.add(36 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
+                    );
+                    sl = _mm512_dpbusd_epi32(sl, lo, ya);
+                    sh = _mm512_dpbusd_epi32(sh, hi, yh);
+                }
+                let s_lo =
+                    _mm512_shuffle_epi8(sc, _mm512_loadu_si512(RUN_SCALE[2 * c].as_ptr().cast()));
+                let s_hi = _mm512_shuffle_epi8(
+                    sc,
+                    _mm512_loadu_si512(RUN_SCALE[2 * c + 1].as_ptr().cast()),
+                );
+                isum = _mm512_dpwssd_epi32(isum, sl, s_lo);
+                isum = _mm512_dpwssd_epi32(isum, sh, s_hi);
+            }
+            // mins: row r's 0..3 from B_r, 4..7 from C_r's high nibbles and
+            // B_r's top bits; against the activation's 32-value sums
+            let bv = _mm256_loadu_si256(g.add(G_B).cast());
+            let cv = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+                _mm512_castsi256_si512(c_rows),
+                ac,
+            ));
+            let m_lo = _mm256_and_si256(bv, _mm256_set1_epi8(0x3f));
+            let m_hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(cv, 4), _mm256_set1_epi8(0x0f)),
+                _mm256_and_si256(_mm256_srli_epi16(bv, 2), _mm256_set1_epi8(0x30)),
+            );
+            let bs = _mm256_loadu_si256(yb.add(260).cast());
+            let b32 = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));
+            let b16 = _mm256_packs_epi32(b32, b32);
+            let p_lo = _mm512_broadcast_i32x4(_mm256_castsi256_si128(b16));
+            let p_hi = _mm512_broadcast_i32x4(_mm256_extracti128_si256::<1>(b16));
+            let msum = _mm512_madd_epi16(_mm512_cvtepu8_epi16(m_lo), p_lo);
+            let msum = _mm512_dpwssd_epi32(msum, _mm512_cvtepu8_epi16(m_hi), p_hi);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(g.cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(g.add(G_DMIN).cast()));
+            let dy = yb.cast::<f32>().read_unaligned();
+            acc_m = float_step(-dy, dmin, fold_pairs(msum), acc_m);
+            acc = float_step(dy, d, fold_pairs(isum), acc);
+        }
+        let mut out = [0f32; ROWS];
+        // SAFETY: out holds 8 floats.
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
+    }
+}
