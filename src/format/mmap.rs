@@ -91,3 +91,41 @@ pub fn release(bytes: &[u8]) -> usize {
         0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `release` drops the pages of a file's map only, and the bytes read
+    /// the same afterwards; heap and anonymous-map bytes are left alone.
+    #[test]
+    fn release_drops_file_pages_only_and_keeps_the_bytes() {
+        let path = std::env::temp_dir().join(format!("kvrun-release-{}.bin", std::process::id()));
+        let want: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 2654435761u32 >> 24) as u8).collect();
+        std::fs::write(&path, &want).unwrap();
+        let m = Mapped::open(&path).unwrap();
+        let sum = |b: &[u8]| b.iter().map(|&x| x as u64).sum::<u64>();
+        assert_eq!(sum(m.bytes()), sum(&want));
+        // a range that starts and ends mid-page: only its whole pages go
+        let part = &m.bytes()[100..(1 << 20) - 100];
+        let dropped = release(part);
+        assert!(dropped > 0 && dropped < part.len(), "{dropped}");
+        assert_eq!(m.bytes(), &want[..]);
+        // not a file map: nothing happens (DONTNEED would zero these)
+        let heap = want.clone();
+        assert_eq!(release(&heap), 0);
+        assert_eq!(heap, want);
+        let mut anon = memmap2::MmapMut::map_anon(want.len()).unwrap();
+        anon.copy_from_slice(&want);
+        let anon = Mapped::from_anon(anon).unwrap();
+        assert_eq!(release(anon.bytes()), 0);
+        assert_eq!(anon.bytes(), &want[..]);
+        // a dropped map is forgotten
+        let (start, len) = (m.bytes().as_ptr() as usize, m.bytes().len());
+        drop(m);
+        let maps = FILE_MAPS.lock().unwrap();
+        assert!(!maps.iter().any(|&(s, l)| s == start && l == len));
+        drop(maps);
+        std::fs::remove_file(&path).unwrap();
+    }
+}

@@ -1347,3 +1347,33 @@ fn q4k_x8_speed() {
         }
     }
 }
+
+/// The CPU loader repacks Q4_K matrices (8k rows) exactly where the
+/// process's kernel level has the Q4_K×8 kernel, and never an embedding
+/// table; a repacked matrix still hands out its rows as GGUF stores them.
+#[test]
+fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
+    use kvrun::backend::WeightSink;
+    let dt = DType::Q4K;
+    let mut r = Rng::new(3);
+    let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
+    let loader = kvrun::backend::cpu::Loader;
+    let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
+    let level = kvrun::backend::cpu::isa::level();
+    let want = kvrun::backend::cpu::q4k_x8::decode_for(level).is_some();
+    let m = sink.matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w)).unwrap();
+    assert_eq!(m.is_repacked(), want, "{level}");
+    let t = sink.table(dt, 512, 16, std::borrow::Cow::Borrowed(&w)).unwrap();
+    assert!(!t.is_repacked() && t.is_borrowed());
+    let rb = dt.row_bytes(512);
+    let (mut a, mut b) = (vec![0f32; 512], vec![0f32; 512]);
+    for i in 0..16 {
+        assert_eq!(&m.row(i)[..], &w[i * rb..(i + 1) * rb]);
+        m.dequantize_row(i, &mut a);
+        t.dequantize_row(i, &mut b);
+        assert_eq!(a, b);
+    }
+    // rows that do not fill row blocks of 8 stay as they are
+    let odd = sink.matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb])).unwrap();
+    assert!(!odd.is_repacked());
+}

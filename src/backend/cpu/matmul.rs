@@ -1,5 +1,6 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
-//! GGUF storage type, usually borrowed from the memory map) and the
+//! GGUF storage type, usually borrowed from the memory map; Q4_K repacked
+//! as [`Q4kX8`] at the AVX-512 VNNI level) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
 //! `ggml-sys`, with cache blocking for batched prefill, and our own tile
 //! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K
