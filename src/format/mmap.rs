@@ -101,7 +101,9 @@ mod tests {
     #[test]
     fn release_drops_file_pages_only_and_keeps_the_bytes() {
         let path = std::env::temp_dir().join(format!("kvrun-release-{}.bin", std::process::id()));
-        let want: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 2654435761u32 >> 24) as u8).collect();
+        let want: Vec<u8> = (0..(1u32 << 20))
+            .map(|i| (i * 2654435761u32 >> 24) as u8)
+            .collect();
         std::fs::write(&path, &want).unwrap();
         let m = Mapped::open(&path).unwrap();
         let sum = |b: &[u8]| b.iter().map(|&x| x as u64).sum::<u64>();

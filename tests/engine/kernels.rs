@@ -1361,9 +1361,13 @@ fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
     let want = kvrun::backend::cpu::q4k_x8::decode_for(level).is_some();
-    let m = sink.matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w)).unwrap();
+    let m = sink
+        .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
+        .unwrap();
     assert_eq!(m.is_repacked(), want, "{level}");
-    let t = sink.table(dt, 512, 16, std::borrow::Cow::Borrowed(&w)).unwrap();
+    let t = sink
+        .table(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
+        .unwrap();
     assert!(!t.is_repacked() && t.is_borrowed());
     let rb = dt.row_bytes(512);
     let (mut a, mut b) = (vec![0f32; 512], vec![0f32; 512]);
@@ -1374,6 +1378,8 @@ fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
         assert_eq!(a, b);
     }
     // rows that do not fill row blocks of 8 stay as they are
-    let odd = sink.matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb])).unwrap();
+    let odd = sink
+        .matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb]))
+        .unwrap();
     assert!(!odd.is_repacked());
 }

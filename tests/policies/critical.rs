@@ -234,7 +234,7 @@ fn engine_norms_match(requant: Option<DType>) {
         for l in 0..c.n_layers {
             let wo = &w.layers[l].wo;
             let mut f = vec![0f32; dim * q_dim];
-            ggml_sys::dequantize(wo.dtype.ggml_id(), &wo.bytes, &mut f);
+            ggml_sys::dequantize(wo.dtype.ggml_id(), &wo.gguf_bytes(), &mut f);
             let q = ggml_sys::quantize_ref(dt.ggml_id(), &f);
             w.layers[l].wo = kvrun::backend::cpu::QMat::new(dt, q_dim, dim, Cow::Owned(q)).unwrap();
         }
@@ -275,7 +275,7 @@ fn engine_norms_match(requant: Option<DType>) {
     for l in [0, 7, 15, 29] {
         let wo = &w.layers[l].wo;
         let mut f = vec![0f32; dim * q_dim];
-        ggml_sys::dequantize(wo.dtype.ggml_id(), &wo.bytes, &mut f);
+        ggml_sys::dequantize(wo.dtype.ggml_id(), &wo.gguf_bytes(), &mut f);
         for &sl in slots.iter().step_by(7) {
             for h in 0..nkv {
                 s.kv.head_f32(false, l, h, sl as usize, &mut v);

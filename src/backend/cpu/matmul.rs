@@ -103,19 +103,28 @@ impl<'a> QMat<'a> {
         self.x8.is_some()
     }
 
-    /// A copy in the GGUF row layout (the fallback of a kernel level
-    /// without a kernel for the repacked layout).
-    fn unpacked(&self) -> QMat<'static> {
+    /// All rows as GGUF stores them, (n_out, row bytes): borrowed, or
+    /// gathered when repacked.
+    pub fn gguf_bytes(&self) -> Cow<'_, [u8]> {
+        let Some(x8) = &self.x8 else {
+            return Cow::Borrowed(&self.bytes);
+        };
         let rb = self.dtype.row_bytes(self.n_in);
         let mut bytes = vec![0u8; self.n_out * rb];
         for (r, row) in bytes.chunks_exact_mut(rb).enumerate() {
-            row.copy_from_slice(&self.row(r));
+            x8.row_into(r, row);
         }
+        Cow::Owned(bytes)
+    }
+
+    /// A copy in the GGUF row layout (the fallback of a kernel level
+    /// without a kernel for the repacked layout).
+    fn unpacked(&self) -> QMat<'static> {
         QMat {
             dtype: self.dtype,
             n_in: self.n_in,
             n_out: self.n_out,
-            bytes: Cow::Owned(bytes),
+            bytes: Cow::Owned(self.gguf_bytes().into_owned()),
             x8: None,
             traits: self.traits,
         }
