@@ -177,7 +177,8 @@ impl crate::backend::WeightSink<Cpu> for Loader {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
-        // as `Cpu::matrix`: rearranged for this level's products
+        // rearranged for this level's products where it has a layout for
+        // them (Q4_K×8 at AVX-512 VNNI)
         Ok(QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level()))
     }
     fn table<'w>(
@@ -244,9 +245,9 @@ impl Backend for Cpu {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
-        // rearranged for this level's products where it has a layout for
-        // them (Q4_K×8 at AVX-512 VNNI)
-        Ok(QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level()))
+        // as the host loader takes them (repacked where the level has a
+        // layout for its products)
+        crate::backend::WeightSink::<Cpu>::matrix(&Loader, dtype, n_in, n_out, bytes)
     }
 
     fn table<'w>(
@@ -256,7 +257,7 @@ impl Backend for Cpu {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
-        QMat::new(dtype, n_in, n_out, bytes)
+        crate::backend::WeightSink::<Cpu>::table(&Loader, dtype, n_in, n_out, bytes)
     }
 
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
