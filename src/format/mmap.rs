@@ -80,8 +80,8 @@ pub fn release(bytes: &[u8]) -> usize {
     if hi <= lo {
         return 0;
     }
-    // SAFETY: [lo, hi) is whole pages inside a live read-only private map
-    // of a file (checked above, under the lock that its Drop takes), which
+    // SAFETY: [lo, hi) is whole pages inside a live read-only map of a
+    // file (checked above, under the lock that its Drop takes), which
     // this process never writes: MADV_DONTNEED only drops the pages, and a
     // later read maps the file's same bytes back in.
     let rc = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) };

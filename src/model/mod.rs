@@ -757,15 +757,16 @@ impl<'a, B: Backend + 'a> Weights<'a, B> {
                 1.0,
             )
         });
+        let untied = src.has("output.weight");
         Ok(Weights {
             // only read by rows unless it is also the output matrix
-            token_embd: if src.has("output.weight") {
-                let t = src.tensor("token_embd.weight", &[d, v])?;
-                sink.table(t.0, d as usize, v as usize, t.1)?
+            token_embd: if untied {
+                let (dt, bytes) = src.tensor("token_embd.weight", &[d, v])?;
+                sink.table(dt, d as usize, v as usize, bytes)?
             } else {
                 mat("token_embd.weight", [d, v])?
             },
-            output: if src.has("output.weight") {
+            output: if untied {
                 Some(mat("output.weight", [d, v])?)
             } else {
                 None

@@ -268,9 +268,7 @@ pub fn matmul_q_at(
             if n_tok == 1 {
                 return matvec_x8(pool, w, x8, act, out, one);
             }
-            let nb = w.n_in / w.dtype.block_len();
-            let micro = (PACKED_BLOCK_BYTES / (nb * qgemm_lanes::PACKED_BYTES)).clamp(1, MAX_MICRO);
-            return matmul_k_packed(pool, w, act, n_tok, out, packed, micro);
+            return matmul_k_packed(pool, w, act, n_tok, out, packed);
         }
         // a level without kernels for the layout (a test asking for it)
         return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
@@ -293,9 +291,7 @@ pub fn matmul_q_at(
         // with VNNI the rows are unpacked once per row block (sized for L2)
         // instead of once per token tile
         if let Some(packed) = qgemm_lanes::packed_for(w.dtype, level) {
-            let nb = w.n_in / w.dtype.block_len();
-            let micro = (PACKED_BLOCK_BYTES / (nb * qgemm_lanes::PACKED_BYTES)).clamp(1, MAX_MICRO);
-            return matmul_k_packed(pool, w, act, n_tok, out, packed, micro);
+            return matmul_k_packed(pool, w, act, n_tok, out, packed);
         }
         return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile));
     }
@@ -453,7 +449,6 @@ fn matmul_k_packed(
     n_tok: usize,
     out: &mut [f32],
     (pack, kernel): (qgemm_lanes::PackFn, qgemm_lanes::PackedFn),
-    micro: usize,
 ) {
     use qgemm_lanes::{PACKED_BYTES, ROWS, TOKS};
     let (n_in, n_out) = (w.n_in, w.n_out);
@@ -463,6 +458,8 @@ fn matmul_k_packed(
     let nb = n_in / w.dtype.block_len();
     let n_tt = n_tok.div_ceil(TOKS);
     let toks = |tt: usize| -> [&[u8]; TOKS] { token_tile(act, ab, n_tok, TOKS, tt) };
+    // micro tiles per row block: as many as fit PACKED_BLOCK_BYTES
+    let micro = (PACKED_BLOCK_BYTES / (nb * PACKED_BYTES)).clamp(1, MAX_MICRO);
     let block_rows = micro * ROWS;
     let blocks = Chunks::new(n_out.div_ceil(block_rows));
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
