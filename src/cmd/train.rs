@@ -44,6 +44,13 @@ pub struct GatesArgs {
     /// Tokens per training sequence.
     #[arg(long = "seq-len", default_value_t = 256)]
     pub seq_len: usize,
+    /// Take the loss on the last N positions of each sequence only; the
+    /// positions before them run ungated as the context those N queries
+    /// attend to, their entries decaying by their own gates (ages up to
+    /// --seq-len are learned at N × seq-len attention cost instead of
+    /// seq-len²). 0: the whole sequence.
+    #[arg(long = "loss-window", value_name = "N", default_value_t = 0)]
+    pub loss_window: usize,
     /// Optimizer steps (one sequence each).
     #[arg(long = "steps", default_value_t = 300)]
     pub steps: usize,
@@ -100,9 +107,23 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
     if a.inter == 0 || a.inter > 65536 {
         return Err(Error::arg("--gate-dim", "must be in 1..=65536"));
     }
-    if a.seq_len < 2 || a.seq_len > 8192 {
-        return Err(Error::arg("--seq-len", "must be in 2..=8192"));
+    if a.seq_len < 2 || a.seq_len > 32768 {
+        return Err(Error::arg("--seq-len", "must be in 2..=32768"));
     }
+    if a.loss_window >= a.seq_len {
+        return Err(Error::arg(
+            "--loss-window",
+            format!(
+                "must be below --seq-len ({}), or 0 for the whole sequence",
+                a.seq_len
+            ),
+        ));
+    }
+    let window = if a.loss_window == 0 {
+        a.seq_len
+    } else {
+        a.loss_window
+    };
     if !(a.lr > 0.0 && a.lr < 1.0) {
         return Err(Error::arg("--lr", "must be in (0, 1)"));
     }
@@ -127,17 +148,18 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
     let model = load_model(&a.model)?;
     let w = model.weights();
     if let Some(have) = available_memory() {
-        let need = train::graph_bytes(&w.config, a.seq_len);
+        let need = train::graph_bytes(&w.config, a.seq_len, a.loss_window);
         if need > have {
             return Err(Error::arg(
                 "--seq-len",
                 format!(
-                    "{} tokens need about {:.1} GiB to train (one layer's gated attention keeps {} heads × {}² values for the backward pass, the vocabulary-wide rows {} × {}); {:.1} GiB are available: use a shorter --seq-len",
+                    "{} tokens need about {:.1} GiB to train (one layer's gated attention keeps {} heads × {} × {} values for the backward pass, the vocabulary-wide rows {} × {}); {:.1} GiB are available: use a shorter --seq-len or a --loss-window",
                     a.seq_len,
                     need as f64 / GIB,
                     w.config.n_heads,
+                    window,
                     a.seq_len,
-                    a.seq_len,
+                    window,
                     w.config.vocab,
                     have as f64 / GIB
                 ),
@@ -165,7 +187,7 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         ));
     }
     eprintln!(
-        "train gates: {} ({} layers, {} KV heads), {} {}×{} → {} (I = {}), M = {}, {} tokens of data, {} steps of {} tokens, {} threads",
+        "train gates: {} ({} layers, {} KV heads), {} {}×{} → {} (I = {}), M = {}, {} tokens of data, {} steps of {} tokens{}, {} threads",
         model.name(),
         w.config.n_layers,
         w.config.n_kv_heads,
@@ -178,6 +200,11 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         stream.len(),
         a.steps,
         a.seq_len,
+        if window < a.seq_len {
+            format!(" (loss on the last {window})")
+        } else {
+            String::new()
+        },
         threads
     );
     let base = train::model::Base::from_weights(w, a.seq_len, candle_core::DType::F32)
@@ -192,6 +219,7 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
             cap_weight: a.cap_weight,
         },
         seq_len: a.seq_len,
+        loss_window: a.loss_window,
         steps: a.steps,
         lr: a.lr,
         warmup: a.warmup,
@@ -219,8 +247,10 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
             .collect(),
         progress: true,
     };
+    let mut engine =
+        (window < a.seq_len).then(|| train::EnginePrefix::new(w, a.seq_len - window, threads));
     let t0 = std::time::Instant::now();
-    let (gates, hist) = train::train(&base, &stream, &cfg)?;
+    let (gates, hist) = train::train(&base, &stream, &cfg, engine.as_mut())?;
     gates.save(&out)?;
     let first = hist.first().copied().unwrap_or_default();
     let m = &gates.meta["final"];

@@ -27,10 +27,28 @@ use crate::error::{Error, Result};
 use crate::policy::gates::{GateArch, Gates};
 use crate::tokenizer::Tokenizer;
 use candle_core::{DType, Device, Tensor, Var, D};
-use model::{occupancy, Base, GateVars};
+use model::{occupancy_at, Base, GateVars, Span};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+/// Keep freed memory in the process: candle allocates every op's result
+/// afresh, and glibc otherwise maps blocks above its (adaptive) threshold
+/// anew and returns the heap's top to the system, so each op paid page
+/// faults and the kernel's zeroing (a third of a 1024-token step's time).
+/// Blocks up to 32 MiB (glibc's largest threshold) now come from the heap
+/// and stay there: at 4096 tokens and a 128-position loss window a step
+/// took 22 s instead of 26 s, and 34 s instead of 44 s with a 256 window
+/// (whose attention tensors, 37.7 MB, still exceed 32 MiB).
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets two glibc allocator parameters; it is
+    // called before the training step's allocations and takes no pointers.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
 
 /// Use `n` threads for candle's CPU kernels (its rayon pool reads
 /// RAYON_NUM_THREADS when first used; an explicit setting wins).
@@ -66,21 +84,22 @@ pub struct Losses {
     pub occupancy: f64,
 }
 
-/// The loss of `gates` on `tokens` (the teacher's log-probabilities
-/// `teacher` (T, vocab) given) as a differentiable scalar, and its terms.
+/// The loss of `gates` on a span's tokens (the teacher's log-probabilities
+/// `teacher` (n, vocab) there given) as a differentiable scalar, and its
+/// terms.
 /// One autodiff graph over the whole model: the reference that
 /// [`loss_grads_by_layer`] (what the trainer runs) is tested against.
 pub fn loss(
     base: &Base,
     gates: &GateVars,
-    tokens: &[u32],
+    span: &Span<'_>,
     teacher: &Tensor,
     obj: &Objective,
 ) -> candle_core::Result<(Tensor, Losses)> {
-    let f = base.forward(tokens, Some(gates))?;
-    let (quality, kl, ce_v) = quality(&f.logits, tokens, teacher, obj)?;
-    let occ = occupancy(&f.log_beta)?; // (L, Hkv, T)
-    let cap = capacity(&occ, gates.arch, obj.budget)?;
+    let f = base.forward_span(span, Some(gates))?;
+    let (quality, kl, ce_v) = quality(&f.logits, span.tokens, teacher, obj)?;
+    let occ = occupancy_at(&f.log_beta, span.p0)?; // (L, Hkv, n)
+    let cap = capacity(&occ, gates.arch, obj.budget, span.p0)?;
     let total = (quality + (&cap * obj.cap_weight)?)?;
     let terms = terms(&total, kl, ce_v, &cap, &occ)?;
     Ok((total, terms))
@@ -113,13 +132,14 @@ fn quality(
     Ok((total, kl_v, ce_v))
 }
 
-/// The capacity hinge on the soft occupancy `occ` (L, Hkv, T) against the
-/// capacity M = `budget` (global for `rg10`, per head for `rg`): the mean
-/// over the violating entries (0 when none).
-fn capacity(occ: &Tensor, arch: GateArch, budget: usize) -> candle_core::Result<Tensor> {
+/// The capacity hinge on the soft occupancy `occ` (L, Hkv, n) of the
+/// queries at positions p0..p0+n against the capacity M = `budget` (global
+/// for `rg10`, per head for `rg`): the mean over the violating entries (0
+/// when none).
+fn capacity(occ: &Tensor, arch: GateArch, budget: usize, p0: usize) -> candle_core::Result<Tensor> {
     let (nl, nkv, t) = occ.dims3()?;
     let m = budget as f64;
-    let pos: Vec<f32> = (0..t).map(|i| i as f32).collect();
+    let pos: Vec<f32> = (p0..p0 + t).map(|i| i as f32).collect();
     let pos = Tensor::from_vec(pos, t, &Device::Cpu)?.to_dtype(occ.dtype())?;
     let hinge = match arch {
         GateArch::Rg10 => {
@@ -187,20 +207,22 @@ fn terms(
 pub fn loss_grads_by_layer(
     base: &Base,
     gates: &GateVars,
-    tokens: &[u32],
+    span: &Span<'_>,
     teacher: &Tensor,
     obj: &Objective,
 ) -> candle_core::Result<(Losses, Vec<Option<Tensor>>)> {
     let n_layers = base.layers.len();
-    let seq = base.seq_consts(tokens.len())?;
+    let (tokens, p0) = (span.tokens, span.p0);
+    let seq = base.span_consts(p0, tokens.len())?;
     // 1. each layer's input and log β, no graphs kept
     let mut inputs = Vec::with_capacity(n_layers);
     let mut occ = Vec::with_capacity(n_layers);
     let mut x = base.embed(tokens)?;
     for l in 0..n_layers {
-        let (y, lb) = base.layer(l, &x, Some(gates), &seq)?;
+        let pre = span.prefix(l)?;
+        let (y, lb) = base.layer(l, &x, pre.as_ref(), Some(gates), &seq)?;
         let lb = lb.expect("a gated layer returns its log β").detach();
-        occ.push(occupancy(std::slice::from_ref(&lb))?.squeeze(0)?); // (Hkv, T)
+        occ.push(occupancy_at(std::slice::from_ref(&lb), p0)?.squeeze(0)?); // (Hkv, n)
         inputs.push(x);
         x = y.detach();
     }
@@ -214,7 +236,7 @@ pub fn loss_grads_by_layer(
         .unwrap_or(x.zeros_like()?);
     //    and the capacity term's by the occupancy          (L, Hkv, T)
     let occ = Var::from_tensor(&Tensor::stack(&occ, 0)?)?;
-    let cap = capacity(occ.as_tensor(), gates.arch, obj.budget)?;
+    let cap = capacity(occ.as_tensor(), gates.arch, obj.budget, p0)?;
     let g_occ = match cap.backward()?.get(occ.as_tensor()) {
         Some(g) => (g * obj.cap_weight)?,
         None => occ.as_tensor().zeros_like()?,
@@ -226,9 +248,10 @@ pub fn loss_grads_by_layer(
     let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
     for l in (0..n_layers).rev() {
         let x_in = Var::from_tensor(&inputs[l])?;
-        let (y, lb) = base.layer(l, x_in.as_tensor(), Some(gates), &seq)?;
+        let pre = span.prefix(l)?;
+        let (y, lb) = base.layer(l, x_in.as_tensor(), pre.as_ref(), Some(gates), &seq)?;
         let lb = lb.expect("a gated layer returns its log β");
-        let occ_l = occupancy(std::slice::from_ref(&lb))?.squeeze(0)?;
+        let occ_l = occupancy_at(std::slice::from_ref(&lb), p0)?.squeeze(0)?;
         let surrogate = ((y * &g_x)?.sum_all()? + (occ_l * g_occ.get(l)?)?.sum_all()?)?;
         let g = surrogate.backward()?;
         for (acc, var) in grads.iter_mut().zip(&vars) {
@@ -407,6 +430,69 @@ pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Re
     Ok(all)
 }
 
+/// kvrun's own engine as the source of a windowed step's prefix: it runs
+/// the model over the prefix tokens (full cache, the model's own quantized
+/// weights: the context inference itself computes) and records every
+/// layer's normed attention input; the prefix's keys and values are then
+/// computed from those by the training model. Several times faster than
+/// the f32 candle pass (`Base::ungated_prefixes`), which stays the
+/// reference the tests use.
+pub struct EnginePrefix<'w> {
+    session: crate::generate::Session<'w>,
+}
+
+impl std::fmt::Debug for EnginePrefix<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EnginePrefix")
+    }
+}
+
+/// Records every layer's attention input of every step.
+struct AllInputs(Vec<Vec<f32>>);
+
+impl crate::generate::StepObserver for AllInputs {
+    fn needs(&self) -> crate::signals::Needs {
+        crate::signals::Needs {
+            attn_inputs: true,
+            ..crate::signals::Needs::none()
+        }
+    }
+    fn on_step(&mut self, st: &crate::policy::Step<'_>) {
+        if let Some(a) = &st.signals.attn_inputs {
+            for (l, rows) in self.0.iter_mut().enumerate() {
+                rows.extend_from_slice(a.layer(l));
+            }
+        }
+    }
+}
+
+impl<'w> EnginePrefix<'w> {
+    /// A full-cache session over `w` for prefixes of up to `max_tokens`.
+    pub fn new(w: &'w crate::model::Weights<'w>, max_tokens: usize, threads: usize) -> Self {
+        EnginePrefix {
+            session: crate::generate::Session::new(w, max_tokens.max(1), threads, 512),
+        }
+    }
+
+    /// Every layer's [`model::Prefix`] over `tokens`.
+    pub fn prefixes(&mut self, base: &Base, tokens: &[u32]) -> Result<Vec<model::Prefix>> {
+        let (nl, d, t) = (base.layers.len(), base.config.dim, tokens.len());
+        self.session.reset();
+        let mut obs = AllInputs(vec![Vec::with_capacity(t * d); nl]);
+        self.session
+            .feed_observed(tokens, crate::model::llama::Logits::Last, &mut obs)?;
+        obs.0
+            .into_iter()
+            .enumerate()
+            .map(|(l, rows)| {
+                let h = Tensor::from_vec(rows, (t, d), &Device::Cpu)?.to_dtype(base.dtype)?;
+                base.prefix(l, h)
+            })
+            .collect::<candle_core::Result<_>>()
+            .map_err(ce)
+    }
+}
+
 /// About how many bytes one training step of `seq_len` tokens holds at
 /// its peak, gradients layer by layer ([`loss_grads_by_layer`]): one
 /// layer's autodiff graph, which keeps per query head a handful of T × T
@@ -419,15 +505,25 @@ pub fn load_tokens(tok: &Tokenizer, specs: &[DataSpec], max_tokens: usize) -> Re
 /// whole model, as [`loss`] builds, keeps the T² term of every layer:
 /// 9.7 GB measured at 512 tokens; 1024 tokens, estimated at 26.5 GB, was
 /// killed at 22 GB.)
-pub fn graph_bytes(c: &crate::model::Config, seq_len: usize) -> u64 {
+///
+/// With a loss window of n < T positions (`TrainConfig::loss_window`) the
+/// graph's attention term is n × T instead of T², the vocabulary-wide rows
+/// are the window's, and the ungated pass over the whole sequence (its
+/// chunks of n queries hold fewer values per element than the graph) fits
+/// in the same bound.
+pub fn graph_bytes(c: &crate::model::Config, seq_len: usize, loss_window: usize) -> u64 {
     let t = seq_len as u64;
-    let quad = 64 * c.n_heads as u64 * t * t;
+    let n = if loss_window == 0 || loss_window >= seq_len {
+        t
+    } else {
+        loss_window as u64
+    };
+    let quad = 64 * c.n_heads as u64 * n * t;
     let layer_tok = 4 * (24 * c.dim + 12 * c.ffn_dim) as u64;
     let kept = 4 * (c.n_layers * c.dim) as u64;
-    let per_tok = layer_tok + kept + 4 * 16 * c.vocab as u64;
     let params =
         (c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim) + c.vocab * c.dim) as u64;
-    quad + per_tok * t + 8 * params
+    quad + (layer_tok + kept) * t + 4 * 16 * c.vocab as u64 * n + 8 * params
 }
 
 /// What a training run needs.
@@ -438,6 +534,10 @@ pub struct TrainConfig {
     pub bias_init: f32,
     pub objective: Objective,
     pub seq_len: usize,
+    /// Take the loss on the last `loss_window` positions of each sequence
+    /// only, the positions before them an ungated prefix (`model::Span`);
+    /// 0 (or ≥ `seq_len`): the whole sequence.
+    pub loss_window: usize,
     pub steps: usize,
     pub lr: f64,
     pub warmup: usize,
@@ -465,10 +565,18 @@ pub fn sibling(out: &Path, suffix: &str) -> PathBuf {
     out.with_file_name(format!("{stem}.{suffix}"))
 }
 
-/// Train gates for `base` on `stream`; returns the gates and every step's losses.
-pub fn train(base: &Base, stream: &[u32], cfg: &TrainConfig) -> Result<(Gates, Vec<Losses>)> {
+/// Train gates for `base` on `stream`; returns the gates and every step's
+/// losses. With a loss window, `engine` (when given) computes each
+/// sequence's prefix; otherwise the training model does.
+pub fn train(
+    base: &Base,
+    stream: &[u32],
+    cfg: &TrainConfig,
+    mut engine: Option<&mut EnginePrefix<'_>>,
+) -> Result<(Gates, Vec<Losses>)> {
     let c = &base.config;
     let t = cfg.seq_len;
+    keep_freed_memory();
     if t < 2 || t > base.max_pos() {
         return Err(Error::Other(format!(
             "--seq-len must be in 2..={}, got {t}",
@@ -543,19 +651,38 @@ pub fn train(base: &Base, stream: &[u32], cfg: &TrainConfig) -> Result<(Gates, V
     for step in first..cfg.steps {
         let s = order[step % n_seq];
         let toks = &stream[s * t..(s + 1) * t];
-        // the teacher: the same model, ungated, no gradients
-        let teacher = base
-            .forward(toks, None)
-            .and_then(|f| log_softmax(&f.logits))
-            .map_err(ce)?
-            .detach();
         let lr = if step < cfg.warmup {
             cfg.lr * (step + 1) as f64 / cfg.warmup as f64
         } else {
             cfg.lr
         };
-        let (l, grads) =
-            loss_grads_by_layer(base, &vars, toks, &teacher, &cfg.objective).map_err(ce)?;
+        let (l, grads) = if cfg.loss_window == 0 || cfg.loss_window >= t {
+            // the teacher: the same model, ungated, no gradients
+            let teacher = base
+                .forward(toks, None)
+                .and_then(|f| log_softmax(&f.logits))
+                .map_err(ce)?
+                .detach();
+            loss_grads_by_layer(base, &vars, &Span::whole(toks), &teacher, &cfg.objective)
+        } else {
+            // the prefix ungated, then the teacher on the window over it
+            let n = cfg.loss_window;
+            let prefixes = match engine.as_mut() {
+                Some(e) => e.prefixes(base, &toks[..t - n])?,
+                None => base.ungated_prefixes(&toks[..t - n], n).map_err(ce)?.0,
+            };
+            let span = Span {
+                tokens: &toks[t - n..],
+                p0: t - n,
+                prefixes: &prefixes,
+            };
+            let teacher = base
+                .forward_span(&span, None)
+                .and_then(|f| log_softmax(&f.logits))
+                .map_err(ce)?;
+            loss_grads_by_layer(base, &vars, &span, &teacher, &cfg.objective)
+        }
+        .map_err(ce)?;
         if !l.total.is_finite() {
             return Err(Error::Other(format!(
                 "training diverged at step {} (loss {})",
@@ -616,6 +743,7 @@ fn metadata(cfg: &TrainConfig, h: &[Losses], init: &serde_json::Value) -> serde_
         "trainer": format!("kvrun {} train gates", env!("CARGO_PKG_VERSION")),
         "budget": cfg.objective.budget,
         "seq_len": cfg.seq_len,
+        "loss_window": cfg.loss_window,
         "steps": h.len(),
         "lr": cfg.lr,
         "ce_weight": cfg.objective.ce_weight,

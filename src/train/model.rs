@@ -333,11 +333,11 @@ pub struct Forward {
 }
 
 impl Base {
-    /// RoPE on x (T, H, hd) at positions 0..T.
-    fn rope(&self, x: &Tensor) -> Result<Tensor> {
+    /// RoPE on x (T, H, hd) at positions p0..p0+T.
+    fn rope(&self, x: &Tensor, p0: usize) -> Result<Tensor> {
         let (t, h, hd) = x.dims3()?;
-        let cos = self.cos.narrow(0, 0, t)?.unsqueeze(1)?;
-        let sin = self.sin.narrow(0, 0, t)?.unsqueeze(1)?;
+        let cos = self.cos.narrow(0, p0, t)?.unsqueeze(1)?;
+        let sin = self.sin.narrow(0, p0, t)?.unsqueeze(1)?;
         let xr = x
             .reshape((t * h, hd))?
             .matmul(&self.rot)?
@@ -348,11 +348,19 @@ impl Base {
     /// The model over `tokens` (T ≤ max_pos), retention-gated by `gates`
     /// when given.
     pub fn forward(&self, tokens: &[u32], gates: Option<&GateVars>) -> Result<Forward> {
-        let seq = self.seq_consts(tokens.len())?;
-        let mut x = self.embed(tokens)?;
+        self.forward_span(&Span::whole(tokens), gates)
+    }
+
+    /// The model over a span's tokens after its prefix (logits of the
+    /// span's positions only), retention-gated by `gates` when given (the
+    /// prefix's entries too: their log β come from its kept inputs).
+    pub fn forward_span(&self, span: &Span<'_>, gates: Option<&GateVars>) -> Result<Forward> {
+        let seq = self.span_consts(span.p0, span.tokens.len())?;
+        let mut x = self.embed(span.tokens)?;
         let mut log_beta = Vec::new();
         for l in 0..self.layers.len() {
-            let (y, lb) = self.layer(l, &x, gates, &seq)?;
+            let pre = span.prefix(l)?;
+            let (y, lb) = self.layer(l, &x, pre.as_ref(), gates, &seq)?;
             log_beta.extend(lb);
             x = y;
         }
@@ -360,6 +368,42 @@ impl Base {
             logits: self.logits(&x)?,
             log_beta,
         })
+    }
+
+    /// The ungated model over `tokens`, attention taken `chunk` queries at
+    /// a time (chunks end at the last token; each sees only the keys up to
+    /// its own end), so no T × T tensor is built: every layer's
+    /// [`Prefix`] over all T positions, then the final residual stream
+    /// (T, D).
+    pub fn ungated_prefixes(&self, tokens: &[u32], chunk: usize) -> Result<(Vec<Prefix>, Tensor)> {
+        let t = tokens.len();
+        let chunk = chunk.clamp(1, t.max(1));
+        // chunk starts, last chunk [t − chunk, t)
+        let mut starts = Vec::new();
+        let mut end = t;
+        while end > 0 {
+            end = end.saturating_sub(chunk);
+            starts.push(end);
+        }
+        starts.reverse();
+        let mut prefixes = Vec::with_capacity(self.layers.len());
+        let mut x = self.embed(tokens)?;
+        for l in 0..self.layers.len() {
+            let h = rmsnorm(&x, &self.layers[l].attn_norm, self.config.norm_eps)?;
+            let all = self.prefix(l, h)?;
+            let mut outs = Vec::with_capacity(starts.len());
+            for (i, &c0) in starts.iter().enumerate() {
+                let end = starts.get(i + 1).copied().unwrap_or(t);
+                let pre = (c0 > 0).then(|| all.narrow(c0)).transpose()?;
+                let seq = self.span_consts(c0, end - c0)?;
+                let (y, _) =
+                    self.layer(l, &x.narrow(0, c0, end - c0)?, pre.as_ref(), None, &seq)?;
+                outs.push(y);
+            }
+            prefixes.push(all);
+            x = Tensor::cat(&outs, 0)?;
+        }
+        Ok((prefixes, x))
     }
 
     /// The residual stream's start: the tokens' embeddings (T, D).
@@ -371,64 +415,112 @@ impl Base {
     /// What every layer of a T-token sequence shares: the causal mask and
     /// the ages.
     pub fn seq_consts(&self, t: usize) -> Result<SeqConsts> {
+        self.span_consts(0, t)
+    }
+
+    /// The same for n queries at positions p0..p0+n over the keys 0..p0+n.
+    pub fn span_consts(&self, p0: usize, n: usize) -> Result<SeqConsts> {
         let dev = Device::Cpu;
-        // causal mask (T, T): 0 at or below the diagonal, −inf above; ages
-        // t − i (0 above the diagonal, masked anyway)
-        let mut mask = vec![0f32; t * t];
-        let mut age = vec![0f32; t * t];
-        for q in 0..t {
-            for k in 0..t {
-                if k > q {
-                    mask[q * t + k] = f32::NEG_INFINITY;
+        let p = p0 + n;
+        // causal mask (n, P): 0 at or before the query's position, −inf
+        // after; ages pos − i (0 after, masked anyway)
+        let mut mask = vec![0f32; n * p];
+        let mut age = vec![0f32; n * p];
+        for q in 0..n {
+            for k in 0..p {
+                if k > p0 + q {
+                    mask[q * p + k] = f32::NEG_INFINITY;
                 } else {
-                    age[q * t + k] = (q - k) as f32;
+                    age[q * p + k] = (p0 + q - k) as f32;
                 }
             }
         }
         Ok(SeqConsts {
-            mask: Tensor::from_vec(mask, (t, t), &dev)?.to_dtype(self.dtype)?,
-            age: Tensor::from_vec(age, (1, t, t), &dev)?.to_dtype(self.dtype)?,
+            p0,
+            mask: Tensor::from_vec(mask, (n, p), &dev)?.to_dtype(self.dtype)?,
+            age: Tensor::from_vec(age, (1, n, p), &dev)?.to_dtype(self.dtype)?,
         })
     }
 
-    /// Decoder layer `l` over the residual stream x (T, D): the new stream
-    /// and, with gates, the layer's log β (T, Hkv).
+    /// Layer `l`'s keys and values for the first positions of a sequence,
+    /// from its normed inputs h (p0, D) there (the attention RMSNorm's
+    /// output: what kvrun's engine records for the gates, or what
+    /// [`Base::ungated_prefixes`] computes).
+    pub fn prefix(&self, l: usize, h: Tensor) -> Result<Prefix> {
+        let (k, v) = self.keys_values(l, &h, 0)?;
+        Ok(Prefix { h, k, v })
+    }
+
+    /// Keys after RoPE and values (Hkv, T, hd) of layer `l` from its
+    /// normed input h (T, D) at positions p0..p0+T.
+    fn keys_values(&self, l: usize, h: &Tensor, p0: usize) -> Result<(Tensor, Tensor)> {
+        let c = &self.config;
+        let lw = &self.layers[l];
+        let t = h.dims()[0];
+        let (hkv, hd) = (c.n_kv_heads, c.head_dim);
+        let k = linear(h, &lw.wk, lw.bk.as_ref())?.reshape((t, hkv, hd))?;
+        let v = linear(h, &lw.wv, lw.bv.as_ref())?.reshape((t, hkv, hd))?;
+        let k = self.rope(&k, p0)?.transpose(0, 1)?.contiguous()?;
+        Ok((k, v.transpose(0, 1)?.contiguous()?))
+    }
+
+    /// Decoder layer `l` over the residual stream x (T, D) of the queries
+    /// at positions p0..p0+T (`seq.p0`; the keys, values and gate inputs of
+    /// positions 0..p0 in `prefix`, none when p0 = 0): the new stream and,
+    /// with gates, the layer's log β (P, Hkv) of all P = p0 + T keys.
     pub fn layer(
         &self,
         l: usize,
         x: &Tensor,
+        prefix: Option<&Prefix>,
         gates: Option<&GateVars>,
         seq: &SeqConsts,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.config;
         let lw = &self.layers[l];
         let t = x.dims()[0];
+        let p0 = prefix.map_or(0, |p| p.h.dims()[0]);
+        if p0 != seq.p0 {
+            return Err(candle_core::Error::Msg(format!(
+                "a prefix of {p0} positions for queries from position {}",
+                seq.p0
+            )));
+        }
+        let p = p0 + t;
         let (hq, hkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
         let group = hq / hkv;
         let scale = 1.0 / (hd as f64).sqrt();
         // attention rmsnorm: the gate's input too                   (T, D)
         let h = rmsnorm(x, &lw.attn_norm, c.norm_eps)?;
-        // projections and RoPE                      (T, H, hd) / (T, Hkv, hd)
+        // projections and RoPE at p0..              (T, H, hd) / (Hkv, T, hd)
         let q = linear(&h, &lw.wq, lw.bq.as_ref())?.reshape((t, hq, hd))?;
-        let k = linear(&h, &lw.wk, lw.bk.as_ref())?.reshape((t, hkv, hd))?;
-        let v = linear(&h, &lw.wv, lw.bv.as_ref())?.reshape((t, hkv, hd))?;
-        let q = self.rope(&q)?;
-        let k = self.rope(&k)?;
-        // grouped heads: q as (Hkv, g·T, hd) against k (Hkv, T, hd)
+        let q = self.rope(&q, p0)?;
+        let (k, v) = self.keys_values(l, &h, p0)?;
+        // the prefix's keys and values first                     (Hkv, P, hd)
+        let (k, v) = match prefix {
+            Some(pre) => (
+                Tensor::cat(&[&pre.k, &k], 1)?,
+                Tensor::cat(&[&pre.v, &v], 1)?,
+            ),
+            None => (k, v),
+        };
+        // grouped heads: q as (Hkv, g·T, hd) against k (Hkv, P, hd)
         let q = q
             .reshape((t, hkv, group, hd))?
             .permute((1, 2, 0, 3))?
             .contiguous()?
             .reshape((hkv, group * t, hd))?;
-        let k = k.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
-        let v = v.transpose(0, 1)?.contiguous()?; // (Hkv, T, hd)
 
-        // scaled logits                                       (Hkv, g, T, T)
-        let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, t))?;
+        // scaled logits                                       (Hkv, g, T, P)
+        let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, p))?;
         let mut log_beta = None;
         if let Some(g) = gates {
-            // retention: logits × β_i^(t−i)                      (Hkv, 1, T, T)
+            // retention: logits × β_i^(pos−i)                    (Hkv, 1, T, P)
             let lb = g.log_beta(l, &h)?; // (T, Hkv)
+            let lb = match prefix {
+                Some(pre) => Tensor::cat(&[&g.log_beta(l, &pre.h)?, &lb], 0)?, // (P, Hkv)
+                None => lb,
+            };
             let decay = seq
                 .age
                 .broadcast_mul(&lb.t()?.unsqueeze(1)?)?
@@ -438,11 +530,11 @@ impl Base {
             log_beta = Some(lb);
         }
         let s = s.broadcast_add(&seq.mask)?;
-        let p = candle_core::Tensor::exp(&s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?)?;
-        let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
+        let e = candle_core::Tensor::exp(&s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?)?;
+        let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
         // weighted values, heads back in place                  (T, Hq·hd)
-        let o = p
-            .reshape((hkv, group * t, t))?
+        let o = probs
+            .reshape((hkv, group * t, p))?
             .matmul(&v)?
             .reshape((hkv, group, t, hd))?
             .permute((2, 0, 1, 3))?
@@ -462,29 +554,107 @@ impl Base {
     }
 }
 
-/// The causal mask (T, T) and the ages t − i (1, T, T) of one sequence.
+/// The causal mask (n, P) and the ages pos − i (1, n, P) of n queries at
+/// positions p0..p0+n over the keys 0..P, P = p0 + n.
 #[derive(Debug)]
 pub struct SeqConsts {
+    p0: usize,
     mask: Tensor,
     age: Tensor,
+}
+
+/// One layer's view of a sequence's first p0 positions, constants to the
+/// queries after them (computed ungated).
+#[derive(Debug)]
+pub struct Prefix {
+    /// normed layer inputs, the gate's input                     (p0, D)
+    pub h: Tensor,
+    /// keys after RoPE                                       (Hkv, p0, hd)
+    pub k: Tensor,
+    /// values                                                (Hkv, p0, hd)
+    pub v: Tensor,
+}
+
+impl Prefix {
+    /// The first `n` positions.
+    fn narrow(&self, n: usize) -> Result<Prefix> {
+        Ok(Prefix {
+            h: self.h.narrow(0, 0, n)?,
+            k: self.k.narrow(1, 0, n)?,
+            v: self.v.narrow(1, 0, n)?,
+        })
+    }
+}
+
+/// Where a loss is taken: `tokens` at positions p0..p0+n of a sequence
+/// whose positions 0..p0 are a prefix run ungated, given per layer as a
+/// [`Prefix`] (at least p0 positions; from `Base::ungated_prefixes` or
+/// kvrun's engine). The queries see the prefix's keys, and with gates its
+/// entries decay by their own log β (from the prefix's normed inputs, so
+/// the gates learn ages up to p0 + n at n × (p0 + n) attention cost);
+/// gradients flow through the span's positions and the prefix's gate
+/// scores, not through the prefix's residual stream (its attention is
+/// ungated: the context a long sequence reached before the span).
+#[derive(Clone, Copy, Debug)]
+pub struct Span<'a> {
+    pub tokens: &'a [u32],
+    pub p0: usize,
+    pub prefixes: &'a [Prefix],
+}
+
+impl<'a> Span<'a> {
+    /// A whole sequence: no prefix.
+    pub fn whole(tokens: &'a [u32]) -> Span<'a> {
+        Span {
+            tokens,
+            p0: 0,
+            prefixes: &[],
+        }
+    }
+
+    /// Layer `l`'s prefix (none when p0 = 0).
+    pub fn prefix(&self, l: usize) -> Result<Option<Prefix>> {
+        if self.p0 == 0 {
+            return Ok(None);
+        }
+        let pre = self
+            .prefixes
+            .get(l)
+            .ok_or_else(|| candle_core::Error::Msg(format!("a span's prefix lacks layer {l}")))?;
+        if pre.h.dims()[0] < self.p0 {
+            return Err(candle_core::Error::Msg(format!(
+                "a prefix of {} positions for a span at {}",
+                pre.h.dims()[0],
+                self.p0
+            )));
+        }
+        Ok(Some(pre.narrow(self.p0)?))
+    }
 }
 
 /// Soft occupancy S_t = Σ_{i≤t} β_i^(t−i) of every (layer, KV head) at
 /// every query t, (L, Hkv, T), from per-layer log β (T, Hkv).
 pub fn occupancy(log_beta: &[Tensor]) -> Result<Tensor> {
-    let t = log_beta[0].dims()[0];
+    occupancy_at(log_beta, 0)
+}
+
+/// The same at the queries p0..P only, from per-layer log β (P, Hkv) of
+/// every key: (L, Hkv, P − p0).
+pub fn occupancy_at(log_beta: &[Tensor], p0: usize) -> Result<Tensor> {
+    let p = log_beta[0].dims()[0];
+    let n = p - p0;
     let dt = log_beta[0].dtype();
     let dev = Device::Cpu;
-    let mut age = vec![0f32; t * t];
-    let mut tri = vec![0f32; t * t];
-    for q in 0..t {
-        for k in 0..=q {
-            age[q * t + k] = (q - k) as f32;
-            tri[q * t + k] = 1.0;
+    let mut age = vec![0f32; n * p];
+    let mut tri = vec![0f32; n * p];
+    for q in 0..n {
+        for k in 0..=p0 + q {
+            age[q * p + k] = (p0 + q - k) as f32;
+            tri[q * p + k] = 1.0;
         }
     }
-    let age = Tensor::from_vec(age, (1, t, t), &dev)?.to_dtype(dt)?;
-    let tri = Tensor::from_vec(tri, (1, t, t), &dev)?.to_dtype(dt)?;
+    let age = Tensor::from_vec(age, (1, n, p), &dev)?.to_dtype(dt)?;
+    let tri = Tensor::from_vec(tri, (1, n, p), &dev)?.to_dtype(dt)?;
     let per_layer = log_beta
         .iter()
         .map(|lb| {

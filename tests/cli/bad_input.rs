@@ -857,6 +857,10 @@ fn c60_retention_gates() {
             "unknown gate architecture 'rg7'",
         ),
         (vec!["--budget", "8", "--seq-len", "1"], "--seq-len"),
+        (
+            vec!["--budget", "8", "--seq-len", "64", "--loss-window", "64"],
+            "--loss-window: must be below --seq-len (64)",
+        ),
         (vec!["--budget", "8", "--lr", "3"], "--lr"),
         (
             vec![

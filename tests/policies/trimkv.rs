@@ -403,8 +403,10 @@ mod train {
     use candle_core::{DType, Device, Tensor};
     use kvrun::backend::{Rope, RopeStyle};
     use kvrun::model::{Arch, Config};
-    use kvrun::train::model::{Base, GateVars, Layer};
-    use kvrun::train::{log_softmax, loss, loss_grads_by_layer, train, Objective, TrainConfig};
+    use kvrun::train::model::{Base, GateVars, Layer, Span};
+    use kvrun::train::{
+        log_softmax, loss, loss_grads_by_layer, train, EnginePrefix, Objective, TrainConfig,
+    };
 
     fn randn(rng: &mut Rng, shape: &[usize], std: f64) -> Tensor {
         let n: usize = shape.iter().product();
@@ -461,16 +463,16 @@ mod train {
         Base::from_parts(c, &rope, embd, layers, norm, out, 16, DType::F64).unwrap()
     }
 
-    /// The tiny model's teacher on `toks`, the objective (M = 3, CE 0.5,
+    /// The tiny model's teacher on `span`, the objective (M = 3, CE 0.5,
     /// λ = `cap_weight`) and random f64 gates of `arch` (seed `seed`).
     fn gated_problem(
         base: &Base,
-        toks: &[u32],
+        span: &Span<'_>,
         arch: GateArch,
         cap_weight: f64,
         seed: u64,
     ) -> (Tensor, Objective, GateVars) {
-        let teacher = log_softmax(&base.forward(toks, None).unwrap().logits).unwrap();
+        let teacher = log_softmax(&base.forward_span(span, None).unwrap().logits).unwrap();
         let obj = Objective {
             budget: 3,
             ce_weight: 0.5,
@@ -480,46 +482,63 @@ mod train {
         (teacher, obj, GateVars::from_gates(&g, DType::F64).unwrap())
     }
 
+    /// `toks` whole, and its tokens from `p0` on after the ungated prefix
+    /// (computed in chunks of 3 queries): the two kinds of span a step
+    /// takes its loss on.
+    fn with_spans(base: &Base, toks: &[u32], p0: usize, f: impl Fn(&str, &Span<'_>)) {
+        let (pre, _) = base.ungated_prefixes(&toks[..p0], 3).unwrap();
+        f("whole", &Span::whole(toks));
+        let span = Span {
+            tokens: &toks[p0..],
+            p0,
+            prefixes: &pre,
+        };
+        f("window", &span);
+    }
+
     #[test]
     fn gate_gradients_match_finite_differences() {
         let base = tiny_base();
         let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11];
-        for arch in [GateArch::Rg10, GateArch::Rg] {
-            let (teacher, obj, vars) = gated_problem(&base, &toks, arch, 1.0, 3);
-            let (l, terms) = loss(&base, &vars, &toks, &teacher, &obj).unwrap();
-            assert!(terms.kl > 0.0 && terms.cap > 0.0, "{terms:?}");
-            let grads = l.backward().unwrap();
-            let all = vars.all();
-            for (vi, var) in all.iter().enumerate() {
-                let gt = grads
-                    .get(var.as_tensor())
-                    .expect("every gate tensor has a gradient");
-                let gv: Vec<f64> = gt.flatten_all().unwrap().to_vec1().unwrap();
-                let base_v: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
-                // a few entries of every tensor
-                for &j in &[0usize, base_v.len() / 2, base_v.len() - 1] {
-                    let h = 1e-6;
-                    let at = |d: f64| {
-                        let mut v = base_v.clone();
-                        v[j] += d;
-                        var.set(
-                            &Tensor::from_vec(v, var.as_tensor().dims(), &Device::Cpu).unwrap(),
-                        )
-                        .unwrap();
-                        let (l, _) = loss(&base, &vars, &toks, &teacher, &obj).unwrap();
-                        l.to_scalar::<f64>().unwrap()
-                    };
-                    let fd = (at(h) - at(-h)) / (2.0 * h);
-                    at(0.0);
-                    let err = (fd - gv[j]).abs();
-                    assert!(
+        with_spans(&base, &toks, 6, |kind, span| {
+            for arch in [GateArch::Rg10, GateArch::Rg] {
+                let (teacher, obj, vars) = gated_problem(&base, span, arch, 1.0, 3);
+                let (l, terms) = loss(&base, &vars, span, &teacher, &obj).unwrap();
+                assert!(terms.kl > 0.0 && terms.cap > 0.0, "{kind}: {terms:?}");
+                let grads = l.backward().unwrap();
+                let all = vars.all();
+                for (vi, var) in all.iter().enumerate() {
+                    let gt = grads
+                        .get(var.as_tensor())
+                        .expect("every gate tensor has a gradient");
+                    let gv: Vec<f64> = gt.flatten_all().unwrap().to_vec1().unwrap();
+                    let base_v: Vec<f64> =
+                        var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                    // a few entries of every tensor
+                    for &j in &[0usize, base_v.len() / 2, base_v.len() - 1] {
+                        let h = 1e-6;
+                        let at = |d: f64| {
+                            let mut v = base_v.clone();
+                            v[j] += d;
+                            var.set(
+                                &Tensor::from_vec(v, var.as_tensor().dims(), &Device::Cpu).unwrap(),
+                            )
+                            .unwrap();
+                            let (l, _) = loss(&base, &vars, span, &teacher, &obj).unwrap();
+                            l.to_scalar::<f64>().unwrap()
+                        };
+                        let fd = (at(h) - at(-h)) / (2.0 * h);
+                        at(0.0);
+                        let err = (fd - gv[j]).abs();
+                        assert!(
                         err <= 1e-6 + 1e-4 * fd.abs().max(gv[j].abs()),
-                        "{arch:?} tensor {vi} entry {j}: backprop {} vs finite difference {fd}",
+                        "{kind} {arch:?} tensor {vi} entry {j}: backprop {} vs finite difference {fd}",
                         gv[j]
                     );
+                    }
                 }
             }
-        }
+        });
     }
 
     /// Gradient checkpointing changes where the gradients are computed, not
@@ -530,55 +549,167 @@ mod train {
     fn layer_by_layer_gradients_equal_the_whole_graph() {
         let base = tiny_base();
         let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11, 8, 1];
-        for arch in [GateArch::Rg10, GateArch::Rg] {
-            let (teacher, obj, vars) = gated_problem(&base, &toks, arch, 1.7, 5);
-            let (l, whole) = loss(&base, &vars, &toks, &teacher, &obj).unwrap();
-            assert!(
-                whole.kl > 0.0 && whole.ce > 0.0 && whole.cap > 0.0,
-                "{whole:?}"
-            );
-            let grads = l.backward().unwrap();
-            let (terms, by_layer) =
-                loss_grads_by_layer(&base, &vars, &toks, &teacher, &obj).unwrap();
-            for (a, b) in [
-                (whole.total, terms.total),
-                (whole.kl, terms.kl),
-                (whole.ce, terms.ce),
-                (whole.cap, terms.cap),
-                (whole.occupancy, terms.occupancy),
-            ] {
+        with_spans(&base, &toks, 7, |kind, span| {
+            for arch in [GateArch::Rg10, GateArch::Rg] {
+                let (teacher, obj, vars) = gated_problem(&base, span, arch, 1.7, 5);
+                let (l, whole) = loss(&base, &vars, span, &teacher, &obj).unwrap();
                 assert!(
-                    (a - b).abs() <= 1e-12 * (1.0 + a.abs()),
-                    "{arch:?}: {whole:?} vs {terms:?}"
+                    whole.kl > 0.0 && whole.ce > 0.0 && whole.cap > 0.0,
+                    "{kind}: {whole:?}"
                 );
-            }
-            let all = vars.all();
-            assert_eq!(by_layer.len(), all.len());
-            for (vi, (var, gl)) in all.iter().zip(&by_layer).enumerate() {
-                let gw: Vec<f64> = grads
-                    .get(var.as_tensor())
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                let gl: Vec<f64> = gl
-                    .as_ref()
-                    .expect("every gate tensor has a gradient")
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                let scale = gw.iter().fold(0f64, |m, x| m.max(x.abs()));
-                assert!(scale > 0.0, "{arch:?} tensor {vi}: zero gradient");
-                for (j, (a, b)) in gw.iter().zip(&gl).enumerate() {
+                let grads = l.backward().unwrap();
+                let (terms, by_layer) =
+                    loss_grads_by_layer(&base, &vars, span, &teacher, &obj).unwrap();
+                for (a, b) in [
+                    (whole.total, terms.total),
+                    (whole.kl, terms.kl),
+                    (whole.ce, terms.ce),
+                    (whole.cap, terms.cap),
+                    (whole.occupancy, terms.occupancy),
+                ] {
                     assert!(
-                        (a - b).abs() <= 1e-10 * scale,
-                        "{arch:?} tensor {vi} entry {j}: whole graph {a} vs layer by layer {b}"
+                        (a - b).abs() <= 1e-12 * (1.0 + a.abs()),
+                        "{arch:?}: {whole:?} vs {terms:?}"
                     );
                 }
+                let all = vars.all();
+                assert_eq!(by_layer.len(), all.len());
+                for (vi, (var, gl)) in all.iter().zip(&by_layer).enumerate() {
+                    let gw: Vec<f64> = grads
+                        .get(var.as_tensor())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let gl: Vec<f64> = gl
+                        .as_ref()
+                        .expect("every gate tensor has a gradient")
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let scale = gw.iter().fold(0f64, |m, x| m.max(x.abs()));
+                    assert!(scale > 0.0, "{arch:?} tensor {vi}: zero gradient");
+                    for (j, (a, b)) in gw.iter().zip(&gl).enumerate() {
+                        assert!(
+                        (a - b).abs() <= 1e-10 * scale,
+                        "{kind} {arch:?} tensor {vi} entry {j}: whole graph {a} vs layer by layer {b}"
+                    );
+                    }
+                }
+            }
+        });
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// A windowed span is the whole sequence seen from its last tokens: the
+    /// ungated pass in chunks of any size is the whole forward pass, the
+    /// span's ungated logits are the whole pass's last rows, and gates at
+    /// β → 1 change nothing (the teacher is still the gated model's limit).
+    #[test]
+    fn a_windowed_span_sees_the_whole_sequence() {
+        let base = tiny_base();
+        let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11, 8, 1];
+        let whole = base.forward(&toks, None).unwrap().logits;
+        for chunk in [1, 5, 12] {
+            let (pre, top) = base.ungated_prefixes(&toks, chunk).unwrap();
+            assert_eq!(pre.len(), 2);
+            let d = max_diff(&base.logits(&top).unwrap(), &whole);
+            assert!(d < 1e-10, "chunks of {chunk}: {d}");
+        }
+        let p0 = 7;
+        let (pre, _) = base.ungated_prefixes(&toks[..p0], 4).unwrap();
+        let span = Span {
+            tokens: &toks[p0..],
+            p0,
+            prefixes: &pre,
+        };
+        let teacher = base.forward_span(&span, None).unwrap().logits;
+        let d = max_diff(&teacher, &whole.narrow(0, p0, toks.len() - p0).unwrap());
+        assert!(d < 1e-10, "span vs whole: {d}");
+        let g = Gates::init(GateArch::Rg10, 16, 6, 2, 2, 30.0, 1);
+        let vars = GateVars::from_gates(&g, DType::F64).unwrap();
+        let f = base.forward_span(&span, Some(&vars)).unwrap();
+        // log β of all 12 keys, per layer
+        assert_eq!(f.log_beta[0].dims(), &[12, 2]);
+        let d = max_diff(&f.logits, &teacher);
+        assert!(d < 1e-9, "β → 1 vs ungated: {d}");
+        // and a prefix of the wrong length is an error, not a silent mix
+        let short = Span {
+            tokens: &toks[p0..],
+            p0: p0 + 1,
+            prefixes: &pre,
+        };
+        assert!(base.forward_span(&short, None).is_err());
+    }
+
+    /// kvrun's engine computes the prefix the training model would (its
+    /// 8-bit activation products against the training model's f32): the
+    /// gate inputs, keys and values of every layer, and the teacher over
+    /// either prefix.
+    #[test]
+    fn the_engine_prefix_matches_the_training_model() {
+        let gg = Gguf::open(&util::default_model()).unwrap();
+        let w = Weights::from_gguf(&gg).unwrap();
+        let toks = wiki_tokens(&gg, 64);
+        let base = Base::from_weights(&w, 64, DType::F32).unwrap();
+        let p0 = 48;
+        let (ours, _) = base.ungated_prefixes(&toks[..p0], 16).unwrap();
+        let mut e = EnginePrefix::new(&w, p0, 2);
+        let eng = e.prefixes(&base, &toks[..p0]).unwrap();
+        assert_eq!(eng.len(), w.config.n_layers);
+        // worst over layers and tensors: largest |Δ| over the largest |x|,
+        // and ‖Δ‖ over ‖x‖
+        let (mut worst, mut worst_l2) = (0f64, 0f64);
+        let norm = |t: &Tensor| -> f64 {
+            t.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                .sqrt()
+        };
+        for (a, b) in ours.iter().zip(&eng) {
+            for (x, y) in [(&a.h, &b.h), (&a.k, &b.k), (&a.v, &b.v)] {
+                assert_eq!(x.dims(), y.dims());
+                let range = max_diff(x, &x.zeros_like().unwrap());
+                worst = worst.max(max_diff(x, y) / range);
+                worst_l2 = worst_l2.max(norm(&(x - y).unwrap()) / norm(x));
             }
         }
+        let span = |pre| Span {
+            tokens: &toks[p0..],
+            p0,
+            prefixes: pre,
+        };
+        let t1 = base.forward_span(&span(&ours), None).unwrap().logits;
+        let t2 = base.forward_span(&span(&eng), None).unwrap().logits;
+        let (a1, a2): (Vec<u32>, Vec<u32>) = (
+            t1.argmax(1).unwrap().to_vec1().unwrap(),
+            t2.argmax(1).unwrap().to_vec1().unwrap(),
+        );
+        let agree = a1.iter().zip(&a2).filter(|(x, y)| x == y).count();
+        eprintln!(
+            "worst |Δ|/max {worst:.4}, ‖Δ‖/‖x‖ {worst_l2:.4}, teacher argmax agrees {agree}/16"
+        );
+        assert!(worst < 0.1 && worst_l2 < 0.05, "{worst} {worst_l2}");
+        assert!(agree >= 14, "{agree}/16");
     }
 
     #[test]
@@ -640,7 +771,7 @@ mod train {
         let gg = Gguf::open(&util::default_model()).unwrap();
         let w = Weights::from_gguf(&gg).unwrap();
         let stream = wiki_tokens(&gg, 32 * 8);
-        let base = Base::from_weights(&w, 32, DType::F32).unwrap();
+        let base = Base::from_weights(&w, 64, DType::F32).unwrap();
         let dir = std::env::temp_dir().join(format!("kvrun-train-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let out = dir.join("t.gates.safetensors");
@@ -654,6 +785,7 @@ mod train {
                 cap_weight: 1.0,
             },
             seq_len: 32,
+            loss_window: 0,
             steps: 6,
             lr: 5e-2,
             warmup: 1,
@@ -667,7 +799,7 @@ mod train {
             data_desc: vec!["wikitext".into()],
             progress: false,
         };
-        let (g, h) = train(&base, &stream, &cfg).unwrap();
+        let (g, h) = train(&base, &stream, &cfg, None).unwrap();
         assert_eq!(h.len(), 6);
         let first = h[0].total;
         let last = h[5].total;
@@ -682,7 +814,7 @@ mod train {
         // resume: two more steps continue the same history
         cfg.steps = 8;
         cfg.resume = true;
-        let (_, h2) = train(&base, &stream, &cfg).unwrap();
+        let (_, h2) = train(&base, &stream, &cfg, None).unwrap();
         assert_eq!(h2.len(), 8);
         assert!(h2[7].total < first, "{} vs {first}", h2[7].total);
         for (a, b) in h.iter().zip(&h2) {
@@ -704,7 +836,7 @@ mod train {
             },
             ..cfg.clone()
         };
-        let (g2, h3) = train(&base, &stream, &cfg2).unwrap();
+        let (g2, h3) = train(&base, &stream, &cfg2, None).unwrap();
         assert_eq!(h3.len(), 2);
         assert!(
             h3[0].occupancy < h[0].occupancy,
@@ -719,6 +851,35 @@ mod train {
             Gates::load(&stage2).unwrap().meta["init"]["meta"]["budget"],
             6
         );
+        // the loss on the last 16 of 64 tokens, the 48 before them from
+        // kvrun's engine: it learns too (the capacity hinge now at ages up
+        // to 64), and the file records the window
+        let windowed = dir.join("w.gates.safetensors");
+        let cfg3 = TrainConfig {
+            seq_len: 64,
+            loss_window: 16,
+            steps: 4,
+            resume: false,
+            out: windowed.clone(),
+            ..cfg.clone()
+        };
+        let mut e = EnginePrefix::new(&w, 48, 2);
+        let (g3, h4) = train(&base, &stream, &cfg3, Some(&mut e)).unwrap();
+        eprintln!(
+            "windowed losses {:?}",
+            h4.iter()
+                .map(|l| (l.total, l.occupancy))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(h4.len(), 4);
+        assert!(
+            h4[3].total < h4[0].total,
+            "{} → {}",
+            h4[0].total,
+            h4[3].total
+        );
+        assert!(h4[3].occupancy < h4[0].occupancy);
+        assert_eq!(g3.meta["loss_window"], 16);
         std::fs::remove_dir_all(&dir).ok();
     }
 }
