@@ -51,6 +51,12 @@ pub struct GatesArgs {
     /// seq-len²). 0: the whole sequence.
     #[arg(long = "loss-window", value_name = "N", default_value_t = 0)]
     pub loss_window: usize,
+    /// How retention enters the training attention: logit (the paper's: the
+    /// scaled logit × β^age, a decayed entry's logit → 0) or weight (the
+    /// attention weight × β^age, a decayed entry's weight → 0, as eviction
+    /// does at inference).
+    #[arg(long = "decay", default_value = "logit")]
+    pub decay: String,
     /// Optimizer steps (one sequence each).
     #[arg(long = "steps", default_value_t = 300)]
     pub steps: usize,
@@ -99,6 +105,12 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         Error::arg(
             "--arch",
             format!("unknown gate architecture '{}' (rg, rg10)", a.arch),
+        )
+    })?;
+    let decay = train::model::Decay::parse(&a.decay).ok_or_else(|| {
+        Error::arg(
+            "--decay",
+            format!("unknown retention decay '{}' (logit, weight)", a.decay),
         )
     })?;
     if a.budget == 0 {
@@ -220,6 +232,7 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
         },
         seq_len: a.seq_len,
         loss_window: a.loss_window,
+        decay,
         steps: a.steps,
         lr: a.lr,
         warmup: a.warmup,

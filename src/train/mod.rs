@@ -538,6 +538,8 @@ pub struct TrainConfig {
     /// only, the positions before them an ungated prefix (`model::Span`);
     /// 0 (or ≥ `seq_len`): the whole sequence.
     pub loss_window: usize,
+    /// How retention enters the training attention.
+    pub decay: model::Decay,
     pub steps: usize,
     pub lr: f64,
     pub warmup: usize,
@@ -631,7 +633,8 @@ pub fn train(
             });
         }
     }
-    let vars = GateVars::from_gates(&gates, base.dtype).map_err(ce)?;
+    let mut vars = GateVars::from_gates(&gates, base.dtype).map_err(ce)?;
+    vars.decay = cfg.decay;
     let all = vars.all();
     let mut opt = AdamW::new(&all, cfg.lr, cfg.weight_decay).map_err(ce)?;
     if cfg.resume && !history.is_empty() {
@@ -744,6 +747,7 @@ fn metadata(cfg: &TrainConfig, h: &[Losses], init: &serde_json::Value) -> serde_
         "budget": cfg.objective.budget,
         "seq_len": cfg.seq_len,
         "loss_window": cfg.loss_window,
+        "decay": cfg.decay.name(),
         "steps": h.len(),
         "lr": cfg.lr,
         "ce_weight": cfg.objective.ce_weight,

@@ -209,10 +209,45 @@ fn rope_tables(
     ))
 }
 
+/// How retention acts on the gated attention during training.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Decay {
+    /// The paper's (POLICIES.md §2.3): the scaled logit is multiplied by
+    /// β_i^(t−i), so a decayed entry's logit goes to 0 (it still takes
+    /// weight e^0 in the softmax).
+    #[default]
+    Logit,
+    /// The attention weight is multiplied by β_i^(t−i) (log β·age added to
+    /// the logit), so a decayed entry's weight goes to 0: the soft form of
+    /// what eviction does at inference, where the soft occupancy
+    /// Σ β^(t−i) is the expected number of entries kept.
+    Weight,
+}
+
+impl Decay {
+    /// `logit` or `weight`.
+    pub fn parse(s: &str) -> Option<Decay> {
+        match s {
+            "logit" => Some(Decay::Logit),
+            "weight" => Some(Decay::Weight),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Decay::Logit => "logit",
+            Decay::Weight => "weight",
+        }
+    }
+}
+
 /// The gates as trainable variables, mirroring `Gates` (same tensor order).
 #[derive(Debug)]
 pub struct GateVars {
     pub arch: GateArch,
+    /// How their retention enters the attention (set after `from_gates`).
+    pub decay: Decay,
     /// Per layer: (W, b) of each hidden layer.
     pub hidden: Vec<Vec<(Var, Var)>>,
     /// Scoring heads: per layer (`rg`) or one shared (`rg10`).
@@ -242,6 +277,7 @@ impl GateVars {
     pub fn from_gates(g: &Gates, dt: DType) -> Result<GateVars> {
         Ok(GateVars {
             arch: g.arch,
+            decay: Decay::Logit,
             hidden: g
                 .hidden
                 .iter()
@@ -515,18 +551,21 @@ impl Base {
         let mut s = (q.matmul(&k.t()?)? * scale)?.reshape((hkv, group, t, p))?;
         let mut log_beta = None;
         if let Some(g) = gates {
-            // retention: logits × β_i^(pos−i)                    (Hkv, 1, T, P)
+            // retention: logits × β_i^(pos−i), or weights × β_i^(pos−i)
             let lb = g.log_beta(l, &h)?; // (T, Hkv)
             let lb = match prefix {
                 Some(pre) => Tensor::cat(&[&g.log_beta(l, &pre.h)?, &lb], 0)?, // (P, Hkv)
                 None => lb,
             };
-            let decay = seq
+            // (pos − i)·log β_i                                (Hkv, 1, T, P)
+            let log_decay = seq
                 .age
                 .broadcast_mul(&lb.t()?.unsqueeze(1)?)?
-                .exp()?
                 .unsqueeze(1)?;
-            s = s.broadcast_mul(&decay)?;
+            s = match g.decay {
+                Decay::Logit => s.broadcast_mul(&log_decay.exp()?)?,
+                Decay::Weight => s.broadcast_add(&log_decay)?,
+            };
             log_beta = Some(lb);
         }
         let s = s.broadcast_add(&seq.mask)?;

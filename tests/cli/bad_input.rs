@@ -861,6 +861,10 @@ fn c60_retention_gates() {
             vec!["--budget", "8", "--seq-len", "64", "--loss-window", "64"],
             "--loss-window: must be below --seq-len (64)",
         ),
+        (
+            vec!["--budget", "8", "--decay", "exp"],
+            "unknown retention decay 'exp' (logit, weight)",
+        ),
         (vec!["--budget", "8", "--lr", "3"], "--lr"),
         (
             vec![

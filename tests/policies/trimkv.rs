@@ -403,7 +403,7 @@ mod train {
     use candle_core::{DType, Device, Tensor};
     use kvrun::backend::{Rope, RopeStyle};
     use kvrun::model::{Arch, Config};
-    use kvrun::train::model::{Base, GateVars, Layer, Span};
+    use kvrun::train::model::{Base, Decay, GateVars, Layer, Span};
     use kvrun::train::{
         log_softmax, loss, loss_grads_by_layer, train, EnginePrefix, Objective, TrainConfig,
     };
@@ -501,8 +501,13 @@ mod train {
         let base = tiny_base();
         let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11];
         with_spans(&base, &toks, 6, |kind, span| {
-            for arch in [GateArch::Rg10, GateArch::Rg] {
-                let (teacher, obj, vars) = gated_problem(&base, span, arch, 1.0, 3);
+            for (arch, decay) in [
+                (GateArch::Rg10, Decay::Logit),
+                (GateArch::Rg, Decay::Logit),
+                (GateArch::Rg10, Decay::Weight),
+            ] {
+                let (teacher, obj, mut vars) = gated_problem(&base, span, arch, 1.0, 3);
+                vars.decay = decay;
                 let (l, terms) = loss(&base, &vars, span, &teacher, &obj).unwrap();
                 assert!(terms.kl > 0.0 && terms.cap > 0.0, "{kind}: {terms:?}");
                 let grads = l.backward().unwrap();
@@ -532,7 +537,7 @@ mod train {
                         let err = (fd - gv[j]).abs();
                         assert!(
                         err <= 1e-6 + 1e-4 * fd.abs().max(gv[j].abs()),
-                        "{kind} {arch:?} tensor {vi} entry {j}: backprop {} vs finite difference {fd}",
+                        "{kind} {arch:?} {decay:?} tensor {vi} entry {j}: backprop {} vs finite difference {fd}",
                         gv[j]
                     );
                     }
@@ -550,8 +555,13 @@ mod train {
         let base = tiny_base();
         let toks: Vec<u32> = vec![3, 17, 5, 5, 22, 0, 9, 14, 2, 11, 8, 1];
         with_spans(&base, &toks, 7, |kind, span| {
-            for arch in [GateArch::Rg10, GateArch::Rg] {
-                let (teacher, obj, vars) = gated_problem(&base, span, arch, 1.7, 5);
+            for (arch, decay) in [
+                (GateArch::Rg10, Decay::Logit),
+                (GateArch::Rg, Decay::Logit),
+                (GateArch::Rg, Decay::Weight),
+            ] {
+                let (teacher, obj, mut vars) = gated_problem(&base, span, arch, 1.7, 5);
+                vars.decay = decay;
                 let (l, whole) = loss(&base, &vars, span, &teacher, &obj).unwrap();
                 assert!(
                     whole.kl > 0.0 && whole.ce > 0.0 && whole.cap > 0.0,
@@ -594,7 +604,7 @@ mod train {
                     for (j, (a, b)) in gw.iter().zip(&gl).enumerate() {
                         assert!(
                         (a - b).abs() <= 1e-10 * scale,
-                        "{kind} {arch:?} tensor {vi} entry {j}: whole graph {a} vs layer by layer {b}"
+                        "{kind} {arch:?} {decay:?} tensor {vi} entry {j}: whole graph {a} vs layer by layer {b}"
                     );
                     }
                 }
@@ -641,12 +651,22 @@ mod train {
         let d = max_diff(&teacher, &whole.narrow(0, p0, toks.len() - p0).unwrap());
         assert!(d < 1e-10, "span vs whole: {d}");
         let g = Gates::init(GateArch::Rg10, 16, 6, 2, 2, 30.0, 1);
-        let vars = GateVars::from_gates(&g, DType::F64).unwrap();
-        let f = base.forward_span(&span, Some(&vars)).unwrap();
-        // log β of all 12 keys, per layer
-        assert_eq!(f.log_beta[0].dims(), &[12, 2]);
-        let d = max_diff(&f.logits, &teacher);
-        assert!(d < 1e-9, "β → 1 vs ungated: {d}");
+        let mut vars = GateVars::from_gates(&g, DType::F64).unwrap();
+        for decay in [Decay::Logit, Decay::Weight] {
+            vars.decay = decay;
+            let f = base.forward_span(&span, Some(&vars)).unwrap();
+            // log β of all 12 keys, per layer
+            assert_eq!(f.log_beta[0].dims(), &[12, 2]);
+            let d = max_diff(&f.logits, &teacher);
+            assert!(d < 1e-9, "{decay:?}: β → 1 vs ungated: {d}");
+        }
+        // the two decays differ where β is not 1
+        let g = Gates::init(GateArch::Rg10, 16, 6, 2, 2, 0.0, 1);
+        let mut vars = GateVars::from_gates(&g, DType::F64).unwrap();
+        let logit = base.forward_span(&span, Some(&vars)).unwrap().logits;
+        vars.decay = Decay::Weight;
+        let weight = base.forward_span(&span, Some(&vars)).unwrap().logits;
+        assert!(max_diff(&logit, &weight) > 1e-3);
         // and a prefix of the wrong length is an error, not a silent mix
         let short = Span {
             tokens: &toks[p0..],
@@ -786,6 +806,7 @@ mod train {
             },
             seq_len: 32,
             loss_window: 0,
+            decay: Decay::Logit,
             steps: 6,
             lr: 5e-2,
             warmup: 1,
@@ -858,6 +879,7 @@ mod train {
         let cfg3 = TrainConfig {
             seq_len: 64,
             loss_window: 16,
+            decay: Decay::Weight,
             steps: 4,
             resume: false,
             out: windowed.clone(),
@@ -880,6 +902,7 @@ mod train {
         );
         assert!(h4[3].occupancy < h4[0].occupancy);
         assert_eq!(g3.meta["loss_window"], 16);
+        assert_eq!(g3.meta["decay"], "weight");
         std::fs::remove_dir_all(&dir).ok();
     }
 }
