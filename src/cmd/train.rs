@@ -131,11 +131,7 @@ fn run_gates(a: &GatesArgs) -> Result<()> {
             ),
         ));
     }
-    let window = if a.loss_window == 0 {
-        a.seq_len
-    } else {
-        a.loss_window
-    };
+    let window = train::loss_positions(a.seq_len, a.loss_window);
     if !(a.lr > 0.0 && a.lr < 1.0) {
         return Err(Error::arg("--lr", "must be in (0, 1)"));
     }

@@ -37,9 +37,10 @@ use std::path::{Path, PathBuf};
 /// anew and returns the heap's top to the system, so each op paid page
 /// faults and the kernel's zeroing (a third of a 1024-token step's time).
 /// Blocks up to 32 MiB (glibc's largest threshold) now come from the heap
-/// and stay there: at 4096 tokens and a 128-position loss window a step
-/// took 22 s instead of 26 s, and 34 s instead of 44 s with a 256 window
-/// (whose attention tensors, 37.7 MB, still exceed 32 MiB).
+/// and stay there: at 4096 tokens and a 256-position loss window a step
+/// took 30–34 s instead of 41–44 s (two steps each), though that window's
+/// attention tensors (37.7 MB) still exceed 32 MiB; a 128 window's
+/// (18.9 MB) fit.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets two glibc allocator parameters; it is
@@ -513,17 +514,23 @@ impl<'w> EnginePrefix<'w> {
 /// in the same bound.
 pub fn graph_bytes(c: &crate::model::Config, seq_len: usize, loss_window: usize) -> u64 {
     let t = seq_len as u64;
-    let n = if loss_window == 0 || loss_window >= seq_len {
-        t
-    } else {
-        loss_window as u64
-    };
+    let n = loss_positions(seq_len, loss_window) as u64;
     let quad = 64 * c.n_heads as u64 * n * t;
     let layer_tok = 4 * (24 * c.dim + 12 * c.ffn_dim) as u64;
     let kept = 4 * (c.n_layers * c.dim) as u64;
     let params =
         (c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim) + c.vocab * c.dim) as u64;
     quad + (layer_tok + kept) * t + 4 * 16 * c.vocab as u64 * n + 8 * params
+}
+
+/// Positions a step takes its loss on: the last `loss_window` of a
+/// `seq_len`-token sequence, or all of them (window 0 or ≥ `seq_len`).
+pub fn loss_positions(seq_len: usize, loss_window: usize) -> usize {
+    if loss_window == 0 || loss_window >= seq_len {
+        seq_len
+    } else {
+        loss_window
+    }
 }
 
 /// What a training run needs.
@@ -659,7 +666,8 @@ pub fn train(
         } else {
             cfg.lr
         };
-        let (l, grads) = if cfg.loss_window == 0 || cfg.loss_window >= t {
+        let n = loss_positions(t, cfg.loss_window);
+        let (l, grads) = if n == t {
             // the teacher: the same model, ungated, no gradients
             let teacher = base
                 .forward(toks, None)
@@ -669,7 +677,6 @@ pub fn train(
             loss_grads_by_layer(base, &vars, &Span::whole(toks), &teacher, &cfg.objective)
         } else {
             // the prefix ungated, then the teacher on the window over it
-            let n = cfg.loss_window;
             let prefixes = match engine.as_mut() {
                 Some(e) => e.prefixes(base, &toks[..t - n])?,
                 None => base.ungated_prefixes(&toks[..t - n], n).map_err(ce)?.0,
