@@ -20,11 +20,14 @@
 //! `blk.{l}.head.weight` / `.bias` (`rg`) or `head.weight` / `head.bias`
 //! (`rg10`, shared).
 
-use crate::backend::pool::{split, SharedMut, ThreadPool};
+use crate::backend::cpu::gemv_f16::gemv_f16;
+use crate::backend::pool::{Chunks, SharedMut, ThreadPool};
 use crate::error::{Error, Result};
+use half::f16;
 use serde_json::{json, Value as Json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Largest gate-file header accepted.
 const MAX_HEADER: usize = 16 << 20;
@@ -93,6 +96,14 @@ impl Dense {
             *o = dot.f32(&self.w[r * self.n_in..(r + 1) * self.n_in], x) + b;
         }
     }
+}
+
+/// One affine map of the gates: layer l's k-th hidden layer, or the
+/// scoring head layer l uses.
+#[derive(Clone, Copy, Debug)]
+enum Map {
+    Hidden(usize, usize),
+    Head(usize),
 }
 
 /// f32 dot product through ggml's runtime-dispatched SIMD kernel.
@@ -227,82 +238,54 @@ impl Gates {
         }
     }
 
-    /// log β (n, n_kv_heads) of layer `l` for `n` inputs `x` (n, dim).
-    pub fn log_beta(&self, l: usize, x: &[f32], n: usize, out: &mut [f32]) {
-        let mut scratch = vec![0.0; 2 * self.inter];
-        self.log_beta_with(&Dot::new(), l, x, n, out, &mut scratch)
+    /// Affine map `m` of the gates.
+    fn map(&self, m: Map) -> &Dense {
+        match m {
+            Map::Hidden(l, k) => &self.hidden[l][k],
+            Map::Head(l) => self.head(l),
+        }
     }
 
-    /// `log_beta` with `scratch` of 2 · inter floats.
-    fn log_beta_with(
+    /// log β (n, n_kv_heads) of layer `l` for `n` inputs `x` (n, dim), in
+    /// f32 (the reference of [`GateNet`]).
+    pub fn log_beta(&self, l: usize, x: &[f32], n: usize, out: &mut [f32]) {
+        let mut scratch = vec![0.0; 2 * self.inter];
+        let dot = Dot::new();
+        self.forward(l, x, n, out, &mut scratch, &mut |m, x, y| {
+            self.map(m).apply(&dot, x, y)
+        })
+    }
+
+    /// The gate MLP of layer `l` for `n` inputs `x` (n, dim) into `out`
+    /// (n, n_kv_heads), each affine map computed by `affine(map, x, y)`;
+    /// `scratch` holds 2 · inter floats.
+    fn forward(
         &self,
-        dot: &Dot,
         l: usize,
         x: &[f32],
         n: usize,
         out: &mut [f32],
         scratch: &mut [f32],
+        affine: &mut impl FnMut(Map, &[f32], &mut [f32]),
     ) {
         let (d, i, nh) = (self.dim, self.inter, self.n_kv_heads);
         let (a, b) = scratch[..2 * i].split_at_mut(i);
-        let head = self.head(l);
         for t in 0..n {
             // first hidden layer: a = silu(W1 x + b1)                  (I,)
-            let hid = &self.hidden[l];
-            hid[0].apply(dot, &x[t * d..(t + 1) * d], a);
+            affine(Map::Hidden(l, 0), &x[t * d..(t + 1) * d], a);
             silu(a);
             // rg10's second: a = silu(W2 a + b2)                        (I,)
-            for layer in &hid[1..] {
-                layer.apply(dot, a, b);
+            for k in 1..self.arch.depth() {
+                affine(Map::Hidden(l, k), a, b);
                 silu(b);
                 a.copy_from_slice(b);
             }
             // scoring head and log-sigmoid: log β = logσ(W a + b)    (Hkv,)
             let o = &mut out[t * nh..(t + 1) * nh];
-            head.apply(dot, a, o);
+            affine(Map::Head(l), a, o);
             for v in o.iter_mut() {
                 *v = log_sigmoid(*v);
             }
-        }
-    }
-
-    /// log β of every layer for one step: `input(l)` gives layer l's
-    /// inputs (n, dim); `out` receives (n_layers, n, n_kv_heads). Layers
-    /// are dealt out over the pool's threads; `scratch` (grown once to
-    /// 2 · inter per thread) is the caller's, so a decode step allocates
-    /// nothing.
-    pub fn log_beta_all<'a>(
-        &self,
-        pool: &ThreadPool,
-        input: impl Fn(usize) -> &'a [f32] + Sync,
-        n: usize,
-        out: &mut [f32],
-        scratch: &mut Vec<f32>,
-    ) {
-        let per = n * self.n_kv_heads;
-        let nt = pool.n_threads();
-        let nl = self.n_layers;
-        let w = 2 * self.inter;
-        if scratch.len() < nt * w {
-            scratch.resize(nt * w, 0.0);
-        }
-        let o = SharedMut::new(&mut out[..nl * per]);
-        let sc = SharedMut::new(&mut scratch[..nt * w]);
-        let run = |ti: usize| {
-            let dot = Dot::new();
-            // SAFETY: thread ti's scratch is its own.
-            let mine = unsafe { sc.slice(ti * w, w) };
-            let (l0, l1) = split(nl, ti, nt);
-            for l in l0..l1 {
-                // SAFETY: layer l's rows belong to this thread only.
-                let dst = unsafe { o.slice(l * per, per) };
-                self.log_beta_with(&dot, l, input(l), n, dst, mine);
-            }
-        };
-        if nl > 1 && nt > 1 {
-            pool.run(run);
-        } else {
-            run(0);
         }
     }
 
@@ -384,7 +367,7 @@ impl Gates {
         }
         let mut h = Json::Object(header).to_string().into_bytes();
         // pad the header so the data starts 8-byte aligned
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
         let mut bytes = Vec::with_capacity(8 + h.len() + off);
@@ -495,6 +478,110 @@ fn usizes(v: &Json) -> Vec<usize> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The gates as the decode loop runs them: every weight matrix converted
+/// once to f16, each affine map one [`gemv_f16`] (inputs, products, sums,
+/// biases, SiLU and the log-sigmoid in f32). A decoded token runs the MLP
+/// of every layer once, and that is bound by reading the weights (the
+/// shipped SmolLM2 gates: 4.4 MB a token in f32, about a twentieth of the
+/// model's own weights), so half the bytes is about half the time.
+/// [`Gates::log_beta`] is the f32 reference; the difference is the f16
+/// rounding of the weights (a relative 2⁻¹¹ each).
+pub struct GateNet {
+    pub gates: Arc<Gates>,
+    /// Per layer, the f16 rows of each hidden layer.
+    hidden: Vec<Vec<Vec<f16>>>,
+    /// The f16 rows of each scoring head.
+    heads: Vec<Vec<f16>>,
+}
+
+impl std::fmt::Debug for GateNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GateNet")
+            .field("arch", &self.gates.arch)
+            .field("weights", &"f16")
+            .finish()
+    }
+}
+
+impl GateNet {
+    /// `gates` with f16 weights.
+    pub fn new(gates: Arc<Gates>) -> GateNet {
+        let half = |d: &Dense| d.w.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>();
+        let hidden = gates
+            .hidden
+            .iter()
+            .map(|hid| hid.iter().map(half).collect())
+            .collect();
+        let heads = gates.heads.iter().map(half).collect();
+        GateNet {
+            gates,
+            hidden,
+            heads,
+        }
+    }
+
+    /// The f16 rows of affine map `m`.
+    fn rows(&self, m: Map) -> &[f16] {
+        match m {
+            Map::Hidden(l, k) => &self.hidden[l][k],
+            Map::Head(l) => match self.gates.arch {
+                GateArch::Rg => &self.heads[l],
+                GateArch::Rg10 => &self.heads[0],
+            },
+        }
+    }
+
+    /// log β (n, n_kv_heads) of layer `l` for `n` inputs `x` (n, dim);
+    /// `scratch` has 2 · inter floats.
+    pub fn log_beta(&self, l: usize, x: &[f32], n: usize, out: &mut [f32], scratch: &mut [f32]) {
+        let g = &*self.gates;
+        g.forward(l, x, n, out, scratch, &mut |m, x, y| {
+            let d = g.map(m);
+            gemv_f16(self.rows(m), d.n_in, x, &d.b, y)
+        })
+    }
+
+    /// log β of every layer for one step: `input(l)` gives layer l's
+    /// inputs (n, dim); `out` receives (n_layers, n, n_kv_heads). Layers
+    /// go to whichever pool thread asks next; `scratch` (grown once to
+    /// 2 · inter per thread) is the caller's, so a decode step allocates
+    /// nothing.
+    pub fn log_beta_all<'a>(
+        &self,
+        pool: &ThreadPool,
+        input: impl Fn(usize) -> &'a [f32] + Sync,
+        n: usize,
+        out: &mut [f32],
+        scratch: &mut Vec<f32>,
+    ) {
+        let g = &*self.gates;
+        let per = n * g.n_kv_heads;
+        let nt = pool.n_threads();
+        let nl = g.n_layers;
+        let w = 2 * g.inter;
+        if scratch.len() < nt * w {
+            scratch.resize(nt * w, 0.0);
+        }
+        let o = SharedMut::new(&mut out[..nl * per]);
+        let sc = SharedMut::new(&mut scratch[..nt * w]);
+        let layers = Chunks::new(nl);
+        let run = |ti: usize| {
+            // SAFETY: thread ti's scratch is its own.
+            let mine = unsafe { sc.slice(ti * w, w) };
+            while let Some(l) = layers.next() {
+                // SAFETY: layer l is handed to one thread only.
+                let dst = unsafe { o.slice(l * per, per) };
+                self.log_beta(l, input(l), n, dst, mine);
+            }
+        };
+        if nl > 1 && nt > 1 {
+            pool.run(run);
+        } else {
+            run(0);
+        }
+    }
 }
 
 /// Where a model's gates live by default: `<model stem>.gates.safetensors`

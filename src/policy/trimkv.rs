@@ -28,7 +28,7 @@
 //! shared `--kv-sink` (4) unless asked (`--kv-recent`, default 0): the
 //! paper finds the gates rediscover them.
 
-use super::gates::Gates;
+use super::gates::{GateNet, Gates};
 use super::{CacheShape, Entries, ModelView, ScoreCtx, Scorer, Step};
 use crate::error::Result;
 use crate::signals::Needs;
@@ -60,7 +60,8 @@ pub fn retention_score(lb: f32, a: f32, lookahead: usize) -> f32 {
 /// Learned-retention scores per (layer, KV head) stream entry.
 #[derive(Debug)]
 pub struct Retention {
-    pub gates: Arc<Gates>,
+    /// The gates, weights in f16.
+    pub net: GateNet,
     /// Queries the score looks ahead over (1 = the next one).
     pub lookahead: usize,
     /// (n_slots,) log β of each pool row's entry.
@@ -75,7 +76,7 @@ impl Retention {
     /// Scores from `gates`.
     pub fn new(gates: Arc<Gates>, lookahead: usize) -> Retention {
         Retention {
-            gates,
+            net: GateNet::new(gates),
             lookahead: lookahead.max(1),
             log_beta: Vec::new(),
             step: Vec::new(),
@@ -96,7 +97,8 @@ impl Scorer for Retention {
     }
     fn prepare(&mut self, m: &ModelView<'_>, cache: CacheShape) -> Result<()> {
         let c = m.config();
-        self.gates
+        self.net
+            .gates
             .check_model(c.n_cache_layers(), c.dim, c.n_kv_heads)?;
         self.log_beta = vec![0.0; cache.n_slots];
         Ok(())
@@ -105,7 +107,7 @@ impl Scorer for Retention {
         let Some(ai) = step.signals.attn_inputs.as_ref() else {
             return;
         };
-        let g = &*self.gates;
+        let g = &*self.net.gates;
         let n = step.positions.len().min(ai.n_tokens());
         let (nl, nkv) = (g.n_layers, g.n_kv_heads);
         if n == 0 || step.slots.len() < nl * nkv * n {
@@ -113,7 +115,7 @@ impl Scorer for Retention {
         }
         // log β of every new entry, layers dealt over the threads
         self.step.resize(nl * n * nkv, 0.0);
-        g.log_beta_all(
+        self.net.log_beta_all(
             step.pool,
             |l| ai.layer(l),
             n,

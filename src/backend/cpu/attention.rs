@@ -22,7 +22,7 @@
 
 use super::decode_attn::attend_group_probs_seg;
 use super::kv_store::{CpuKv, LayerKv};
-use super::pool::{split, SharedMut, ThreadPool};
+use super::pool::{split, Chunks, SharedMut, ThreadPool};
 use super::prefill_attn_kernels::attend_prefill_group_seg;
 use crate::backend::{AttnStep, KvAccess, MassMode, Rope, MAX_GROUP};
 
@@ -436,10 +436,12 @@ fn attend_decode_split(
         let att = SharedMut::new(&mut d.att[..at]);
         let po = SharedMut::new(&mut d.part_out[..]);
         let ps = SharedMut::new(&mut d.part_stats[..]);
-        let nt = pool.n_threads();
         let hu = hd / lkv.block_len();
-        pool.run(|ti| {
-            for it in (ti..n_items).step_by(nt) {
+        // parts go to whichever thread asks next: with per-head streams
+        // of uneven lengths a fixed deal leaves one thread the long heads
+        let parts = Chunks::new(n_items);
+        pool.run(|_| {
+            while let Some(it) = parts.next() {
                 let (g, j0, j1, off) = items[it];
                 let view = kv.head(layer, g, true);
                 let (slots, stride, hoff) = (&view.slots[j0..j1], view.stride, view.off);

@@ -32,6 +32,7 @@ pub mod decode_attn;
 pub mod decode_avx2;
 pub mod decode_avx512;
 pub mod elementwise;
+pub mod gemv_f16;
 pub mod isa;
 pub mod kv_store;
 pub mod matmul;
