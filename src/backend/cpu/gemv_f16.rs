@@ -35,14 +35,18 @@ pub fn gemv_f16_at(level: Level, w: &[f16], n_in: usize, x: &[f32], b: &[f32], y
     {
         let level = level.min(isa::detected());
         if level >= Level::Avx512 {
-            // SAFETY: the CPU has AVX-512 F/BW/VL (detected); the sizes
-            // were checked above.
-            return unsafe { gemv_avx512(w, n_in, x, b, y) };
+            // SAFETY (both): the CPU has AVX-512 F/BW/VL (detected); the
+            // kernel checks its slices.
+            let four = |r: &[f16]| unsafe { rows_avx512::<ROWS>(r, n_in, x) };
+            let one = |r: &[f16]| unsafe { rows_avx512::<1>(r, n_in, x) };
+            return by_blocks(w, n_in, b, y, four, one);
         }
         if level >= Level::Avx2 {
-            // SAFETY: the CPU has AVX2, FMA and F16C (the Avx2 level
-            // requires all three); the sizes were checked above.
-            return unsafe { gemv_avx2(w, n_in, x, b, y) };
+            // SAFETY (both): the CPU has AVX2, FMA and F16C (the Avx2
+            // level requires all three); the kernel checks its slices.
+            let four = |r: &[f16]| unsafe { rows_avx2::<ROWS>(r, n_in, x) };
+            let one = |r: &[f16]| unsafe { rows_avx2::<1>(r, n_in, x) };
+            return by_blocks(w, n_in, b, y, four, one);
         }
     }
     let _ = level;
@@ -110,26 +114,31 @@ fn prefetch_rows(w: &[f16], n_in: usize, r0: usize, r1: usize) {
     }
 }
 
+/// y = W x + b by blocks of `ROWS` rows (`four` sums a block's rows, `one`
+/// a single row for the last n_out mod 4), the blocks `AHEAD` of the one
+/// being summed prefetched.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn gemv_avx512(w: &[f16], n_in: usize, x: &[f32], b: &[f32], y: &mut [f32]) {
+fn by_blocks(
+    w: &[f16],
+    n_in: usize,
+    b: &[f32],
+    y: &mut [f32],
+    four: impl Fn(&[f16]) -> [f32; ROWS],
+    one: impl Fn(&[f16]) -> [f32; 1],
+) {
     let n_out = y.len();
     let mut r = 0;
     prefetch_rows(w, n_in, 0, AHEAD * ROWS);
     while r + ROWS <= n_out {
         prefetch_rows(w, n_in, r + AHEAD * ROWS, r + (AHEAD + 1) * ROWS);
-        // SAFETY: rows r..r+4 are inside w (checked by the caller); CPU as this function's.
-        let s = unsafe { rows_avx512::<ROWS>(&w[r * n_in..(r + ROWS) * n_in], n_in, x) };
+        let s = four(&w[r * n_in..(r + ROWS) * n_in]);
         for k in 0..ROWS {
             y[r + k] = s[k] + b[r + k];
         }
         r += ROWS;
     }
-    while r < n_out {
-        // SAFETY: as above, one row.
-        let s = unsafe { rows_avx512::<1>(&w[r * n_in..(r + 1) * n_in], n_in, x) };
-        y[r] = s[0] + b[r];
-        r += 1;
+    for r in r..n_out {
+        y[r] = one(&w[r * n_in..(r + 1) * n_in])[0] + b[r];
     }
 }
 
@@ -168,29 +177,6 @@ unsafe fn rows_avx512<const R: usize>(w: &[f16], n_in: usize, x: &[f32]) -> [f32
         }
     }
     acc.map(|a| _mm512_reduce_add_ps(a))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_avx2(w: &[f16], n_in: usize, x: &[f32], b: &[f32], y: &mut [f32]) {
-    let n_out = y.len();
-    let mut r = 0;
-    prefetch_rows(w, n_in, 0, AHEAD * ROWS);
-    while r + ROWS <= n_out {
-        prefetch_rows(w, n_in, r + AHEAD * ROWS, r + (AHEAD + 1) * ROWS);
-        // SAFETY: rows r..r+4 are inside w (checked by the caller); CPU as this function's.
-        let s = unsafe { rows_avx2::<ROWS>(&w[r * n_in..(r + ROWS) * n_in], n_in, x) };
-        for k in 0..ROWS {
-            y[r + k] = s[k] + b[r + k];
-        }
-        r += ROWS;
-    }
-    while r < n_out {
-        // SAFETY: as above, one row.
-        let s = unsafe { rows_avx2::<1>(&w[r * n_in..(r + 1) * n_in], n_in, x) };
-        y[r] = s[0] + b[r];
-        r += 1;
-    }
 }
 
 /// Σ_c w[k, c] · x[c] for the R rows of `w` (R, n_in), 8 lanes each; the
