@@ -208,9 +208,15 @@ impl Gates {
 
     /// Layer `l`'s scoring head.
     pub fn head(&self, l: usize) -> &Dense {
+        &self.heads[self.head_of(l)]
+    }
+
+    /// Which of `heads` layer `l` uses: its own (`rg`) or the shared one
+    /// (`rg10`).
+    fn head_of(&self, l: usize) -> usize {
         match self.arch {
-            GateArch::Rg => &self.heads[l],
-            GateArch::Rg10 => &self.heads[0],
+            GateArch::Rg => l,
+            GateArch::Rg10 => 0,
         }
     }
 
@@ -529,10 +535,7 @@ impl GateNet {
     fn rows(&self, m: Map) -> &[f16] {
         match m {
             Map::Hidden(l, k) => &self.hidden[l][k],
-            Map::Head(l) => match self.gates.arch {
-                GateArch::Rg => &self.heads[l],
-                GateArch::Rg10 => &self.heads[0],
-            },
+            Map::Head(l) => &self.heads[self.gates.head_of(l)],
         }
     }
 
