@@ -834,6 +834,13 @@ impl<'w, B: Backend> Session<'w, B> {
                 };
                 o.on_step(&step(omass, self.prompt_end as i64));
             }
+            // evictions under a budget shared by many streams scatter each
+            // stream's rows over the pool: pack them again once enough
+            // entries landed in holes (`KvCache::defragment`), per-slot
+            // state following
+            if !self.victims.is_empty() && self.kv.defragment(&mut self.moved)? {
+                self.relocated();
+            }
             done += n;
             if whole && self.n_past == self.prompt_end {
                 self.compress_prompt()?;

@@ -144,6 +144,11 @@ pub trait KvStore: std::fmt::Debug + Send + Sync {
     /// copied as stored (no re-quantization). Growing for a transient
     /// prompt, shrinking back to a budget after compressing it.
     fn resized(&self, n_rows: usize, moves: &[(u32, u32)]) -> Box<dyn KvStore>;
+    /// Rearrange rows in place, all `(from, to)` of `moves` at once: row
+    /// `to` takes what row `from` held, copied as stored (`from`s distinct,
+    /// `to`s distinct; rows that are no move's `to` keep their contents or
+    /// not, as the backend finds cheapest). Compacting a fragmented cache.
+    fn permute(&mut self, moves: &[(u32, u32)]);
     /// For the backend that made it: its concrete type.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -189,4 +194,135 @@ pub trait KvAccess: Sync {
         k: &[f32],
         v: &[f32],
     );
+}
+
+/// The order of single-row copies that carries out `moves` (all at once,
+/// as `KvStore::permute` means them) in place, over rows `0..n_rows`:
+/// `(from, to)` copies row `from` to row `to`, and `TEMP` on either side
+/// is one spare row. Every chain of moves is walked from its free end
+/// (a `to` nobody reads), so no row is overwritten before it is read; a
+/// cycle first saves one of its rows in the spare. Moves with
+/// `from == to` need no copy and are left out.
+pub fn permutation_plan(moves: &[(u32, u32)], n_rows: usize) -> Vec<(u32, u32)> {
+    const NONE: u32 = u32::MAX;
+    // where each row's new contents come from, and whether a row still
+    // has contents some move needs
+    let mut src_of = vec![NONE; n_rows];
+    let mut needed = vec![false; n_rows];
+    for &(f, t) in moves {
+        if f != t {
+            src_of[t as usize] = f;
+            needed[f as usize] = true;
+        }
+    }
+    let mut plan = Vec::with_capacity(moves.len() + 1);
+    // chains: start at every target whose own contents nobody needs
+    for &(f, t) in moves {
+        if f == t || needed[t as usize] || src_of[t as usize] == NONE {
+            continue;
+        }
+        let mut cur = t as usize;
+        while src_of[cur] != NONE {
+            let from = src_of[cur];
+            plan.push((from, cur as u32));
+            src_of[cur] = NONE;
+            needed[from as usize] = false;
+            cur = from as usize;
+        }
+    }
+    // what is left are cycles: every target is also a needed source
+    for &(_, t) in moves {
+        if src_of[t as usize] == NONE {
+            continue;
+        }
+        plan.push((t, TEMP));
+        let mut cur = t as usize;
+        loop {
+            let from = src_of[cur];
+            src_of[cur] = NONE;
+            if from == t {
+                plan.push((TEMP, cur as u32));
+                break;
+            }
+            plan.push((from, cur as u32));
+            cur = from as usize;
+        }
+    }
+    plan
+}
+
+/// The spare row of a `permutation_plan`.
+pub const TEMP: u32 = u32::MAX;
+
+#[cfg(test)]
+mod permutation_tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    /// Apply `moves` at once to a row → value table, directly.
+    fn direct(rows: &[u64], moves: &[(u32, u32)]) -> Vec<u64> {
+        let mut out = rows.to_vec();
+        for &(f, t) in moves {
+            out[t as usize] = rows[f as usize];
+        }
+        out
+    }
+
+    fn run_plan(rows: &[u64], plan: &[(u32, u32)]) -> Vec<u64> {
+        let mut out = rows.to_vec();
+        let mut temp = 0;
+        for &(f, t) in plan {
+            let x = if f == TEMP { temp } else { out[f as usize] };
+            if t == TEMP {
+                temp = x;
+            } else {
+                out[t as usize] = x;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn plan_carries_out_moves_in_place() {
+        // hand-made: a swap (cycle of 2), a chain into a free row, a fixed point
+        let rows: Vec<u64> = (0..6).map(|i| 100 + i).collect();
+        let moves = [(0, 1), (1, 0), (3, 2), (4, 3), (5, 5)];
+        let plan = permutation_plan(&moves, 6);
+        let got = run_plan(&rows, &plan);
+        let want = direct(&rows, &moves);
+        for &(_, t) in &moves {
+            assert_eq!(got[t as usize], want[t as usize], "row {t}");
+        }
+        // 2 copies for the chain, 3 for the swap (through the spare)
+        assert_eq!(plan.len(), 5, "{plan:?}");
+        // random partial permutations: packing live rows to the front in a
+        // shuffled order, as compaction does
+        let mut rng = Rng::new(7);
+        for case in 0..200 {
+            let n = 1 + (rng.next_u64() % 64) as usize;
+            let mut live: Vec<u32> = (0..n as u32).filter(|_| rng.next_u64() % 3 != 0).collect();
+            // shuffle (Fisher–Yates)
+            for i in (1..live.len()).rev() {
+                live.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+            let moves: Vec<(u32, u32)> = live
+                .iter()
+                .enumerate()
+                .map(|(k, &f)| (f, k as u32))
+                .collect();
+            let rows: Vec<u64> = (0..n as u64).map(|i| i * 31 + 7).collect();
+            let plan = permutation_plan(&moves, n);
+            let got = run_plan(&rows, &plan);
+            let want = direct(&rows, &moves);
+            for &(f, t) in &moves {
+                assert_eq!(got[t as usize], want[t as usize], "case {case}: {f} -> {t}");
+            }
+            let moved = moves.iter().filter(|(f, t)| f != t).count();
+            assert!(
+                plan.len() <= moved + moved / 2 + 1,
+                "case {case}: {} copies",
+                plan.len()
+            );
+        }
+    }
 }

@@ -57,6 +57,8 @@ pub struct StreamLists {
     pos: Vec<Vec<i64>>,
     /// (n_streams,) scratch: whether the stream lost entries this step.
     touched: Vec<bool>,
+    /// Entries pushed since the lists were made (or last packed).
+    pushed: usize,
 }
 
 impl StreamLists {
@@ -90,7 +92,18 @@ impl StreamLists {
             slots: vec![Vec::new(); n],
             pos: vec![Vec::new(); n],
             touched: vec![false; n],
+            pushed: 0,
         }
+    }
+
+    /// Entries pushed since the lists were made or `reset_pushed` was called.
+    pub fn pushed(&self) -> usize {
+        self.pushed
+    }
+
+    /// Start counting pushes again (the lists were just packed).
+    pub(super) fn reset_pushed(&mut self) {
+        self.pushed = 0;
     }
 
     /// Pool rows of all regions.
@@ -173,6 +186,7 @@ impl StreamLists {
         }
         self.rhead.fill(0);
         self.owner.fill(u32::MAX);
+        self.pushed = 0;
     }
 
     /// Remove freed pool slots (`freed`, whose owners are still recorded)
@@ -207,6 +221,7 @@ impl StreamLists {
     /// stream); the region's ring head moves past its row.
     pub(super) fn push(&mut self, s: usize, slot: u32, pos: i64) {
         debug_assert!(self.pos[s].last().is_none_or(|&p| p < pos));
+        self.pushed += 1;
         self.owner[slot as usize] = s as u32;
         self.slots[s].push(slot);
         self.pos[s].push(pos);

@@ -570,3 +570,140 @@ fn rewind_gives_the_fresh_runs_slots() {
         .collect();
     assert_eq!(slots, again, "every stream re-takes its fresh rows");
 }
+
+/// `compact` packs each multi-stream region stream by stream: every
+/// stream's rows end contiguous and in position order, its rows' stored
+/// bytes come along (every cache type), the free rows are one run at the
+/// region's end and new entries go there. Caches it has nothing to do for
+/// (token-uniform, one stream per region, already packed) are left alone.
+#[test]
+fn compact_packs_each_stream_and_keeps_its_rows() {
+    let (n_layers, hd, nkv) = (2, 32, 2);
+    let n_streams = n_layers * nkv;
+    let regions = [Region {
+        first_stream: 0,
+        n_streams,
+        rows: 48,
+    }];
+    for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+        let mut rng = Rng::new(99);
+        let mut kv = KvCache::with_streams(n_layers, nkv * hd, hd, &regions, ty).unwrap();
+        let mut slots = Vec::new();
+        // fill 9 positions, evicting a few random entries as it goes, so
+        // every stream's rows are scattered over the pool
+        for p in 0..9i64 {
+            let mut victims = Vec::new();
+            if p >= 3 {
+                let st = kv.streams().unwrap();
+                for s in 0..n_streams {
+                    let sl = st.stream(s).0;
+                    if rng.next_u64() % 2 == 0 && sl.len() > 1 {
+                        victims.push(sl[(rng.next_u64() % sl.len() as u64) as usize]);
+                    }
+                }
+            }
+            kv.apply(&victims, &[p], &mut slots).unwrap();
+            for l in 0..n_layers {
+                let k: Vec<f32> = (0..nkv * hd).map(|_| rng.normal()).collect();
+                let v: Vec<f32> = (0..nkv * hd).map(|_| rng.normal()).collect();
+                kv.write_token(l, 0, 1, &slots, &k, &v);
+            }
+        }
+        // every live entry's stored rows, by (stream, position)
+        let rows_of = |kv: &KvCache| -> Vec<Vec<(i64, Vec<f32>, Vec<f32>)>> {
+            let st = kv.streams().unwrap();
+            (0..n_streams)
+                .map(|s| {
+                    let (sl, ps) = st.stream(s);
+                    let (l, g) = (s / nkv, s % nkv);
+                    let mut k = vec![0f32; sl.len() * hd];
+                    let mut v = vec![0f32; sl.len() * hd];
+                    kv.read_heads(true, l, g, sl, &mut k);
+                    kv.read_heads(false, l, g, sl, &mut v);
+                    (0..sl.len())
+                        .map(|i| {
+                            let r = i * hd..(i + 1) * hd;
+                            (ps[i], k[r.clone()].to_vec(), v[r].to_vec())
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let before = rows_of(&kv);
+        let old_slots: Vec<Vec<u32>> = (0..n_streams)
+            .map(|s| kv.streams().unwrap().stream(s).0.to_vec())
+            .collect();
+        let scattered = old_slots
+            .iter()
+            .any(|sl| sl.windows(2).any(|w| w[1] != w[0] + 1));
+        assert!(
+            scattered,
+            "{ty}: the test must start from scattered streams"
+        );
+        let n_live: usize = old_slots.iter().map(|s| s.len()).sum();
+
+        let mut map = Vec::new();
+        assert!(kv.compact(&mut map).unwrap(), "{ty}: rows moved");
+        assert_eq!(map.len(), n_live, "{ty}: one move per live entry");
+        assert!(
+            map.windows(2).all(|w| w[0].0 < w[1].0),
+            "{ty}: sorted by old slot"
+        );
+        // streams packed in order, each contiguous in position order
+        let st = kv.streams().unwrap();
+        let mut next = 0u32;
+        for (s, old) in old_slots.iter().enumerate() {
+            let (sl, ps) = st.stream(s);
+            let want: Vec<u32> = (next..next + sl.len() as u32).collect();
+            assert_eq!(sl, &want[..], "{ty}: stream {s} contiguous from {next}");
+            assert!(
+                ps.windows(2).all(|w| w[0] < w[1]),
+                "{ty}: stream {s} by position"
+            );
+            assert_eq!(
+                st.stream_by_slot(s).0,
+                sl,
+                "{ty}: memory order is position order"
+            );
+            for (&o, &n) in old.iter().zip(sl) {
+                assert!(map.contains(&(o, n)), "{ty}: {o} -> {n} in the map");
+                assert_eq!(st.owner(n as usize), s);
+            }
+            next += sl.len() as u32;
+        }
+        // the stored bytes came along
+        assert_eq!(rows_of(&kv), before, "{ty}: rows as stored");
+        // new entries take the free run at the end, stream by stream
+        kv.apply(&[], &[9], &mut slots).unwrap();
+        let tail: Vec<u32> = (n_live as u32..(n_live + n_streams) as u32).collect();
+        assert_eq!(slots, tail, "{ty}: new entries at the end");
+        // each stream's new row sits after every stream: compacting again
+        // moves them in, and a third time finds nothing to do
+        assert!(kv.compact(&mut map).unwrap());
+        assert!(!kv.compact(&mut map).unwrap(), "{ty}: a packed cache stays");
+        assert!(map.iter().all(|&(f, t)| f == t));
+        // nothing written since: not worth defragmenting
+        assert!(!kv.defragment(&mut map).unwrap());
+        assert!(map.is_empty());
+    }
+
+    // nothing to do for a token-uniform cache or one region per stream
+    let mut slots = Vec::new();
+    let mut kv = cache(8);
+    kv.apply(&[], &[0, 1, 2], &mut slots).unwrap();
+    kv.apply(&[1], &[3], &mut slots).unwrap();
+    let mut map = Vec::new();
+    assert!(!kv.compact(&mut map).unwrap());
+    let own: Vec<Region> = (0..4)
+        .map(|s| Region {
+            first_stream: s,
+            n_streams: 1,
+            rows: 4,
+        })
+        .collect();
+    let mut kv = KvCache::with_streams(2, 4, 2, &own, KvType::F32).unwrap();
+    kv.apply(&[], &[0, 1, 2], &mut slots).unwrap();
+    let victim = kv.streams().unwrap().stream(0).0[1];
+    kv.apply(&[victim], &[3], &mut slots).unwrap();
+    assert!(!kv.compact(&mut map).unwrap());
+}

@@ -3,7 +3,9 @@
 //! rows in their stored type through [`LayerKv`] (one monomorphized loop per
 //! type, via [`KvRow`]); everything else goes through the `KvStore` trait.
 
-use crate::backend::kvstore::{dequantize_q8_0, quantize_q8_0, BlockQ8_0, KvStore, KvType, QK8_0};
+use crate::backend::kvstore::{
+    dequantize_q8_0, permutation_plan, quantize_q8_0, BlockQ8_0, KvStore, KvType, QK8_0, TEMP,
+};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -203,6 +205,39 @@ impl KvStore for CpuKv {
             _ => unreachable!("a store resized keeps its type"),
         }
         Box::new(out)
+    }
+    fn permute(&mut self, moves: &[(u32, u32)]) {
+        let plan = permutation_plan(moves, self.n_rows);
+        let u = self.row_units;
+        // one row of each buffer carried out along the plan, the spare
+        // row on the side
+        fn apply<T: Copy + Default>(buf: &mut [T], u: usize, plan: &[(u32, u32)]) {
+            let mut spare = vec![T::default(); u];
+            for &(f, t) in plan {
+                let (f, t) = (f as usize, t as usize);
+                if t == TEMP as usize {
+                    spare.copy_from_slice(&buf[f * u..(f + 1) * u]);
+                } else if f == TEMP as usize {
+                    buf[t * u..(t + 1) * u].copy_from_slice(&spare);
+                } else {
+                    buf.copy_within(f * u..(f + 1) * u, t * u);
+                }
+            }
+        }
+        match &mut self.store {
+            Store::F32(k, v) => {
+                apply(k, u, &plan);
+                apply(v, u, &plan);
+            }
+            Store::F16(k, v) => {
+                apply(k, u, &plan);
+                apply(v, u, &plan);
+            }
+            Store::Q8(k, v) => {
+                apply(k, u, &plan);
+                apply(v, u, &plan);
+            }
+        }
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self

@@ -1207,6 +1207,52 @@ impl KvStore for CudaKv {
         }
         Box::new(c)
     }
+    fn permute(&mut self, moves: &[(u32, u32)]) {
+        let moves: Vec<(u32, u32)> = moves.iter().copied().filter(|(f, t)| f != t).collect();
+        if moves.is_empty() || self.k.is_none() {
+            return;
+        }
+        // gather every source row into a scratch store (row i holds move
+        // i's source), then scatter the scratch rows to their targets: two
+        // launches on one stream, so the scatter reads finished rows and no
+        // row is overwritten before it is read
+        let d = self.dev.clone();
+        let tmp = match CudaKv::new(d.clone(), self.ty, moves.len(), self.row_vals) {
+            Ok(c) => c,
+            Err(e) => {
+                d.fail(e.to_string());
+                return;
+            }
+        };
+        // (from, to) pairs: the gather's, then the scatter's, one upload
+        let n = moves.len();
+        let pairs: Vec<u32> = (0..n as u32)
+            .flat_map(|i| [moves[i as usize].0, i])
+            .chain((0..n as u32).flat_map(|i| [i, moves[i as usize].1]))
+            .collect();
+        let rb = self.row_bytes as u64;
+        let l = plan::Launch {
+            grid: (n as u32, 1, 1),
+            block: (256, 1, 1),
+        };
+        let mut up = d.up.lock().unwrap_or_else(|p| p.into_inner());
+        let mp = d.upload(&mut up.u32s, &pairs);
+        for (pp, gather) in [(mp, true), (mp + 8 * n as u64, false)] {
+            for (mine, theirs) in [(self.kp(), tmp.kp()), (self.vp(), tmp.vp())] {
+                let (sp, dp) = if gather {
+                    (mine, theirs)
+                } else {
+                    (theirs, mine)
+                };
+                d.launch("kv_move_rows", &d.f.kv_move_rows, l, |a| {
+                    a.arg(&sp).arg(&dp).arg(&pp).arg(&rb);
+                });
+            }
+        }
+        drop(up);
+        // the scratch is freed once the stream has run both launches
+        d.note("permuting K/V rows", d.stream.synchronize());
+    }
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
