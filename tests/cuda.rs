@@ -339,10 +339,11 @@ fn cache_on<B: Backend>(b: &B, streams: bool, ty: KvType) -> KvCache {
     }
 }
 
-/// Two steps of attention on a backend: a 40-token prefill exporting
+/// Three steps of attention on a backend: a 40-token prefill exporting
 /// every row's mass, then (after evicting a few entries from a uniform
-/// cache) one decoded token exporting the last row, with and without a
-/// sliding window; outputs, masses and a K/V read-back.
+/// cache) one decoded token exporting the last row, then (after evicting
+/// from a stream cache and compacting it) one with a sliding window;
+/// outputs, masses and a K/V read-back.
 fn attention_steps<B: Backend>(
     b: &B,
     mk: &dyn Fn(&[f32]) -> B::Act,
@@ -371,6 +372,24 @@ fn attention_steps<B: Backend>(
     .enumerate()
     {
         let positions: Vec<i64> = (pos0..pos0 + n).map(|p| p as i64).collect();
+        if step == 2 && streams {
+            // evict a few entries of each stream, then pack the pool again
+            // (`KvStore::permute` on the backend's store), so the last
+            // step reads moved rows
+            let st = kv.streams().unwrap();
+            let victims: Vec<u32> = (0..st.n_streams())
+                .flat_map(|s| {
+                    let (sl, p) = st.stream(s);
+                    sl.iter()
+                        .zip(p)
+                        .filter(move |(_, &p)| [2, 5 + s as i64, 20].contains(&p))
+                        .map(|(&x, _)| x)
+                })
+                .collect();
+            kv.apply(&victims, &[], &mut slots).unwrap();
+            let mut map = Vec::new();
+            assert!(kv.compact(&mut map).unwrap(), "{ty}: rows moved");
+        }
         let victims: Vec<u32> = if step == 1 && !streams {
             // evict the entries at positions 3, 10 and 11
             let (s, p) = kv.live();
