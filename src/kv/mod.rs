@@ -533,17 +533,17 @@ impl KvCache {
     }
 
     /// `compact` once it pays: when a region serves several streams and
-    /// at least an eighth of the live entries were written since the last
-    /// packing (each such entry landed in a hole of some other stream's
-    /// run, or after them all). With the default batched eviction that is
-    /// every eviction event; evicting at every step it is every few dozen
-    /// steps, so copying the live rows stays a small fraction of what
-    /// attention reads meanwhile.
+    /// at least a sixteenth of the live entries were written since the
+    /// last packing (each such entry landed in a hole of some other
+    /// stream's run, or after them all). With the default batched eviction
+    /// (every budget/8 steps) that is every eviction event; evicting at
+    /// every step it is every budget/16 steps or so, so copying the live
+    /// rows stays a small fraction of what attention reads meanwhile.
     pub fn defragment(&mut self, map: &mut Vec<(u32, u32)>) -> Result<bool> {
         let due = self
             .streams
             .as_ref()
-            .is_some_and(|st| st.pushed() * 8 >= self.cells.n_live());
+            .is_some_and(|st| st.pushed() * 16 >= self.cells.n_live());
         if !due {
             map.clear();
             return Ok(false);
