@@ -36,6 +36,7 @@ pub mod gemv_f16;
 pub mod isa;
 pub mod kv_store;
 pub mod matmul;
+pub mod mem;
 pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
@@ -74,7 +75,9 @@ impl Cpu {
     }
 
     /// This machine's read bandwidth in GB/s with the pool's threads: a
-    /// 512 MiB buffer (first written, so every page is resident) summed
+    /// 512 MiB buffer in transparent huge pages (first written, so every
+    /// page is resident; from 4 KiB pages the same loop read a third less
+    /// on a VM where the decoding itself then read more than that) summed
     /// after a warm-up pass, each thread streaming its own contiguous part,
     /// pass after pass for about a second (at least 8 passes); the fastest
     /// pass is the figure (`kvrun bench`'s roofline). A pass takes 10-20
@@ -86,7 +89,9 @@ impl Cpu {
     pub fn read_bandwidth(&self) -> f64 {
         use std::sync::atomic::{AtomicU64, Ordering};
         let n = 64usize << 20; // u64 words
-        let buf: Vec<u64> = (0..n as u64).collect();
+                               // in huge pages, as the repacked weights are (see `mem`)
+        let mut buf: Vec<u64> = mem::huge_capacity(n);
+        buf.extend(0..n as u64);
         let nt = self.pool.n_threads();
         let sink = AtomicU64::new(0);
         let pass = || {

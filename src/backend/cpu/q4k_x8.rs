@@ -83,7 +83,7 @@ impl Q4kX8 {
         // pages: a 7B's load went from 7.3 to 5.7 s on a VM, where faulting
         // the new memory in dominates
         let mut buf = vec![0u8; len + 63];
-        huge_pages(&buf);
+        super::mem::advise_huge(buf.as_ptr() as usize, buf.len());
         let off = buf.as_ptr().align_offset(64).min(63);
         let dst = &mut buf[off..off + len];
         let block = ROWS * rb;
@@ -138,24 +138,6 @@ impl Q4kX8 {
     pub fn row_into(&self, r: usize, out: &mut [u8]) {
         unpack_row(self.block(r / ROWS), self.nb, r % ROWS, out);
     }
-}
-
-/// Ask for `buf`'s whole 2 MiB pages to be transparent huge pages (a
-/// hint; where the kernel ignores it nothing changes).
-fn huge_pages(buf: &[u8]) {
-    #[cfg(target_os = "linux")]
-    {
-        let page = 2usize << 20;
-        let a = buf.as_ptr() as usize;
-        let (lo, hi) = (a.div_ceil(page) * page, (a + buf.len()) / page * page);
-        if hi > lo {
-            // SAFETY: [lo, hi) lies inside `buf`, heap memory this process
-            // owns; MADV_HUGEPAGE changes how it is backed, not its bytes.
-            unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = buf;
 }
 
 /// Where row `r`'s bytes of one superblock lie in its group (see the
