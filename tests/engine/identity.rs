@@ -92,8 +92,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "portable",
         0,
         "adakv",
-        "75cc8bc3e466cc86155c508d96b45387897ec9b9fd970bf168cf530a14607c2d",
-        "3fa6bf7fa0a9aee3aeceeb92f53ee5ec8373172361eac98a8df949e1e769efdf",
+        "50722c851146a27ae57df8a9b5669478c096c2b12aea1a89d592ccb5b67d7c18",
+        "752f226e9f9fe3ad90821c3e025b8160b7865841601a21749acd478af034c814",
     ),
     (
         "portable",
@@ -141,8 +141,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "portable",
         1,
         "adakv",
-        "6d140f364e5f014501c7d347449cb5f2c84025fe88048db2fc6472e47cebf2d4",
-        "d2985f461d2ae4cf8a9bd2e21f9a20353b16665db9f70abe051b0fe45dbde99d",
+        "131594903ea79c10386f4c0fd11712d4e99c6dcf2169ee903406c5ad15282bac",
+        "449f51c20de79f983c5578537f0bdb9c60722b25159cb2e5265c5d5b737d0c21",
     ),
     (
         "portable",
@@ -191,7 +191,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         2,
         "adakv",
         "8004acba269021bf8fe6fb0dd96326002cb3e0438f89b33a88d36af5febe041f",
-        "94e53d8fe24a26889062623a29be0ccd9f5f909f9485c7889002f3dd2ccb1236",
+        "0954eac527b2e47bb0655ecfc2f597ec0635c4d814eb3b5988cdf88efb8ba3cf",
     ),
     (
         "portable",
@@ -239,8 +239,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "portable",
         3,
         "adakv",
-        "27c8c2406e6eff77c9f1b382ca444786806991fc36829402637681a9e9b66448",
-        "c0fe589c8d35e3860ebad150b7a34574a507f254f106e7366e0fb6f179cc4d10",
+        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
+        "d9e1dda81ac4f87633df245ad69fb04960b56a71afd25c4b0ef2816cac78e926",
     ),
     (
         "portable",
@@ -289,7 +289,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         4,
         "adakv",
         "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
-        "8d93f315ef62cf7716137d10079adb03f676b4e9f1e21de2397a6265e05efdf5",
+        "10bd2d597635bd553a221ea46a6e643c0db73322a124d946dafee6c11c0c4d92",
     ),
     (
         "portable",
@@ -338,7 +338,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         0,
         "adakv",
         "697f31d5816026fa77a20528bb5d0ab50971fd13cffd0e0ccc1fcf4ff091cf27",
-        "5a270ee48934669c97ad2fbb0e1eb432071f23a7ab08c735826ac13f88d5a788",
+        "fae23e97dda42e69789fef26d582911a3b56fea9a5287a16435b851d290b51ca",
     ),
     (
         "avx512",
@@ -386,8 +386,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx512",
         1,
         "adakv",
-        "2e1a0e6e8d0a764304854b4871686b3a87231116fc3798fab69bb97ffcac0120",
-        "3358d8c2e2e8d8354043340a680910fbc9fc3fe409f501c1a8f220aa22d88fd2",
+        "ba8fa4364428f628ca295ea8d03aa2a21f5a25f773eb80bb4bcee2e1de731ff6",
+        "203ce53880d5738fdf2a6c07316f74d7ea09bab8ae41ba323801386a25a334d9",
     ),
     (
         "avx512",
@@ -435,8 +435,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx512",
         2,
         "adakv",
-        "617b440d239e4282187b29d4f376bfb12ed5bd17b53f00ceeb1eda554ed2049e",
-        "dc6ab50c3b86decb7f6bde7f0fa2cee921de1896dbaa83e64d2b8d1fc1627a76",
+        "cb89d96181a888e9ca942aaa785c3914929ebb56e65dbbec9c4400102d7ea0b8",
+        "89183ae42dc71b77bdf6dc63f9fa8a0a2bd77be8d8834d11414ae9debeb49ecd",
     ),
     (
         "avx512",
@@ -484,8 +484,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx512",
         3,
         "adakv",
-        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
-        "d8bb83f2fe18908f7c749cb952df8de6b630bf286640c85af2d2d163154f22a9",
+        "788266fb8e396aa9f2e78f82a9a144e83de6b7f3ef781279aa137844661225b1",
+        "e35f0349a5cfccdfb2d004d99725781aae8ef98bc807fe021722ae100dc9cb66",
     ),
     (
         "avx512",
@@ -534,7 +534,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         4,
         "adakv",
         "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
-        "03b3a1c5503405e128f9441e6fe30035b1a1faba9c39ef41a937c3e4b5d339d2",
+        "32c1deb351a56c4bbe09fbbc4644b637a73351493d9d13f40956b449a1972882",
     ),
     (
         "avx512",
@@ -583,7 +583,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         0,
         "adakv",
         "697f31d5816026fa77a20528bb5d0ab50971fd13cffd0e0ccc1fcf4ff091cf27",
-        "4ed65923caf0a37e5166411099cc912ca50ab68e6ec31039afeeba37a6922839",
+        "c0fb7c926967e23b04db40f5de65ac30a636734d76c2bdfca05a43b2783dd995",
     ),
     (
         "avx512-vnni",
@@ -631,8 +631,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx512-vnni",
         1,
         "adakv",
-        "2e1a0e6e8d0a764304854b4871686b3a87231116fc3798fab69bb97ffcac0120",
-        "c024af1ad502d9efe18c7a5c9b09e61e5aa488a1389840acb2c3612d490e8726",
+        "ba8fa4364428f628ca295ea8d03aa2a21f5a25f773eb80bb4bcee2e1de731ff6",
+        "cde4295eab10d43a93a044cf25ae56263e1f780f6bf01209711ae7cfa185f93b",
     ),
     (
         "avx512-vnni",
@@ -680,8 +680,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx512-vnni",
         2,
         "adakv",
-        "617b440d239e4282187b29d4f376bfb12ed5bd17b53f00ceeb1eda554ed2049e",
-        "d39767b9866d8c31896b2047907f43febd8799eb18c520a0324ada532df6e8b5",
+        "cb89d96181a888e9ca942aaa785c3914929ebb56e65dbbec9c4400102d7ea0b8",
+        "842e131482021c122233d659ac6b05bc6c3d6e83432867cace56898123db2b34",
     ),
     (
         "avx512-vnni",
@@ -729,8 +729,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx512-vnni",
         3,
         "adakv",
-        "318c80b5aae01e5a95094de02978388f6477a483a3d76872cf6bd1bc5c4c2c72",
-        "d725feacf2268edc83f35dd4fafa0d31b8cf805b151e7636d52f4b0e95488a34",
+        "788266fb8e396aa9f2e78f82a9a144e83de6b7f3ef781279aa137844661225b1",
+        "2dc15d57a901a601e600661f87a732c3ba1fce6aa11c5376242c3757c02204f9",
     ),
     (
         "avx512-vnni",
@@ -779,7 +779,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         4,
         "adakv",
         "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
-        "2f456b3ec750e024ecf9f9676f8e683b0992c35099c065fe848fd0fd73a789fa",
+        "0c44d57b6d64938b3a385821498d5a5d3673c58cf36f002b1a44db78b989af32",
     ),
     (
         "avx512-vnni",
@@ -828,7 +828,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         0,
         "adakv",
         "697f31d5816026fa77a20528bb5d0ab50971fd13cffd0e0ccc1fcf4ff091cf27",
-        "7b60b322f1d52c6b56787857633b13a83ee954cd7138f6dce87baf43a27a6051",
+        "359120252dca9009b3525344876f0f685a7de0e56c484d29a34c5aa89df07e56",
     ),
     (
         "avx2",
@@ -876,8 +876,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx2",
         1,
         "adakv",
-        "ba8fa4364428f628ca295ea8d03aa2a21f5a25f773eb80bb4bcee2e1de731ff6",
-        "c0265e7801edf43a8535eb78207dc628677b3202697c9856a84b91e4e5523572",
+        "ffa89a2511f7e3b9602fe4b9f826742a510a7dd8bc32d8f82f68b78af915e159",
+        "6729f203e8a741ddf89b45dabd0bf4bdf3a400d3130fe28a9cde7749c176192c",
     ),
     (
         "avx2",
@@ -926,7 +926,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         2,
         "adakv",
         "d62081c4e208361b39dac6bd5828481b8a1f3315afd3eaacbd8418eb2d05cdcb",
-        "36306afd9466c761326b229a12c3116151049dd3e25099a29f195139be898017",
+        "adc6dc691e352a23405afa31dab30485f1a11c10628f53f00adaac700b00c35c",
     ),
     (
         "avx2",
@@ -974,8 +974,8 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         "avx2",
         3,
         "adakv",
-        "788266fb8e396aa9f2e78f82a9a144e83de6b7f3ef781279aa137844661225b1",
-        "292fb99b3753352a55036b06646995dab4458fcf97811a821d9df553860c999e",
+        "27c8c2406e6eff77c9f1b382ca444786806991fc36829402637681a9e9b66448",
+        "95fc653e310facee6822bf62b31d2339644f50d21c74cbd8bdd6a5c61fa5471f",
     ),
     (
         "avx2",
@@ -1024,7 +1024,7 @@ const RECORDED: &[(&str, usize, &str, &str, &str)] = &[
         4,
         "adakv",
         "a6118d2b38f905e1a2508f4aeb7c90811f44ba86247101ec4a154af3fe402a1a",
-        "a5b34f7c6ffa1120f94efa253f5445a0c3aa788e67c3de42e7d3a4d7e71f4094",
+        "ba296e5c1a6d741243da6b794110881b803801a1547eb6904d936eed988f444f",
     ),
     (
         "avx2",

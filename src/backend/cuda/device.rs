@@ -1237,6 +1237,10 @@ impl KvStore for CudaKv {
         };
         let mut up = d.up.lock().unwrap_or_else(|p| p.into_inner());
         let mp = d.upload(&mut up.u32s, &pairs);
+        if mp == 0 {
+            // the upload failed and the device noted it
+            return;
+        }
         for (pp, gather) in [(mp, true), (mp + 8 * n as u64, false)] {
             for (mine, theirs) in [(self.kp(), tmp.kp()), (self.vp(), tmp.vp())] {
                 let (sp, dp) = if gather {
