@@ -1,9 +1,9 @@
 //! Host memory: large buffers asked to be backed by transparent huge pages.
 //!
-//! On the VMs this was measured on, streaming reads from 4 KiB pages stop
-//! at every page boundary for the hardware prefetcher and a TLB walk: a
-//! plain summing loop read 44 GB/s with 2 threads from 4 KiB pages and 65
-//! GB/s from 2 MiB pages (one thread: 24–28 against 33).
+//! On the Zen 4 VMs a plain summing loop read 44 GB/s with 2 threads from
+//! 4 KiB pages and 65 GB/s from 2 MiB pages (one thread: 24–28 against
+//! 33). Why was not measured; prefetchers that stop at page boundaries
+//! and TLB walks are the usual suspects.
 
 /// Ask for the whole 2 MiB pages of bytes `[addr, addr + len)` to be
 /// transparent huge pages (a hint; where the kernel ignores it nothing
