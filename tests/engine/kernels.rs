@@ -343,9 +343,10 @@ type KTile<const N: usize> = fn(usize, &[&[u8]; 4], &[&[u8]; N]) -> [[f32; N]; 4
 /// lacks are named on stderr (their paths go untested here).
 fn simd_levels() -> Vec<Level> {
     use kvrun::backend::cpu::isa::detected;
-    let (run, skip): (Vec<Level>, Vec<Level>) = [Level::Avx2, Level::Avx512, Level::Avx512Vnni]
-        .into_iter()
-        .partition(|&l| l <= detected());
+    let (run, skip): (Vec<Level>, Vec<Level>) =
+        [Level::Avx2, Level::Avx512, Level::Avx512Vnni, Level::Amx]
+            .into_iter()
+            .partition(|&l| l <= detected());
     for l in skip {
         eprintln!("skipping the {l} kernels: this CPU lacks them");
     }
@@ -588,7 +589,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                 "no {dt} rows-in-lanes kernel ran on an AVX2 CPU"
             );
         }
-        if kvrun::backend::cpu::isa::detected() == Level::Avx512Vnni {
+        if kvrun::backend::cpu::isa::detected().vnni() {
             assert!(
                 packed_checked > 0,
                 "no packed {dt} kernel ran on a VNNI CPU"
@@ -655,6 +656,13 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4K, 13, 512, 17),
         (DType::Q4K, 136, 768, 1),
         (DType::Q4K, 72, 512, 11),
+        // the AMX prefill: K slices (more than 16 superblocks), several
+        // panel blocks, an odd number of 16-token tiles, ragged panels
+        (DType::Q4K, 136, 4608, 37),
+        (DType::Q4K, 64, 512, 2),
+        (DType::Q5K, 80, 4352, 16),
+        (DType::Q6K, 72, 4352, 33),
+        (DType::Q6K, 21, 512, 18),
         (DType::Q5K, 18, 256, 7),
         (DType::Q5K, 37, 768, 5),
         (DType::Q5K, 5, 512, 1),

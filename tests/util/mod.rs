@@ -53,7 +53,8 @@ pub fn profile_of(l: kvrun::backend::cpu::isa::Level) -> &'static str {
         Level::Portable => "portable",
         Level::Avx2 => "avx2",
         Level::Avx512 => "avx512",
-        Level::Avx512Vnni => "avx512-vnni",
+        // the AMX prefill equals the VNNI kernels bit for bit
+        Level::Avx512Vnni | Level::Amx => "avx512-vnni",
     }
 }
 
@@ -66,10 +67,15 @@ pub fn lower_levels() -> Vec<kvrun::backend::cpu::isa::Level> {
     if std::env::var_os("KVRUN_CPU").is_some() {
         return Vec::new();
     }
-    [Level::Portable, Level::Avx2, Level::Avx512]
-        .into_iter()
-        .filter(|&l| l < level())
-        .collect()
+    [
+        Level::Portable,
+        Level::Avx2,
+        Level::Avx512,
+        Level::Avx512Vnni,
+    ]
+    .into_iter()
+    .filter(|&l| l < level())
+    .collect()
 }
 
 /// Run the test `name` (its full path in this test binary) again in a

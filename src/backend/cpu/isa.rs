@@ -2,7 +2,8 @@
 //!
 //! The level is read off the CPU once, at the first kernel choice, and can
 //! be capped with the environment variable `KVRUN_CPU`
-//! (`portable | avx2 | avx512 | avx512vnni | native`, default `native`):
+//! (`portable | avx2 | avx512 | avx512vnni | amx | native`, default
+//! `native`):
 //! `KVRUN_CPU=portable` runs every op on the portable loops and ggml's
 //! kernels, so one machine can test (and compare) every path it is able to
 //! run. Asking for more than the CPU has is an error ([`check_env`], called
@@ -26,15 +27,19 @@ pub enum Level {
     Avx512,
     /// AVX-512 with VNNI (the Q4_1 × Q8_1 matmul tile).
     Avx512Vnni,
+    /// AVX-512 VNNI plus AMX-INT8 tiles, usable by this process (the
+    /// K-quant prefill of `qgemm_amx`; every other kernel is VNNI's).
+    Amx,
 }
 
 impl Level {
     /// Every level, lowest first.
-    pub const ALL: [Level; 4] = [
+    pub const ALL: [Level; 5] = [
         Level::Portable,
         Level::Avx2,
         Level::Avx512,
         Level::Avx512Vnni,
+        Level::Amx,
     ];
 
     /// The name `KVRUN_CPU` takes.
@@ -44,7 +49,13 @@ impl Level {
             Level::Avx2 => "avx2",
             Level::Avx512 => "avx512",
             Level::Avx512Vnni => "avx512vnni",
+            Level::Amx => "amx",
         }
+    }
+
+    /// Whether this level has AVX-512 VNNI (`avx512vnni` and `amx`).
+    pub fn vnni(self) -> bool {
+        self >= Level::Avx512Vnni
     }
 
     fn parse(s: &str) -> Option<Option<Level>> {
@@ -76,10 +87,13 @@ fn detect() -> Level {
     if !(has!("avx512f") && has!("avx512bw") && has!("avx512vl")) {
         return Level::Avx2;
     }
-    if has!("avx512vnni") {
-        Level::Avx512Vnni
+    if !has!("avx512vnni") {
+        return Level::Avx512;
+    }
+    if super::qgemm_amx::enable() {
+        Level::Amx
     } else {
-        Level::Avx512
+        Level::Avx512Vnni
     }
 }
 

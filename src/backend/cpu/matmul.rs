@@ -12,7 +12,7 @@ use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
 use super::q4k_x8::{self, Q4kX8};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
+use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -242,7 +242,7 @@ pub fn k_quant_kernel<const N: usize>(
 ) -> Option<qgemm_lanes::LanesFn<N>> {
     #[cfg(target_arch = "x86_64")]
     if N == 1 && level >= Level::Avx512 && level <= isa::detected() {
-        if let Some(k) = super::qgemm_k_decode::kernel::<N>(dtype, level == Level::Avx512Vnni) {
+        if let Some(k) = super::qgemm_k_decode::kernel::<N>(dtype, level.vnni()) {
             return Some(k);
         }
     }
@@ -259,6 +259,12 @@ pub fn matmul_q_at(
     out: &mut [f32],
     level: Level,
 ) {
+    // K-quant prefill on AMX tiles (the same sums and float steps as every
+    // kernel below, bit for bit)
+    if n_tok >= 2 && level >= Level::Amx && level <= isa::detected() && qgemm_amx::supports(w.dtype)
+    {
+        return matmul_k_amx(pool, w, act, n_tok, out);
+    }
     if let Some(x8) = &w.x8 {
         // Q4_K×8: its own decoding kernel; prefill packs micro tiles from it
         if let (Some(one), Some(packed)) = (
@@ -498,6 +504,174 @@ fn matmul_k_packed(
                     unsafe {
                         store_tile(o, n_out, &res, (rm, ROWS.min(r1 - rm)), (tt * TOKS, n_t))
                     };
+                }
+            }
+        }
+    });
+}
+
+/// Panels (16 rows each) of a row block of [`matmul_k_amx`].
+const AMX_PANELS: usize = 4;
+/// The most superblocks per row of a K slice of [`matmul_k_amx`]: a block's
+/// expanded slice is `AMX_PANELS · AMX_SLICE · 8 KiB` = 512 KiB (in L2).
+const AMX_SLICE: usize = 16;
+
+/// A zeroed byte buffer whose slice starts on a 64-byte boundary.
+struct Aligned {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let buf = vec![0u8; len + 63];
+        let off = buf.as_ptr().align_offset(64);
+        Aligned { buf, off, len }
+    }
+    fn get(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.len]
+    }
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+/// K-quant × Q8_K (`n_tok` ≥ 2) on AMX tiles ([`qgemm_amx`]): the token
+/// tiles (16 tokens) are packed once (threads split them); the threads
+/// take blocks of [`AMX_PANELS`] panels of 16 rows as they come free and
+/// walk a block's superblocks in slices of at most [`AMX_SLICE`]: each
+/// slice's rows are expanded once (scaled 16-bit weights split into byte
+/// tiles, in L2) and every pair of token tiles runs past them, the float
+/// accumulators of the whole block (`AMX_PANELS × n_tok × 2` floats) kept
+/// between slices. Each (row, token) sees its superblocks in order through
+/// the same float steps as the other kernels: the result is theirs bit for
+/// bit.
+fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+    use qgemm_amx::{ACT_SB, A_SB, SIDE_SB, TILE};
+    use qgemm_lanes::Q4_K_BYTES;
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nb = n_in / w.dtype.block_len();
+    let sb_bytes = w.dtype.block_bytes();
+    let nt = pool.n_threads();
+    let n_tt = n_tok.div_ceil(TILE);
+    let tile_bytes = nb * ACT_SB;
+    // the packed token tiles  (n_tt, nb, ACT_SB)
+    let mut packed = Aligned::new(n_tt * tile_bytes);
+    let p = SharedMut::new(packed.get_mut());
+    pool.run(|i| {
+        let (t0, t1) = split(n_tt, i, nt);
+        for tt in t0..t1 {
+            // SAFETY: token tile tt belongs to this thread only.
+            let dst = unsafe { p.slice(tt * tile_bytes, tile_bytes) };
+            qgemm_amx::pack_acts(act, ab, n_tok, nb, tt, dst);
+        }
+    });
+    let packed = packed.get();
+    let kb = AMX_SLICE.min(nb);
+    let block_rows = AMX_PANELS * TILE;
+    let blocks = Chunks::new(n_out.div_ceil(block_rows));
+    let mins = w.dtype != DType::Q6K;
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|_| {
+        let _tiles = qgemm_amx::TileScope::new();
+        // a block's expanded slice  (AMX_PANELS, kb, A_SB) and its side data
+        let mut a = Aligned::new(AMX_PANELS * kb * A_SB);
+        let mut side = Aligned::new(AMX_PANELS * kb * SIDE_SB);
+        // the block's accumulators  (AMX_PANELS, n_tt, 16 rows, 16 tokens)
+        let mut acc = vec![0f32; AMX_PANELS * n_tt * TILE * TILE];
+        let mut acc_m = vec![0f32; acc.len()];
+        // a panel's slice of rows gathered from Q4_K×8  (TILE, kb superblocks)
+        let mut gathered = vec![
+            0u8;
+            if w.x8.is_some() {
+                TILE * kb * Q4_K_BYTES
+            } else {
+                0
+            }
+        ];
+        while let Some(blk) = blocks.next() {
+            let r0 = blk * block_rows;
+            let r1 = (r0 + block_rows).min(n_out);
+            let n_p = (r1 - r0).div_ceil(TILE);
+            acc.fill(0.0);
+            acc_m.fill(0.0);
+            for s0 in (0..nb).step_by(kb) {
+                let k = kb.min(nb - s0);
+                for pn in 0..n_p {
+                    // panel pn: rows r0 + 16·pn .. (the last row repeated)
+                    let pick = |j: usize| (r0 + pn * TILE + j).min(r1 - 1);
+                    let rows: [&[u8]; TILE] = match &w.x8 {
+                        Some(x8) => {
+                            let len = k * Q4_K_BYTES;
+                            for (j, row) in gathered.chunks_exact_mut(len).enumerate() {
+                                let r = pick(j);
+                                let groups =
+                                    &x8.block(r / qgemm_lanes::ROWS)[s0 * q4k_x8::GROUP_BYTES..];
+                                q4k_x8::unpack_row(groups, k, r % qgemm_lanes::ROWS, row);
+                            }
+                            std::array::from_fn(|j| &gathered[j * len..(j + 1) * len])
+                        }
+                        None => std::array::from_fn(|j| &w.plain_row(pick(j))[s0 * sb_bytes..]),
+                    };
+                    let (a_at, s_at) = (pn * kb * A_SB, pn * kb * SIDE_SB);
+                    qgemm_amx::expand(
+                        w.dtype,
+                        &rows,
+                        k,
+                        &mut a.get_mut()[a_at..a_at + k * A_SB],
+                        &mut side.get_mut()[s_at..s_at + k * SIDE_SB],
+                    );
+                }
+                let mut tt = 0;
+                while tt < n_tt {
+                    let pair = if n_tt - tt >= 2 { 2 } else { 1 };
+                    let b = [
+                        packed[tt * tile_bytes + s0 * ACT_SB..].as_ptr(),
+                        packed[(tt + pair - 1) * tile_bytes + s0 * ACT_SB..].as_ptr(),
+                    ];
+                    for pn in 0..n_p {
+                        let at = (pn * n_tt + tt) * TILE * TILE;
+                        // SAFETY: the level is amx (checked by the caller)
+                        // and this thread's tiles are configured (_tiles);
+                        // the panel's slice holds k expanded superblocks,
+                        // each token tile nb - s0 ≥ k packed ones, and the
+                        // accumulators pair · 256 floats from `at`.
+                        #[cfg(target_arch = "x86_64")]
+                        unsafe {
+                            qgemm_amx::panel(
+                                mins,
+                                k,
+                                a.get()[pn * kb * A_SB..].as_ptr(),
+                                side.get()[pn * kb * SIDE_SB..].as_ptr(),
+                                b,
+                                pair,
+                                acc[at..at + pair * TILE * TILE].as_mut_ptr(),
+                                acc_m[at..at + pair * TILE * TILE].as_mut_ptr(),
+                            )
+                        };
+                    }
+                    tt += pair;
+                }
+            }
+            // the results: acc + acc_m, token-major
+            for pn in 0..n_p {
+                let rp = r0 + pn * TILE;
+                let n_r = TILE.min(r1 - rp);
+                for tt in 0..n_tt {
+                    let base = (pn * n_tt + tt) * TILE * TILE;
+                    for j in 0..TILE.min(n_tok - tt * TILE) {
+                        let t = tt * TILE + j;
+                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
+                        let dst = unsafe { o.slice(t * n_out + rp, n_r) };
+                        for (r, d) in dst.iter_mut().enumerate() {
+                            let at = base + TILE * r + j;
+                            *d = acc[at] + acc_m[at];
+                        }
+                    }
                 }
             }
         }

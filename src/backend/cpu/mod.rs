@@ -42,6 +42,7 @@ pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
 pub mod q4k_x8;
+pub mod qgemm_amx;
 #[cfg(target_arch = "x86_64")]
 mod qgemm_k_decode;
 pub mod qgemm_lanes;

@@ -149,7 +149,7 @@ pub fn kernel_for(level: Level) -> Option<KernelFn> {
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => Some(x86::projected_l1_avx2),
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Vnni => Some(x86::projected_l1_avx512),
+        Level::Avx512 | Level::Avx512Vnni | Level::Amx => Some(x86::projected_l1_avx512),
         #[allow(unreachable_patterns)]
         _ => None,
     }

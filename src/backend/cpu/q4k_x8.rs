@@ -194,9 +194,9 @@ pub fn decode_scalar(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
 
 /// The AVX-512 VNNI kernel where this CPU runs it at kernel level `level`.
 pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
-    use super::isa::{detected, Level};
+    use super::isa::detected;
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512Vnni && level <= detected() {
+    if level.vnni() && level <= detected() {
         return Some(decode);
     }
     let _ = (level, detected);

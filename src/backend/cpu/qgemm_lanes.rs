@@ -223,7 +223,7 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
         return None;
     }
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512Vnni {
+    if level.vnni() {
         match dtype {
             DType::Q4K => return Some(lanes::<N, Q4k, true>),
             DType::Q5K => return Some(lanes::<N, Q5k, true>),
@@ -999,8 +999,8 @@ pub type PackedFn = fn(usize, &[u8], &[&[u8]; TOKS]) -> [[f32; TOKS]; ROWS];
 /// The packing prefill pair for `dtype` at SIMD level `level`: only at
 /// avx512vnni (where it runs), `None` elsewhere.
 pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<(PackFn, PackedFn)> {
-    use super::isa::{detected, Level};
-    if level != Level::Avx512Vnni || detected() != Level::Avx512Vnni {
+    use super::isa::detected;
+    if !level.vnni() || level > detected() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]

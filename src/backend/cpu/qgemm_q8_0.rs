@@ -156,7 +156,7 @@ pub fn tile_for<const W: u8, const N: usize>(level: Level) -> Option<TileFn<N>> 
     #[cfg(target_arch = "x86_64")]
     {
         match level {
-            Level::Avx512Vnni => return Some(tile_simd::<W, N, true>),
+            Level::Avx512Vnni | Level::Amx => return Some(tile_simd::<W, N, true>),
             Level::Avx2 | Level::Avx512 => return Some(tile_simd::<W, N, false>),
             Level::Portable => {}
         }

@@ -132,7 +132,7 @@ pub fn pack_side(nb: usize, rows: &[&[u8]; ROWS], out: &mut [u8]) {
 /// The prefill tile where the CPU runs it (level avx512vnni).
 pub fn tile_for(level: Level) -> Option<TileFn> {
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512Vnni && detected() == Level::Avx512Vnni {
+    if level.vnni() && level <= detected() {
         return Some(tile);
     }
     let _ = level;
@@ -142,7 +142,7 @@ pub fn tile_for(level: Level) -> Option<TileFn> {
 /// The decoding kernel where the CPU runs it (level avx512vnni).
 pub fn decode_for(level: Level) -> Option<DecodeFn> {
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512Vnni && detected() == Level::Avx512Vnni {
+    if level.vnni() && level <= detected() {
         return Some(decode);
     }
     let _ = level;

@@ -82,7 +82,7 @@ pub fn q4_1_tile_for(level: super::isa::Level) -> Option<TileFn> {
         use super::isa::{detected, Level};
         if level <= detected() {
             match level {
-                Level::Avx512Vnni => return Some(tile_q4_1_q8_1_vnni),
+                Level::Avx512Vnni | Level::Amx => return Some(tile_q4_1_q8_1_vnni),
                 Level::Avx2 | Level::Avx512 => return Some(tile_q4_1_q8_1_avx2),
                 Level::Portable => {}
             }

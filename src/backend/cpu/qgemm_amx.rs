@@ -1,0 +1,620 @@
+//! K-quant (Q4_K, Q5_K, Q6_K) × Q8_K prefill on AMX-INT8 tiles: 16 weight
+//! rows × 16 tokens per tile product, for CPUs with Intel AMX (Sapphire
+//! Rapids and later), the `amx` kernel level.
+//!
+//! # Idea
+//! A `tdpbusd` multiplies a 16 × 64 tile of unsigned bytes by a 64 × 16
+//! tile of signed bytes into 16 × 16 exact i32 sums: 16384 multiply-adds
+//! per instruction, against 64 for an AVX-512 `vpdpbusd`. What a K-quant
+//! needs between the bytes and the sums is its sub-block scale (one per 32
+//! or 16 weights), which no tile op applies. Here it is applied *before*
+//! the product, in the weights: the expanded weight `w = (q − o) · sc`
+//! (`q` the unsigned quant, `o` 32 for Q6_K and 0 otherwise, `sc` its
+//! sub-block scale) is an exact 16-bit integer (|w| ≤ 31·63 = 1953 for
+//! Q5_K, ≤ 32·128 = 4096 for Q6_K), split into its low byte (unsigned)
+//! and its high byte (signed, `w >> 8`). Two tile products per 64 weights,
+//! `tdpbusd` on the low bytes and `tdpbssd` on the high ones, give a
+//! superblock's whole scaled sum `isum = lo + 256·hi` with no per-sub-block
+//! work at all. The low sum is at most 256·255·128 < 2³¹, so both are
+//! exact, and `isum` is *the same integer* as the one `qgemm_lanes`'s
+//! arithmetic forms (its module doc: `Σ_j sc16[j]·Σ q·y`, with Q6_K's
+//! `−32·Σ sc16·bsum` folded in, which is `Σ (q − 32)·sc·y`). The mins of
+//! Q4_K and Q5_K (`Σ_s min[s]·(bsum[2s] + bsum[2s+1])`) are four
+//! `vpdpwssd` per row against the token tile's block sums, also exact.
+//! Each superblock then ends in the same float steps, `fma(dy·d, isum,
+//! acc)` and `fma(−dy·dmin, msum, acc_m)`, in the same order, so the
+//! result equals every other K-quant kernel's bit for bit (and a prompt's
+//! logits still do not depend on the kernel level or on its chunking).
+//!
+//! # Layouts
+//! - Expanded weights ([`expand`]), per panel of 16 rows and superblock:
+//!   [`A_SB`] bytes, for each 64-weight chunk `c` the low-byte tile at
+//!   `2048·c` and the high-byte tile at `2048·c + 1024` (row r at `64·r`,
+//!   its 64 weights in order); then, apart, [`SIDE_SB`] bytes of side data:
+//!   `d` (16 f32), `dmin` (16 f32), and the mins as pairs, `(min[2p],
+//!   min[2p + 1])` in i16 for p < 4, 16 rows each.
+//! - Packed activations ([`pack_acts`]), per tile of 16 tokens and
+//!   superblock: [`ACT_SB`] bytes, for each chunk the 64 × 16 tile in the
+//!   AMX B layout (row k holds bytes 4k..4k + 4 of the chunk for tokens 0..16
+//!   in turn), then the 16 tokens' `d` (f32) and the pairs of their 32-value
+//!   block sums `(s[2p], s[2p + 1])` (i16) for p < 4. Tokens past the end are
+//!   zeros.
+//!
+//! # Parameters
+//! Tiles of 16 × 64 bytes throughout (palette 1); the driver
+//! (`matmul::matmul_k_amx`) runs two token tiles against each panel so
+//! that a weight tile loaded serves 32 tokens.
+//!
+//! AMX's register state must be granted to the process by the Linux kernel
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): [`enable`] asks once, and the level
+//! is `amx` only where that succeeded.
+
+use super::qgemm_lanes::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
+use crate::tensor::DType;
+
+/// Rows of a panel, tokens of a token tile.
+pub const TILE: usize = 16;
+/// Bytes of one panel's expanded superblock (4 chunks × 2 tiles of 1 KiB).
+pub const A_SB: usize = 8 * 1024;
+/// Bytes of one panel's side data per superblock.
+pub const SIDE_SB: usize = 64 + 64 + 4 * 64;
+/// Bytes of one token tile's packed superblock.
+pub const ACT_SB: usize = 4 * 1024 + 64 + 4 * 64;
+const ACT_D: usize = 4096;
+const ACT_BS: usize = 4096 + 64;
+const SIDE_DMIN: usize = 64;
+const SIDE_MP: usize = 128;
+
+/// Whether this process may run AMX-INT8 tiles: the CPU has AMX-TILE and
+/// AMX-INT8, the OS saves their state (XCR0 bits 17 and 18), and the Linux
+/// kernel granted this process the tile data state. Asks at most once;
+/// `KVRUN_CPU` caps the level on top of this.
+pub fn enable() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(ask)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn ask() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count, _xgetbv};
+    // SAFETY: cpuid is present on every x86_64 CPU; xgetbv is only run
+    // once cpuid says the OS enabled XSAVE (OSXSAVE, leaf 1 ECX bit 27).
+    unsafe {
+        if __cpuid(0).eax < 7 {
+            return false;
+        }
+        let l7 = __cpuid_count(7, 0);
+        let (tile, int8) = (l7.edx >> 24 & 1 == 1, l7.edx >> 25 & 1 == 1);
+        if !(tile && int8) || __cpuid(1).ecx >> 27 & 1 == 0 {
+            return false;
+        }
+        if _xgetbv(0) >> 17 & 3 != 3 {
+            return false;
+        }
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM only changes which
+    // extended register states this process may use; it reads and writes
+    // no memory of ours.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn ask() -> bool {
+    false
+}
+
+/// The K-quant types this module runs.
+pub fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K)
+}
+
+/// Expands `kb` superblocks of a panel's 16 rows (`x[r]` points at the
+/// first of them, in GGUF's layout) into `a` (`kb · A_SB`) and `side`
+/// (`kb · SIDE_SB`), both 64-byte aligned. Panics on short or unaligned
+/// buffers, rows that do not hold `kb` superblocks, or a type without
+/// an AMX kernel.
+pub fn expand(dtype: DType, x: &[&[u8]; TILE], kb: usize, a: &mut [u8], side: &mut [u8]) {
+    assert!(supports(dtype), "amx: no kernel for {dtype}");
+    assert!(
+        super::isa::detected() >= super::isa::Level::Amx,
+        "amx: not available"
+    );
+    let bytes = sb_bytes(dtype);
+    assert!(
+        x.iter().all(|r| r.len() >= kb * bytes),
+        "amx expand: short rows"
+    );
+    assert!(
+        a.len() >= kb * A_SB && side.len() >= kb * SIDE_SB,
+        "amx expand: short buffers"
+    );
+    assert!(
+        a.as_ptr().align_offset(64) == 0 && side.as_ptr().align_offset(64) == 0,
+        "amx expand: unaligned buffers"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level check above means AVX-512 F/BW/VL; the lengths
+    // and alignment checked above bound every access.
+    unsafe {
+        let p: [*const u8; TILE] = std::array::from_fn(|r| x[r].as_ptr());
+        x86::expand_impl(dtype, &p, kb, a.as_mut_ptr(), side.as_mut_ptr())
+    }
+}
+
+/// Bytes of one superblock of `dtype`.
+fn sb_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4K => Q4_K_BYTES,
+        DType::Q5K => Q5_K_BYTES,
+        _ => Q6_K_BYTES,
+    }
+}
+
+/// Packs token tile `tt` (tokens `16·tt ..`, of `n_tok` rows of `nb` Q8_K
+/// blocks each, `ab` bytes apart in `act`) into `out` (`nb · ACT_SB`).
+pub fn pack_acts(act: &[u8], ab: usize, n_tok: usize, nb: usize, tt: usize, out: &mut [u8]) {
+    assert!(out.len() >= nb * ACT_SB, "amx pack: short buffer");
+    assert!(
+        ab >= nb * Q8_K_BYTES && act.len() >= n_tok * ab,
+        "amx pack: short activations"
+    );
+    out[..nb * ACT_SB].fill(0);
+    for n in 0..TILE {
+        let t = TILE * tt + n;
+        if t >= n_tok {
+            break;
+        }
+        let row = &act[t * ab..t * ab + nb * Q8_K_BYTES];
+        for (b, y) in row.chunks_exact(Q8_K_BYTES).enumerate() {
+            let o = &mut out[b * ACT_SB..(b + 1) * ACT_SB];
+            for c in 0..4 {
+                for k in 0..16 {
+                    let at = 4 + 64 * c + 4 * k;
+                    let to = 1024 * c + 64 * k + 4 * n;
+                    o[to..to + 4].copy_from_slice(&y[at..at + 4]);
+                }
+            }
+            o[ACT_D + 4 * n..ACT_D + 4 * n + 4].copy_from_slice(&y[..4]);
+            let bsum = |j: usize| i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]]);
+            for s in 0..8 {
+                // a 32-value sum: |Σ| ≤ 32·128, an exact i16
+                let v = bsum(2 * s) + bsum(2 * s + 1);
+                let to = ACT_BS + 64 * (s / 2) + 4 * n + 2 * (s % 2);
+                o[to..to + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// The tile product of one panel against one or two token tiles over `kb`
+/// superblocks, added into the float accumulators: `acc` and `acc_m`
+/// hold `(token tile, row, token)` = `n_tt × 16 × 16` floats each.
+/// `a`, `side`: the panel's expanded superblocks ([`expand`]); `b[k]`: the
+/// packed superblocks of token tile k ([`pack_acts`]), `n_tt` (1 or 2) of
+/// them. The caller must have configured the tiles ([`TileScope`]).
+///
+/// # Safety
+/// The level is `amx` (tiles configured by a live [`TileScope`] on this
+/// thread); `a` holds `kb · A_SB` bytes, `side` `kb · SIDE_SB`, each
+/// `b[k]` `kb · ACT_SB`, `acc`/`acc_m` `n_tt · 256` floats.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn panel(
+    mins: bool,
+    kb: usize,
+    a: *const u8,
+    side: *const u8,
+    b: [*const u8; 2],
+    n_tt: usize,
+    acc: *mut f32,
+    acc_m: *mut f32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match (mins, n_tt) {
+            (true, 2) => x86::panel_impl::<true, true>(kb, a, side, b, acc, acc_m),
+            (true, _) => x86::panel_impl::<true, false>(kb, a, side, b, acc, acc_m),
+            (false, 2) => x86::panel_impl::<false, true>(kb, a, side, b, acc, acc_m),
+            (false, _) => x86::panel_impl::<false, false>(kb, a, side, b, acc, acc_m),
+        }
+    }
+}
+
+/// The tile configuration of this module (8 tiles of 16 rows × 64 bytes)
+/// loaded on the current thread for the scope's life; released on drop.
+#[derive(Debug)]
+pub struct TileScope(());
+
+impl TileScope {
+    /// Configure the tiles. Panics unless the process runs at the `amx`
+    /// level or above what the CPU has (checked at kernel choice).
+    pub fn new() -> TileScope {
+        assert!(enable(), "amx: tiles not available");
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[repr(C, align(64))]
+            struct Cfg([u8; 64]);
+            let mut cfg = Cfg([0; 64]);
+            cfg.0[0] = 1; // palette 1
+            for t in 0..8 {
+                cfg.0[16 + 2 * t] = 64; // bytes per row
+                cfg.0[48 + t] = 16; // rows
+            }
+            // SAFETY: AMX is enabled for this process (checked above); the
+            // 64-byte configuration is valid for palette 1.
+            unsafe {
+                std::arch::asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly))
+            };
+        }
+        TileScope(())
+    }
+}
+
+impl Default for TileScope {
+    fn default() -> Self {
+        TileScope::new()
+    }
+}
+
+impl Drop for TileScope {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a TileScope only exists where AMX is enabled.
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem))
+        };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX-512 F/BW/VL; `x[r]` hold `kb` superblocks of `dtype`, `a` and
+    /// `side` `kb · A_SB` and `kb · SIDE_SB` bytes, 64-byte aligned.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn expand_impl(
+        dtype: DType,
+        x: &[*const u8; TILE],
+        kb: usize,
+        a: *mut u8,
+        side: *mut u8,
+    ) {
+        let bytes = sb_bytes(dtype);
+        // SAFETY (every access): b < kb, r < 16, c < 4; the contract.
+        unsafe {
+            for b in 0..kb {
+                let ab = a.add(b * A_SB);
+                let sb = side.add(b * SIDE_SB);
+                for (r, &xr) in x.iter().enumerate() {
+                    let x = xr.add(b * bytes);
+                    let (d, dmin, w) = match dtype {
+                        DType::Q4K => q4k(x),
+                        DType::Q5K => q5k(x),
+                        _ => q6k(x),
+                    };
+                    sb.cast::<f32>().add(r).write(d);
+                    sb.add(SIDE_DMIN).cast::<f32>().add(r).write(dmin.0);
+                    for p in 0..4 {
+                        sb.add(SIDE_MP + 64 * p)
+                            .cast::<u32>()
+                            .add(r)
+                            .write(dmin.1[p]);
+                    }
+                    for (c, (wa, wb)) in w.into_iter().enumerate() {
+                        let lo = ab.add(2048 * c + 64 * r);
+                        let hi = lo.add(1024);
+                        // low bytes (unsigned) and high bytes (w >> 8, signed)
+                        _mm256_store_si256(lo.cast(), _mm512_cvtepi16_epi8(wa));
+                        _mm256_store_si256(lo.add(32).cast(), _mm512_cvtepi16_epi8(wb));
+                        _mm256_store_si256(
+                            hi.cast(),
+                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(wa, 8)),
+                        );
+                        _mm256_store_si256(
+                            hi.add(32).cast(),
+                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(wb, 8)),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A superblock's `d`, (`dmin`, its min pairs) and its 4 chunks of
+    /// expanded weights, two halves of 32 (i16) each.
+    type Expanded = (f32, (f32, [u32; 4]), [(__m512i, __m512i); 4]);
+
+    #[inline(always)]
+    unsafe fn f16(x: *const u8) -> f32 {
+        // SAFETY: x points to 2 readable bytes (callers).
+        half::f16::from_le_bytes(unsafe { [*x, *x.add(1)] }).to_f32()
+    }
+
+    /// Scales and mins of a Q4_K / Q5_K superblock: `(sc[8], min pairs)`.
+    #[inline(always)]
+    unsafe fn scales_mins(x: *const u8) -> ([u8; 8], [u32; 4]) {
+        // SAFETY: x + 4 holds the 12 packed scale bytes (callers).
+        let u = unsafe { super::super::qgemm_lanes::unpack16(x.add(4)) };
+        let b: [u8; 16] = std::array::from_fn(|i| (u[i / 4] >> (8 * (i % 4))) as u8);
+        let sc = std::array::from_fn(|i| b[i]);
+        let mp = std::array::from_fn(|p| b[8 + 2 * p] as u32 | (b[9 + 2 * p] as u32) << 16);
+        (sc, mp)
+    }
+
+    /// `q · sc` of 32 unsigned quants (bytes of `q`) in i16.
+    #[inline(always)]
+    unsafe fn times(q: __m256i, sc: __m512i) -> __m512i {
+        // SAFETY: register-only AVX-512 BW ops (the callers' features).
+        unsafe { _mm512_mullo_epi16(_mm512_cvtepu8_epi16(q), sc) }
+    }
+
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    unsafe fn q4k(x: *const u8) -> Expanded {
+        // SAFETY: x holds a Q4_K superblock (callers).
+        unsafe {
+            let (sc, mp) = scales_mins(x);
+            let m4 = _mm256_set1_epi8(0x0f);
+            let w = std::array::from_fn(|c| {
+                let v = _mm256_loadu_si256(x.add(16 + 32 * c).cast());
+                let lo = _mm256_and_si256(v, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                (
+                    times(lo, _mm512_set1_epi16(sc[2 * c] as i16)),
+                    times(hi, _mm512_set1_epi16(sc[2 * c + 1] as i16)),
+                )
+            });
+            (f16(x), (f16(x.add(2)), mp), w)
+        }
+    }
+
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    unsafe fn q5k(x: *const u8) -> Expanded {
+        // SAFETY: x holds a Q5_K superblock (callers).
+        unsafe {
+            let (sc, mp) = scales_mins(x);
+            let m4 = _mm256_set1_epi8(0x0f);
+            let one = _mm256_set1_epi8(1);
+            let qh = _mm256_loadu_si256(x.add(16).cast());
+            // bit `s` of every byte of qh, as 16
+            let bit = |s: i32| {
+                let v = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(s));
+                _mm256_slli_epi16(_mm256_and_si256(v, one), 4)
+            };
+            let w = std::array::from_fn(|c| {
+                let v = _mm256_loadu_si256(x.add(48 + 32 * c).cast());
+                let lo = _mm256_or_si256(_mm256_and_si256(v, m4), bit(2 * c as i32));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                    bit(2 * c as i32 + 1),
+                );
+                (
+                    times(lo, _mm512_set1_epi16(sc[2 * c] as i16)),
+                    times(hi, _mm512_set1_epi16(sc[2 * c + 1] as i16)),
+                )
+            });
+            (f16(x), (f16(x.add(2)), mp), w)
+        }
+    }
+
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    unsafe fn q6k(x: *const u8) -> Expanded {
+        // SAFETY: x holds a Q6_K superblock (callers).
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0f);
+            let m3 = _mm256_set1_epi8(0x03);
+            let sc = |i: usize| *x.add(192 + i) as i8 as i16;
+            let off = _mm512_set1_epi16(32);
+            // scales of weights 0..16 and 16..32 of a half
+            let pair = |i: usize| {
+                _mm512_mask_blend_epi16(
+                    0xffff_0000,
+                    _mm512_set1_epi16(sc(i)),
+                    _mm512_set1_epi16(sc(i + 1)),
+                )
+            };
+            let w = std::array::from_fn(|c| {
+                let (n, high) = (c / 2, c % 2 == 1);
+                let l1 = _mm256_loadu_si256(x.add(64 * n).cast());
+                let l2 = _mm256_loadu_si256(x.add(64 * n + 32).cast());
+                let h = _mm256_loadu_si256(x.add(128 + 32 * n).cast());
+                let (l1, l2, ha, hb) = if high {
+                    (
+                        _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(h, 4), m3),
+                        _mm256_and_si256(_mm256_srli_epi16(h, 6), m3),
+                    )
+                } else {
+                    (
+                        _mm256_and_si256(l1, m4),
+                        _mm256_and_si256(l2, m4),
+                        _mm256_and_si256(h, m3),
+                        _mm256_and_si256(_mm256_srli_epi16(h, 2), m3),
+                    )
+                };
+                let qa = _mm256_or_si256(l1, _mm256_slli_epi16(ha, 4));
+                let qb = _mm256_or_si256(l2, _mm256_slli_epi16(hb, 4));
+                let wide = |q: __m256i| _mm512_sub_epi16(_mm512_cvtepu8_epi16(q), off);
+                (
+                    _mm512_mullo_epi16(wide(qa), pair(4 * c)),
+                    _mm512_mullo_epi16(wide(qb), pair(4 * c + 2)),
+                )
+            });
+            (f16(x.add(208)), (0.0, [0; 4]), w)
+        }
+    }
+
+    /// See [`super::panel`].
+    ///
+    /// # Safety
+    /// [`super::panel`]'s contract; `TWO` means `b[1]` is used too.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn panel_impl<const MINS: bool, const TWO: bool>(
+        kb: usize,
+        a: *const u8,
+        side: *const u8,
+        b: [*const u8; 2],
+        acc: *mut f32,
+        acc_m: *mut f32,
+    ) {
+        #[repr(C, align(64))]
+        struct Scratch([u8; 4096]);
+        let mut scr = Scratch([0; 4096]);
+        let o = scr.0.as_mut_ptr();
+        let n_tt = if TWO { 2 } else { 1 };
+        // SAFETY (every access): sb < kb, r < 16, k < n_tt; the contract.
+        unsafe {
+            for sb in 0..kb {
+                let a = a.add(sb * A_SB);
+                let s = side.add(sb * SIDE_SB);
+                let b0 = b[0].add(sb * ACT_SB);
+                let b1 = if TWO { b[1].add(sb * ACT_SB) } else { b0 };
+                tiles::<TWO>(a, b0, b1, o);
+                for k in 0..n_tt {
+                    let bk = if k == 0 { b0 } else { b1 };
+                    let dy = _mm512_loadu_ps(bk.add(ACT_D).cast());
+                    let ndy = _mm512_sub_ps(_mm512_setzero_ps(), dy);
+                    let bs: [__m512i; 4] =
+                        std::array::from_fn(|p| _mm512_loadu_si512(bk.add(ACT_BS + 64 * p).cast()));
+                    let c = o.add(2048 * k);
+                    for r in 0..TILE {
+                        let lo = _mm512_load_si512(c.add(64 * r).cast());
+                        let hi = _mm512_load_si512(c.add(1024 + 64 * r).cast());
+                        let isum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+                        let at = 256 * k + 16 * r;
+                        let d = _mm512_set1_ps(s.cast::<f32>().add(r).read());
+                        let v = _mm512_fmadd_ps(
+                            _mm512_mul_ps(dy, d),
+                            _mm512_cvtepi32_ps(isum),
+                            _mm512_loadu_ps(acc.add(at)),
+                        );
+                        _mm512_storeu_ps(acc.add(at), v);
+                        if MINS {
+                            let mut msum = _mm512_setzero_si512();
+                            for (p, bs) in bs.iter().enumerate() {
+                                let mp = s.add(SIDE_MP + 64 * p).cast::<i32>().add(r).read();
+                                msum = _mm512_dpwssd_epi32(msum, *bs, _mm512_set1_epi32(mp));
+                            }
+                            let dmin = _mm512_set1_ps(s.add(SIDE_DMIN).cast::<f32>().add(r).read());
+                            let v = _mm512_fmadd_ps(
+                                _mm512_mul_ps(ndy, dmin),
+                                _mm512_cvtepi32_ps(msum),
+                                _mm512_loadu_ps(acc_m.add(at)),
+                            );
+                            _mm512_storeu_ps(acc_m.add(at), v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// One superblock's tile products: the low- and high-byte sums of
+    /// token tile 0 (and 1 when `TWO`) stored at `o` (+0, +1024, and
+    /// +2048, +3072), 16 rows of 16 i32 each.
+    ///
+    /// # Safety
+    /// Tiles configured on this thread ([`TileScope`]); `a` holds
+    /// `A_SB` bytes, `b0`/`b1` 4 KiB of packed chunks, `o` 4 KiB.
+    #[inline(always)]
+    unsafe fn tiles<const TWO: bool>(a: *const u8, b0: *const u8, b1: *const u8, o: *mut u8) {
+        // SAFETY: the contract; the tile loads and stores stay inside the
+        // buffers above (16 rows of 64 bytes, stride 64).
+        unsafe {
+            if TWO {
+                std::arch::asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    "tileloadd tmm4, [{a} + {s}*1]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 1024]",
+                    "tileloadd tmm6, [{b0} + {s}*1]",
+                    "tileloadd tmm7, [{b1} + {s}*1]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tdpbusd tmm2, tmm4, tmm7",
+                    "tdpbssd tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{a} + {s}*1 + 2048]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 3072]",
+                    "tileloadd tmm6, [{b0} + {s}*1 + 1024]",
+                    "tileloadd tmm7, [{b1} + {s}*1 + 1024]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tdpbusd tmm2, tmm4, tmm7",
+                    "tdpbssd tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{a} + {s}*1 + 4096]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 5120]",
+                    "tileloadd tmm6, [{b0} + {s}*1 + 2048]",
+                    "tileloadd tmm7, [{b1} + {s}*1 + 2048]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tdpbusd tmm2, tmm4, tmm7",
+                    "tdpbssd tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{a} + {s}*1 + 6144]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 7168]",
+                    "tileloadd tmm6, [{b0} + {s}*1 + 3072]",
+                    "tileloadd tmm7, [{b1} + {s}*1 + 3072]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tdpbusd tmm2, tmm4, tmm7",
+                    "tdpbssd tmm3, tmm5, tmm7",
+                    "tilestored [{o} + {s}*1], tmm0",
+                    "tilestored [{o} + {s}*1 + 1024], tmm1",
+                    "tilestored [{o} + {s}*1 + 2048], tmm2",
+                    "tilestored [{o} + {s}*1 + 3072], tmm3",
+                    a = in(reg) a,
+                    b0 = in(reg) b0,
+                    b1 = in(reg) b1,
+                    o = in(reg) o,
+                    s = in(reg) 64usize,
+                    options(nostack),
+                );
+            } else {
+                let _ = b1;
+                std::arch::asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tileloadd tmm4, [{a} + {s}*1]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 1024]",
+                    "tileloadd tmm6, [{b0} + {s}*1]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tileloadd tmm4, [{a} + {s}*1 + 2048]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 3072]",
+                    "tileloadd tmm6, [{b0} + {s}*1 + 1024]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tileloadd tmm4, [{a} + {s}*1 + 4096]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 5120]",
+                    "tileloadd tmm6, [{b0} + {s}*1 + 2048]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tileloadd tmm4, [{a} + {s}*1 + 6144]",
+                    "tileloadd tmm5, [{a} + {s}*1 + 7168]",
+                    "tileloadd tmm6, [{b0} + {s}*1 + 3072]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                    "tilestored [{o} + {s}*1], tmm0",
+                    "tilestored [{o} + {s}*1 + 1024], tmm1",
+                    a = in(reg) a,
+                    b0 = in(reg) b0,
+                    o = in(reg) o,
+                    s = in(reg) 64usize,
+                    options(nostack),
+                );
+            }
+        }
+    }
+}
