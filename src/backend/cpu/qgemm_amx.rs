@@ -228,33 +228,61 @@ pub unsafe fn panel(
     }
 }
 
+/// A tile configuration: palette 1 (or 0, tiles unused), 64 bytes.
+#[repr(C, align(64))]
+struct Cfg([u8; 64]);
+
 /// The tile configuration of this module (8 tiles of 16 rows × 64 bytes)
-/// loaded on the current thread for the scope's life; released on drop.
+/// loaded on the current thread for the scope's life. On drop the
+/// thread's previous configuration comes back (or the tiles are released
+/// if it had none): ggml's AMX kernels, which run in the same process when
+/// llama.cpp is loaded (`kvrun bench`), configure a thread once and expect
+/// their configuration to stay; releasing it under them faulted
+/// (`Illegal instruction` in `kvrun bench --interleave`).
 #[derive(Debug)]
-pub struct TileScope(());
+pub struct TileScope {
+    /// The configuration found at entry; palette 0 when there was none.
+    prev: [u8; 64],
+    /// Tile state belongs to a thread: a scope must end where it began.
+    _thread: std::marker::PhantomData<*const ()>,
+}
 
 impl TileScope {
-    /// Configure the tiles. Panics unless the process runs at the `amx`
-    /// level or above what the CPU has (checked at kernel choice).
+    /// Configure the tiles. Panics unless AMX is enabled for this process.
     pub fn new() -> TileScope {
         assert!(enable(), "amx: tiles not available");
         #[cfg(target_arch = "x86_64")]
         {
-            #[repr(C, align(64))]
-            struct Cfg([u8; 64]);
+            let mut prev = Cfg([0; 64]);
             let mut cfg = Cfg([0; 64]);
             cfg.0[0] = 1; // palette 1
             for t in 0..8 {
                 cfg.0[16 + 2 * t] = 64; // bytes per row
                 cfg.0[48 + t] = 16; // rows
             }
-            // SAFETY: AMX is enabled for this process (checked above); the
-            // 64-byte configuration is valid for palette 1.
+            // SAFETY: AMX is enabled for this process (checked above);
+            // sttilecfg writes 64 bytes (all zeros when the tiles are not
+            // configured) and the configuration loaded is valid for
+            // palette 1.
             unsafe {
-                std::arch::asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly))
+                std::arch::asm!(
+                    "sttilecfg [{p}]",
+                    "ldtilecfg [{c}]",
+                    p = in(reg) prev.0.as_mut_ptr(),
+                    c = in(reg) cfg.0.as_ptr(),
+                    options(nostack)
+                )
             };
+            TileScope {
+                prev: prev.0,
+                _thread: std::marker::PhantomData,
+            }
         }
-        TileScope(())
+        #[cfg(not(target_arch = "x86_64"))]
+        TileScope {
+            prev: [0; 64],
+            _thread: std::marker::PhantomData,
+        }
     }
 }
 
@@ -267,10 +295,19 @@ impl Default for TileScope {
 impl Drop for TileScope {
     fn drop(&mut self) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a TileScope only exists where AMX is enabled.
-        unsafe {
-            std::arch::asm!("tilerelease", options(nostack, nomem))
-        };
+        {
+            let prev = Cfg(self.prev);
+            // SAFETY: a TileScope only exists where AMX is enabled; `prev`
+            // is what sttilecfg stored on this thread (a scope is not Send),
+            // valid to load back.
+            unsafe {
+                if prev.0[0] == 0 {
+                    std::arch::asm!("tilerelease", options(nostack, nomem))
+                } else {
+                    std::arch::asm!("ldtilecfg [{0}]", in(reg) prev.0.as_ptr(), options(nostack, readonly))
+                }
+            };
+        }
     }
 }
 
