@@ -677,6 +677,8 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q8_0, 70, 96, 2),
         (DType::Q8_0, 13, 64, 3),
         (DType::Q8_0, 130, 128, 17),
+        // the AMX Q8_0 prefill: an odd block count, a ragged panel
+        (DType::Q8_0, 70, 1056, 37),
         (DType::Q4_0, 18, 64, 7),
         (DType::Q4_0, 37, 640, 5),
         (DType::Q4_0, 9, 96, 1),

@@ -304,6 +304,9 @@ pub fn matmul_q_at(
     // Q8_0 with VNNI: tokens in the lanes (prefill) and its own decoding,
     // one arithmetic for every token count
     if w.dtype == DType::Q8_0 {
+        if n_tok >= 2 && level >= Level::Amx && level <= isa::detected() {
+            return matmul_q8_0_amx(pool, w, act, n_tok, out);
+        }
         if let (Some(tile), Some(one)) = (
             qgemm_q8_0_vnni::tile_for(level),
             qgemm_q8_0_vnni::decode_for(level),
@@ -670,6 +673,99 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
                         for (r, d) in dst.iter_mut().enumerate() {
                             let at = base + TILE * r + j;
                             *d = acc[at] + acc_m[at];
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Q8_0 × Q8_0 (`n_tok` ≥ 2) on AMX tiles ([`qgemm_amx::panel_q8_0`]):
+/// the token tiles (16 tokens) are packed once (threads split them); the
+/// threads take blocks of [`AMX_PANELS`] panels of 16 rows as they come
+/// free and run every token tile past each panel, whose rows the tiles
+/// load in place from the matrix (a ragged last panel from a copy, its
+/// last row repeated). Bit for bit the VNNI kernels' arithmetic.
+fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+    use qgemm_amx::{ACT8_BLK, Q8_0_BYTES, TILE};
+    let (n_in, n_out) = (w.n_in, w.n_out);
+    assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    let ab = w.act_bytes();
+    let act = &act[..n_tok * ab];
+    let nb = n_in / w.dtype.block_len();
+    let rb = w.dtype.row_bytes(n_in);
+    let nt = pool.n_threads();
+    let n_tt = n_tok.div_ceil(TILE);
+    let tile_bytes = nb * ACT8_BLK;
+    let mut packed = Aligned::new(n_tt * tile_bytes);
+    let p = SharedMut::new(packed.get_mut());
+    pool.run(|i| {
+        let (t0, t1) = split(n_tt, i, nt);
+        for tt in t0..t1 {
+            // SAFETY: token tile tt belongs to this thread only.
+            let dst = unsafe { p.slice(tt * tile_bytes, tile_bytes) };
+            qgemm_amx::pack_acts_q8_0(act, ab, n_tok, nb, tt, dst);
+        }
+    });
+    let packed = packed.get();
+    let block_rows = AMX_PANELS * TILE;
+    let blocks = Chunks::new(n_out.div_ceil(block_rows));
+    let o = SharedMut::new(&mut out[..n_tok * n_out]);
+    pool.run(|_| {
+        let _tiles = qgemm_amx::TileScope::q8_0();
+        // the block's row scales  (AMX_PANELS, nb, 16) as f32
+        let mut dx = vec![0f32; AMX_PANELS * nb * TILE];
+        // a ragged last panel's rows, the last one repeated  (16, rb)
+        let mut tail = Vec::new();
+        while let Some(blk) = blocks.next() {
+            let r0 = blk * block_rows;
+            let r1 = (r0 + block_rows).min(n_out);
+            let n_p = (r1 - r0).div_ceil(TILE);
+            let whole = (r1 - r0) / TILE;
+            if whole < n_p {
+                tail.clear();
+                for j in 0..TILE {
+                    tail.extend_from_slice(w.plain_row((r0 + whole * TILE + j).min(r1 - 1)));
+                }
+            }
+            for pn in 0..n_p {
+                for j in 0..TILE {
+                    let row = w.plain_row((r0 + pn * TILE + j).min(r1 - 1));
+                    for b in 0..nb {
+                        let at = b * Q8_0_BYTES;
+                        dx[(pn * nb + b) * TILE + j] =
+                            half::f16::from_le_bytes([row[at], row[at + 1]]).to_f32();
+                    }
+                }
+            }
+            for tt in 0..n_tt {
+                let b = &packed[tt * tile_bytes..(tt + 1) * tile_bytes];
+                let n_t = TILE.min(n_tok - tt * TILE);
+                for pn in 0..n_p {
+                    let rp = r0 + pn * TILE;
+                    let rows = if pn < whole {
+                        &w.bytes[rp * rb..(rp + TILE) * rb]
+                    } else {
+                        &tail[..]
+                    };
+                    let dxp = &dx[pn * nb * TILE..(pn + 1) * nb * TILE];
+                    // SAFETY: the level is amx (checked by the caller) and
+                    // this thread's tiles are configured for Q8_0 (_tiles);
+                    // `rows` holds 16 rows of nb blocks, `dxp` 16·nb
+                    // scales, `b` nb packed blocks.
+                    #[cfg(target_arch = "x86_64")]
+                    let res = unsafe {
+                        qgemm_amx::panel_q8_0(nb, rows.as_ptr(), rb, dxp.as_ptr(), b.as_ptr())
+                    };
+                    #[cfg(not(target_arch = "x86_64"))]
+                    let res = [[0f32; TILE]; TILE];
+                    let n_r = TILE.min(r1 - rp);
+                    for j in 0..n_t {
+                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
+                        let dst = unsafe { o.slice((tt * TILE + j) * n_out + rp, n_r) };
+                        for (r, d) in dst.iter_mut().enumerate() {
+                            *d = res[r][j];
                         }
                     }
                 }

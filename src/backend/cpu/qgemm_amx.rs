@@ -228,6 +228,62 @@ pub unsafe fn panel(
     }
 }
 
+/// Bytes of a Q8_0 block (`d` f16, 32 i8).
+pub const Q8_0_BYTES: usize = 34;
+/// Bytes of one token tile's packed Q8_0 block: the 8 × 64-byte B tile
+/// (row k: bytes 4k..4k + 4 of tokens 0..16), then the 16 tokens' `d` (f32).
+pub const ACT8_BLK: usize = 512 + 64;
+
+/// Packs token tile `tt` of `n_tok` Q8_0 rows (`nb` blocks, `ab` bytes
+/// apart in `act`) into `out` (`nb · ACT8_BLK`); tokens past the end are
+/// zeros.
+pub fn pack_acts_q8_0(act: &[u8], ab: usize, n_tok: usize, nb: usize, tt: usize, out: &mut [u8]) {
+    assert!(out.len() >= nb * ACT8_BLK, "amx pack: short buffer");
+    assert!(
+        ab >= nb * Q8_0_BYTES && act.len() >= n_tok * ab,
+        "amx pack: short activations"
+    );
+    out[..nb * ACT8_BLK].fill(0);
+    for n in 0..TILE {
+        let t = TILE * tt + n;
+        if t >= n_tok {
+            break;
+        }
+        let row = &act[t * ab..t * ab + nb * Q8_0_BYTES];
+        for (b, y) in row.chunks_exact(Q8_0_BYTES).enumerate() {
+            let o = &mut out[b * ACT8_BLK..(b + 1) * ACT8_BLK];
+            for k in 0..8 {
+                o[64 * k + 4 * n..64 * k + 4 * n + 4].copy_from_slice(&y[2 + 4 * k..6 + 4 * k]);
+            }
+            let d = half::f16::from_le_bytes([y[0], y[1]]).to_f32();
+            o[512 + 4 * n..516 + 4 * n].copy_from_slice(&d.to_le_bytes());
+        }
+    }
+}
+
+/// One panel of 16 Q8_0 rows (row r at `w + r·rb`, GGUF's layout) against
+/// one packed token tile over `nb` blocks: `out[r][t]` is the sum over the
+/// blocks, in order, of `fma(dx·dy, isum, acc)` — `qgemm_q8_0_vnni`'s
+/// arithmetic (its `dot_scalar`), bit for bit. `dx[b·16 + r]` holds row
+/// r's scale of block b as f32. The caller must have configured the tiles
+/// with [`TileScope::q8_0`].
+///
+/// # Safety
+/// The level is `amx` and this thread's tiles are configured by a live
+/// `TileScope::q8_0`; the 16 rows hold `nb` blocks each, `dx` `16 · nb`
+/// floats, `b` `nb · ACT8_BLK` bytes.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn panel_q8_0(
+    nb: usize,
+    w: *const u8,
+    rb: usize,
+    dx: *const f32,
+    b: *const u8,
+) -> [[f32; TILE]; TILE] {
+    // SAFETY: the caller's contract.
+    unsafe { x86::panel_q8_0_impl(nb, w, rb, dx, b) }
+}
+
 /// A tile configuration: palette 1 (or 0, tiles unused), 64 bytes.
 #[repr(C, align(64))]
 struct Cfg([u8; 64]);
@@ -248,17 +304,39 @@ pub struct TileScope {
 }
 
 impl TileScope {
-    /// Configure the tiles. Panics unless AMX is enabled for this process.
+    /// Configure the tiles for the K-quant kernel ([`panel`]). Panics
+    /// unless AMX is enabled for this process.
     pub fn new() -> TileScope {
+        TileScope::with([(16, 64); 8])
+    }
+
+    /// Configure the tiles for the Q8_0 kernel ([`panel_q8_0`]): tmm0, 1
+    /// the sums (16 × 64 bytes), tmm2, 3 weight blocks (16 rows × 32
+    /// bytes), tmm4, 5 token blocks (8 × 64 bytes).
+    pub fn q8_0() -> TileScope {
+        TileScope::with([
+            (16, 64),
+            (16, 64),
+            (16, 32),
+            (16, 32),
+            (8, 64),
+            (8, 64),
+            (16, 64),
+            (16, 64),
+        ])
+    }
+
+    /// (rows, bytes per row) of tiles 0..8, palette 1.
+    fn with(shape: [(u8, u16); 8]) -> TileScope {
         assert!(enable(), "amx: tiles not available");
         #[cfg(target_arch = "x86_64")]
         {
             let mut prev = Cfg([0; 64]);
             let mut cfg = Cfg([0; 64]);
             cfg.0[0] = 1; // palette 1
-            for t in 0..8 {
-                cfg.0[16 + 2 * t] = 64; // bytes per row
-                cfg.0[48 + t] = 16; // rows
+            for (t, (rows, bytes)) in shape.into_iter().enumerate() {
+                cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&bytes.to_le_bytes());
+                cfg.0[48 + t] = rows;
             }
             // SAFETY: AMX is enabled for this process (checked above);
             // sttilecfg writes 64 bytes (all zeros when the tiles are not
@@ -278,6 +356,8 @@ impl TileScope {
                 _thread: std::marker::PhantomData,
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = shape;
         #[cfg(not(target_arch = "x86_64"))]
         TileScope {
             prev: [0; 64],
@@ -652,6 +732,87 @@ mod x86 {
                     options(nostack),
                 );
             }
+        }
+    }
+
+    /// See [`super::panel_q8_0`].
+    ///
+    /// # Safety
+    /// [`super::panel_q8_0`]'s contract.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn panel_q8_0_impl(
+        nb: usize,
+        w: *const u8,
+        rb: usize,
+        dx: *const f32,
+        b: *const u8,
+    ) -> [[f32; TILE]; TILE] {
+        #[repr(C, align(64))]
+        struct Scratch([u8; 2048]);
+        let mut scr = Scratch([0; 2048]);
+        let o = scr.0.as_mut_ptr();
+        let mut acc = [_mm512_setzero_ps(); TILE];
+        // SAFETY (every access): blocks < nb, rows < 16; the contract.
+        unsafe {
+            let mut blk = 0;
+            while blk < nb {
+                let two = nb - blk >= 2;
+                // the quants of block blk (and blk + 1) of the 16 rows
+                let a = w.add(blk * Q8_0_BYTES + 2);
+                let bt = b.add(blk * ACT8_BLK);
+                if two {
+                    std::arch::asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tileloadd tmm2, [{a} + {rb}*1]",
+                        "tileloadd tmm3, [{a} + {rb}*1 + 34]",
+                        "tileloadd tmm4, [{b} + {s}*1]",
+                        "tileloadd tmm5, [{b} + {s}*1 + 576]",
+                        "tdpbssd tmm0, tmm2, tmm4",
+                        "tdpbssd tmm1, tmm3, tmm5",
+                        "tilestored [{o} + {s}*1], tmm0",
+                        "tilestored [{o} + {s}*1 + 1024], tmm1",
+                        a = in(reg) a,
+                        rb = in(reg) rb,
+                        b = in(reg) bt,
+                        o = in(reg) o,
+                        s = in(reg) 64usize,
+                        options(nostack),
+                    );
+                } else {
+                    std::arch::asm!(
+                        "tilezero tmm0",
+                        "tileloadd tmm2, [{a} + {rb}*1]",
+                        "tileloadd tmm4, [{b} + {s}*1]",
+                        "tdpbssd tmm0, tmm2, tmm4",
+                        "tilestored [{o} + {s}*1], tmm0",
+                        a = in(reg) a,
+                        rb = in(reg) rb,
+                        b = in(reg) bt,
+                        o = in(reg) o,
+                        s = in(reg) 64usize,
+                        options(nostack),
+                    );
+                }
+                for j in 0..if two { 2 } else { 1 } {
+                    let dy = _mm512_loadu_ps(bt.add(j * ACT8_BLK + 512).cast());
+                    let dxb = dx.add((blk + j) * TILE);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let isum = _mm512_load_si512(o.add(1024 * j + 64 * r).cast());
+                        *acc = _mm512_fmadd_ps(
+                            _mm512_mul_ps(_mm512_set1_ps(dxb.add(r).read()), dy),
+                            _mm512_cvtepi32_ps(isum),
+                            *acc,
+                        );
+                    }
+                }
+                blk += if two { 2 } else { 1 };
+            }
+            let mut out = [[0f32; TILE]; TILE];
+            for (r, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out[r].as_mut_ptr(), *acc);
+            }
+            out
         }
     }
 }
