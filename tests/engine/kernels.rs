@@ -645,6 +645,8 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q4_1, 192, 576, 13),
         (DType::Q4_1, 4, 32, 4),
         (DType::Q4_1, 37, 96, 5),
+        (DType::Q4_1, 37, 96, 1),
+        (DType::Q4_1, 64, 576, 1),
         (DType::Q4K, 18, 256, 7),
         (DType::Q4K, 37, 768, 5),
         (DType::Q4K, 5, 512, 1),

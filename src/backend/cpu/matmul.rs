@@ -279,6 +279,11 @@ pub fn matmul_q_at(
         // a level without kernels for the layout (a test asking for it)
         return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
     }
+    if n_tok == 1 && w.dtype == DType::Q4_1 {
+        if let Some(one) = qgemm_x86::q4_1_decode_for(level) {
+            return matvec_k(pool, w, act, out, one);
+        }
+    }
     if n_tok >= NT && w.dtype == DType::Q4_1 {
         if let Some(tile) = qgemm_x86::q4_1_tile_for(level) {
             return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
@@ -540,6 +545,27 @@ impl Aligned {
     }
 }
 
+/// `n_tt` token tiles of `tile_bytes` each, packed by `pack(tt, dst)` into
+/// one 64-byte aligned buffer, the threads splitting the tiles.
+fn pack_token_tiles(
+    pool: &ThreadPool,
+    n_tt: usize,
+    tile_bytes: usize,
+    pack: impl Fn(usize, &mut [u8]) + Sync,
+) -> Aligned {
+    let nt = pool.n_threads();
+    let mut packed = Aligned::new(n_tt * tile_bytes);
+    let p = SharedMut::new(packed.get_mut());
+    pool.run(|i| {
+        let (t0, t1) = split(n_tt, i, nt);
+        for tt in t0..t1 {
+            // SAFETY: token tile tt belongs to this thread only.
+            pack(tt, unsafe { p.slice(tt * tile_bytes, tile_bytes) });
+        }
+    });
+    packed
+}
+
 /// K-quant × Q8_K (`n_tok` ≥ 2) on AMX tiles ([`qgemm_amx`]): the token
 /// tiles (16 tokens) are packed once (threads split them); the threads
 /// take blocks of [`AMX_PANELS`] panels of 16 rows as they come free and
@@ -559,19 +585,11 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
     let act = &act[..n_tok * ab];
     let nb = n_in / w.dtype.block_len();
     let sb_bytes = w.dtype.block_bytes();
-    let nt = pool.n_threads();
     let n_tt = n_tok.div_ceil(TILE);
     let tile_bytes = nb * ACT_SB;
     // the packed token tiles  (n_tt, nb, ACT_SB)
-    let mut packed = Aligned::new(n_tt * tile_bytes);
-    let p = SharedMut::new(packed.get_mut());
-    pool.run(|i| {
-        let (t0, t1) = split(n_tt, i, nt);
-        for tt in t0..t1 {
-            // SAFETY: token tile tt belongs to this thread only.
-            let dst = unsafe { p.slice(tt * tile_bytes, tile_bytes) };
-            qgemm_amx::pack_acts(act, ab, n_tok, nb, tt, dst);
-        }
+    let packed = pack_token_tiles(pool, n_tt, tile_bytes, |tt, dst| {
+        qgemm_amx::pack_acts(act, ab, n_tok, nb, tt, dst)
     });
     let packed = packed.get();
     let kb = AMX_SLICE.min(nb);
@@ -695,18 +713,11 @@ fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, ou
     let act = &act[..n_tok * ab];
     let nb = n_in / w.dtype.block_len();
     let rb = w.dtype.row_bytes(n_in);
-    let nt = pool.n_threads();
     let n_tt = n_tok.div_ceil(TILE);
     let tile_bytes = nb * ACT8_BLK;
-    let mut packed = Aligned::new(n_tt * tile_bytes);
-    let p = SharedMut::new(packed.get_mut());
-    pool.run(|i| {
-        let (t0, t1) = split(n_tt, i, nt);
-        for tt in t0..t1 {
-            // SAFETY: token tile tt belongs to this thread only.
-            let dst = unsafe { p.slice(tt * tile_bytes, tile_bytes) };
-            qgemm_amx::pack_acts_q8_0(act, ab, n_tok, nb, tt, dst);
-        }
+    // the packed token tiles  (n_tt, nb, ACT8_BLK)
+    let packed = pack_token_tiles(pool, n_tt, tile_bytes, |tt, dst| {
+        qgemm_amx::pack_acts_q8_0(act, ab, n_tok, nb, tt, dst)
     });
     let packed = packed.get();
     let block_rows = AMX_PANELS * TILE;

@@ -161,35 +161,50 @@ fn sb_bytes(dtype: DType) -> usize {
 /// Packs token tile `tt` (tokens `16·tt ..`, of `n_tok` rows of `nb` Q8_K
 /// blocks each, `ab` bytes apart in `act`) into `out` (`nb · ACT_SB`).
 pub fn pack_acts(act: &[u8], ab: usize, n_tok: usize, nb: usize, tt: usize, out: &mut [u8]) {
-    assert!(out.len() >= nb * ACT_SB, "amx pack: short buffer");
+    let shape = (nb, Q8_K_BYTES, ACT_SB);
+    for_blocks(act, ab, n_tok, tt, shape, out, |n, y, o| {
+        for c in 0..4 {
+            for k in 0..16 {
+                let at = 4 + 64 * c + 4 * k;
+                let to = 1024 * c + 64 * k + 4 * n;
+                o[to..to + 4].copy_from_slice(&y[at..at + 4]);
+            }
+        }
+        o[ACT_D + 4 * n..ACT_D + 4 * n + 4].copy_from_slice(&y[..4]);
+        let bsum = |j: usize| i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]]);
+        for s in 0..8 {
+            // a 32-value sum: |Σ| ≤ 32·128, an exact i16
+            let v = bsum(2 * s) + bsum(2 * s + 1);
+            let to = ACT_BS + 64 * (s / 2) + 4 * n + 2 * (s % 2);
+            o[to..to + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    });
+}
+
+/// Token tile `tt`'s packing: `out` (`nb` blocks of `blk_out` bytes) is
+/// zeroed, then `f(n, y, o)` runs for every token `n` < 16 of the tile
+/// that exists (of `n_tok` rows, `ab` bytes apart in `act`) and every
+/// block: `y` the token's block (`blk_in` bytes), `o` the packed block.
+fn for_blocks(
+    act: &[u8],
+    ab: usize,
+    n_tok: usize,
+    tt: usize,
+    (nb, blk_in, blk_out): (usize, usize, usize),
+    out: &mut [u8],
+    f: impl Fn(usize, &[u8], &mut [u8]),
+) {
+    assert!(out.len() >= nb * blk_out, "amx pack: short buffer");
     assert!(
-        ab >= nb * Q8_K_BYTES && act.len() >= n_tok * ab,
+        ab >= nb * blk_in && act.len() >= n_tok * ab,
         "amx pack: short activations"
     );
-    out[..nb * ACT_SB].fill(0);
-    for n in 0..TILE {
+    out[..nb * blk_out].fill(0);
+    for n in 0..TILE.min(n_tok.saturating_sub(TILE * tt)) {
         let t = TILE * tt + n;
-        if t >= n_tok {
-            break;
-        }
-        let row = &act[t * ab..t * ab + nb * Q8_K_BYTES];
-        for (b, y) in row.chunks_exact(Q8_K_BYTES).enumerate() {
-            let o = &mut out[b * ACT_SB..(b + 1) * ACT_SB];
-            for c in 0..4 {
-                for k in 0..16 {
-                    let at = 4 + 64 * c + 4 * k;
-                    let to = 1024 * c + 64 * k + 4 * n;
-                    o[to..to + 4].copy_from_slice(&y[at..at + 4]);
-                }
-            }
-            o[ACT_D + 4 * n..ACT_D + 4 * n + 4].copy_from_slice(&y[..4]);
-            let bsum = |j: usize| i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]]);
-            for s in 0..8 {
-                // a 32-value sum: |Σ| ≤ 32·128, an exact i16
-                let v = bsum(2 * s) + bsum(2 * s + 1);
-                let to = ACT_BS + 64 * (s / 2) + 4 * n + 2 * (s % 2);
-                o[to..to + 2].copy_from_slice(&v.to_le_bytes());
-            }
+        let row = &act[t * ab..t * ab + nb * blk_in];
+        for (y, o) in row.chunks_exact(blk_in).zip(out.chunks_exact_mut(blk_out)) {
+            f(n, y, o);
         }
     }
 }
@@ -238,27 +253,14 @@ pub const ACT8_BLK: usize = 512 + 64;
 /// apart in `act`) into `out` (`nb · ACT8_BLK`); tokens past the end are
 /// zeros.
 pub fn pack_acts_q8_0(act: &[u8], ab: usize, n_tok: usize, nb: usize, tt: usize, out: &mut [u8]) {
-    assert!(out.len() >= nb * ACT8_BLK, "amx pack: short buffer");
-    assert!(
-        ab >= nb * Q8_0_BYTES && act.len() >= n_tok * ab,
-        "amx pack: short activations"
-    );
-    out[..nb * ACT8_BLK].fill(0);
-    for n in 0..TILE {
-        let t = TILE * tt + n;
-        if t >= n_tok {
-            break;
+    let shape = (nb, Q8_0_BYTES, ACT8_BLK);
+    for_blocks(act, ab, n_tok, tt, shape, out, |n, y, o| {
+        for k in 0..8 {
+            o[64 * k + 4 * n..64 * k + 4 * n + 4].copy_from_slice(&y[2 + 4 * k..6 + 4 * k]);
         }
-        let row = &act[t * ab..t * ab + nb * Q8_0_BYTES];
-        for (b, y) in row.chunks_exact(Q8_0_BYTES).enumerate() {
-            let o = &mut out[b * ACT8_BLK..(b + 1) * ACT8_BLK];
-            for k in 0..8 {
-                o[64 * k + 4 * n..64 * k + 4 * n + 4].copy_from_slice(&y[2 + 4 * k..6 + 4 * k]);
-            }
-            let d = half::f16::from_le_bytes([y[0], y[1]]).to_f32();
-            o[512 + 4 * n..516 + 4 * n].copy_from_slice(&d.to_le_bytes());
-        }
-    }
+        let d = half::f16::from_le_bytes([y[0], y[1]]).to_f32();
+        o[512 + 4 * n..516 + 4 * n].copy_from_slice(&d.to_le_bytes());
+    });
 }
 
 /// One panel of 16 Q8_0 rows (row r at `w + r·rb`, GGUF's layout) against

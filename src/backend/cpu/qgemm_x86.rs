@@ -71,6 +71,118 @@ impl TileScales {
 pub type TileFn =
     fn(usize, &[&[u8]; MR], &TileScales, &[&[u8]; NT], &TileScales) -> [[f32; NT]; MR];
 
+/// Weight rows of the Q4_1 decoding kernel.
+pub const DECODE_ROWS: usize = 8;
+
+/// A Q4_1 decoding kernel: `(nb, 8 weight rows, one Q8_1 token) ->
+/// out[r][0]`, [`super::matmul`]'s `matvec_k` shape.
+pub type DecodeFn = fn(usize, &[&[u8]; DECODE_ROWS], &[&[u8]; 1]) -> [[f32; 1]; DECODE_ROWS];
+
+/// The Q4_1 × Q8_1 decoding kernel (one token, 8 rows) at the AVX-512
+/// VNNI levels where this CPU runs them; elsewhere decoding runs ggml's
+/// `vec_dot` row by row, which this equals bit for bit.
+pub fn q4_1_decode_for(level: super::isa::Level) -> Option<DecodeFn> {
+    #[cfg(target_arch = "x86_64")]
+    if level.vnni() && level <= super::isa::detected() {
+        return Some(decode_q4_1_vnni);
+    }
+    let _ = level;
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+fn decode_q4_1_vnni(
+    nb: usize,
+    w: &[&[u8]; DECODE_ROWS],
+    a: &[&[u8]; 1],
+) -> [[f32; 1]; DECODE_ROWS] {
+    assert!(
+        w.iter().all(|r| r.len() >= nb * Q4_1_BYTES) && a[0].len() >= nb * Q8_1_BYTES,
+        "q4_1 decode: short rows"
+    );
+    // SAFETY: handed out (q4_1_decode_for) only where the CPU has AVX-512
+    // F/BW/VL/VNNI, AVX2 and FMA; the lengths checked above bound every load.
+    unsafe { decode_q4_1_impl(nb, w, a[0]) }
+}
+
+/// One token against 8 Q4_1 rows, ggml's `vec_dot` lane for lane: a 512-bit
+/// register holds rows 2k and 2k + 1, each in 8 lanes of 4 adjacent
+/// products (`vpdpbusd`, the same exact lane sums as ggml's `maddubs` +
+/// `madd`), converted and accumulated by `fma(dw·da, xy, acc)` block after
+/// block; the offsets `fma(m, s, summs)` with the 8 rows in lanes; then
+/// ggml's `hsum_float_8` per row and `+ summs`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI, AVX2, FMA; every row holds `nb` Q4_1 blocks and
+/// `y` `nb` Q8_1 blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn decode_q4_1_impl(
+    nb: usize,
+    w: &[&[u8]; DECODE_ROWS],
+    y: &[u8],
+) -> [[f32; 1]; DECODE_ROWS] {
+    use std::arch::x86_64::*;
+    const PAIRS: usize = DECODE_ROWS / 2;
+    // SAFETY (every load): b < nb; the contract.
+    unsafe {
+        let wp: [*const u8; DECODE_ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+        let low = _mm512_set1_epi8(0x0f);
+        let mut acc = [_mm512_setzero_ps(); PAIRS];
+        let mut summs = _mm256_setzero_ps();
+        let f16 = |p: *const u8| {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                p.cast::<u16>().read_unaligned() as i32,
+            )))
+        };
+        for b in 0..nb {
+            let yb = y.as_ptr().add(b * Q8_1_BYTES);
+            let (dy, sy) = (f16(yb), f16(yb.add(2)));
+            let qa = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(4).cast()));
+            let x: [*const u8; DECODE_ROWS] = std::array::from_fn(|r| wp[r].add(b * Q4_1_BYTES));
+            let dx: [f32; DECODE_ROWS] = std::array::from_fn(|r| f16(x[r]));
+            let mx: [f32; DECODE_ROWS] = std::array::from_fn(|r| f16(x[r].add(2)));
+            let mv = _mm256_loadu_ps(mx.as_ptr());
+            summs = _mm256_fmadd_ps(mv, _mm256_set1_ps(sy), summs);
+            for (k, acc) in acc.iter_mut().enumerate() {
+                // rows 2k, 2k + 1: 16 bytes of nibbles each -> low, then high
+                let q = |r: usize| {
+                    let v = _mm_loadu_si128(x[r].add(4).cast());
+                    _mm256_set_m128i(_mm_srli_epi16(v, 4), v)
+                };
+                let qw = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(q(2 * k)), q(2 * k + 1), 1),
+                    low,
+                );
+                let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, qa));
+                let d = _mm512_insertf32x8(
+                    _mm512_castps256_ps512(_mm256_set1_ps(dx[2 * k] * dy)),
+                    _mm256_set1_ps(dx[2 * k + 1] * dy),
+                    1,
+                );
+                *acc = _mm512_fmadd_ps(d, xy, *acc);
+            }
+        }
+        let mut sm = [0f32; DECODE_ROWS];
+        _mm256_storeu_ps(sm.as_mut_ptr(), summs);
+        let mut out = [[0f32; 1]; DECODE_ROWS];
+        for r in 0..DECODE_ROWS {
+            let v = acc[r / 2];
+            let x = if r % 2 == 0 {
+                _mm512_castps512_ps256(v)
+            } else {
+                _mm512_extractf32x8_ps(v, 1)
+            };
+            // ggml's hsum_float_8
+            let mut h = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[r][0] = _mm_cvtss_f32(h) + sm[r];
+        }
+        out
+    }
+}
+
 /// The Q4_1 × Q8_1 tile kernel of SIMD level `level`, if this CPU runs it
 /// (AVX-512 VNNI: `vpdpbusd`; AVX2 and plain AVX-512: `vpmaddubsw` +
 /// `vpmaddwd`, as ggml's AVX2 `vec_dot`). Both produce the same integer
