@@ -90,7 +90,7 @@ fn detect() -> Level {
     if !has!("avx512vnni") {
         return Level::Avx512;
     }
-    if super::qgemm_amx::enable() {
+    if amx_enabled() {
         Level::Amx
     } else {
         Level::Avx512Vnni
@@ -149,4 +149,50 @@ pub fn level() -> Level {
 #[inline]
 pub fn at_least(l: Level) -> bool {
     level() >= l
+}
+
+/// Whether this process may run AMX-INT8 tiles: the CPU has AMX-TILE and
+/// AMX-INT8, the OS saves their state (XCR0 bits 17 and 18), and the Linux
+/// kernel granted this process the tile data state. Asks at most once;
+/// `KVRUN_CPU` caps the level on top of this.
+pub fn amx_enabled() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(ask_amx)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn ask_amx() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count, _xgetbv};
+    // SAFETY: cpuid is present on every x86_64 CPU; xgetbv is only run
+    // once cpuid says the OS enabled XSAVE (OSXSAVE, leaf 1 ECX bit 27).
+    unsafe {
+        if __cpuid(0).eax < 7 {
+            return false;
+        }
+        let l7 = __cpuid_count(7, 0);
+        let (tile, int8) = (l7.edx >> 24 & 1 == 1, l7.edx >> 25 & 1 == 1);
+        if !(tile && int8) || __cpuid(1).ecx >> 27 & 1 == 0 {
+            return false;
+        }
+        if _xgetbv(0) >> 17 & 3 != 3 {
+            return false;
+        }
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM only changes which
+    // extended register states this process may use; it reads and writes
+    // no memory of ours.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn ask_amx() -> bool {
+    false
 }

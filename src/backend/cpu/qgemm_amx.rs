@@ -46,8 +46,8 @@
 //! that a weight tile loaded serves 32 tokens.
 //!
 //! AMX's register state must be granted to the process by the Linux kernel
-//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): [`enable`] asks once, and the level
-//! is `amx` only where that succeeded.
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): `isa::amx_enabled` asks once, and
+//! the level is `amx` only where that succeeded.
 
 use super::qgemm_lanes::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use crate::tensor::DType;
@@ -64,52 +64,6 @@ const ACT_D: usize = 4096;
 const ACT_BS: usize = 4096 + 64;
 const SIDE_DMIN: usize = 64;
 const SIDE_MP: usize = 128;
-
-/// Whether this process may run AMX-INT8 tiles: the CPU has AMX-TILE and
-/// AMX-INT8, the OS saves their state (XCR0 bits 17 and 18), and the Linux
-/// kernel granted this process the tile data state. Asks at most once;
-/// `KVRUN_CPU` caps the level on top of this.
-pub fn enable() -> bool {
-    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(ask)
-}
-
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn ask() -> bool {
-    use std::arch::x86_64::{__cpuid, __cpuid_count, _xgetbv};
-    // SAFETY: cpuid is present on every x86_64 CPU; xgetbv is only run
-    // once cpuid says the OS enabled XSAVE (OSXSAVE, leaf 1 ECX bit 27).
-    unsafe {
-        if __cpuid(0).eax < 7 {
-            return false;
-        }
-        let l7 = __cpuid_count(7, 0);
-        let (tile, int8) = (l7.edx >> 24 & 1 == 1, l7.edx >> 25 & 1 == 1);
-        if !(tile && int8) || __cpuid(1).ecx >> 27 & 1 == 0 {
-            return false;
-        }
-        if _xgetbv(0) >> 17 & 3 != 3 {
-            return false;
-        }
-    }
-    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-    const XFEATURE_XTILEDATA: libc::c_long = 18;
-    // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM only changes which
-    // extended register states this process may use; it reads and writes
-    // no memory of ours.
-    unsafe {
-        libc::syscall(
-            libc::SYS_arch_prctl,
-            ARCH_REQ_XCOMP_PERM,
-            XFEATURE_XTILEDATA,
-        ) == 0
-    }
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn ask() -> bool {
-    false
-}
 
 /// The K-quant types this module runs.
 pub fn supports(dtype: DType) -> bool {
@@ -330,7 +284,7 @@ impl TileScope {
 
     /// (rows, bytes per row) of tiles 0..8, palette 1.
     fn with(shape: [(u8, u16); 8]) -> TileScope {
-        assert!(enable(), "amx: tiles not available");
+        assert!(super::isa::amx_enabled(), "amx: tiles not available");
         #[cfg(target_arch = "x86_64")]
         {
             let mut prev = Cfg([0; 64]);
