@@ -49,7 +49,8 @@
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): `isa::amx_enabled` asks once, and
 //! the level is `amx` only where that succeeded.
 
-use super::qgemm_lanes::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
+use super::qgemm_lanes::Q8_K_BYTES;
+pub use super::qgemm_q8_0_vnni::Q8_0_BYTES;
 use crate::tensor::DType;
 
 /// Rows of a panel, tokens of a token tile.
@@ -81,7 +82,7 @@ pub fn expand(dtype: DType, x: &[&[u8]; TILE], kb: usize, a: &mut [u8], side: &m
         super::isa::detected() >= super::isa::Level::Amx,
         "amx: not available"
     );
-    let bytes = sb_bytes(dtype);
+    let bytes = dtype.block_bytes();
     assert!(
         x.iter().all(|r| r.len() >= kb * bytes),
         "amx expand: short rows"
@@ -100,15 +101,6 @@ pub fn expand(dtype: DType, x: &[&[u8]; TILE], kb: usize, a: &mut [u8], side: &m
     unsafe {
         let p: [*const u8; TILE] = std::array::from_fn(|r| x[r].as_ptr());
         x86::expand_impl(dtype, &p, kb, a.as_mut_ptr(), side.as_mut_ptr())
-    }
-}
-
-/// Bytes of one superblock of `dtype`.
-fn sb_bytes(dtype: DType) -> usize {
-    match dtype {
-        DType::Q4K => Q4_K_BYTES,
-        DType::Q5K => Q5_K_BYTES,
-        _ => Q6_K_BYTES,
     }
 }
 
@@ -197,8 +189,6 @@ pub unsafe fn panel(
     }
 }
 
-/// Bytes of a Q8_0 block (`d` f16, 32 i8).
-pub const Q8_0_BYTES: usize = 34;
 /// Bytes of one token tile's packed Q8_0 block: the 8 × 64-byte B tile
 /// (row k: bytes 4k..4k + 4 of tokens 0..16), then the 16 tokens' `d` (f32).
 pub const ACT8_BLK: usize = 512 + 64;
@@ -363,7 +353,7 @@ mod x86 {
         a: *mut u8,
         side: *mut u8,
     ) {
-        let bytes = sb_bytes(dtype);
+        let bytes = dtype.block_bytes();
         // SAFETY (every access): b < kb, r < 16, c < 4; the contract.
         unsafe {
             for b in 0..kb {
@@ -602,6 +592,45 @@ mod x86 {
     /// `A_SB` bytes, `b0`/`b1` 4 KiB of packed chunks, `o` 4 KiB.
     #[inline(always)]
     unsafe fn tiles<const TWO: bool>(a: *const u8, b0: *const u8, b1: *const u8, o: *mut u8) {
+        // one 64-weight chunk: the chunk's low- and high-byte weight tiles
+        // at `a + $w`, token tile 0's (and 1's) at `b0 + $y` (`b1 + $y`)
+        macro_rules! chunk {
+            (two, $w:literal, $y:literal) => {
+                concat!(
+                    "tileloadd tmm4, [{a} + {s}*1 + ",
+                    $w,
+                    "]\n",
+                    "tileloadd tmm5, [{a} + {s}*1 + ",
+                    $w,
+                    " + 1024]\n",
+                    "tileloadd tmm6, [{b0} + {s}*1 + ",
+                    $y,
+                    "]\n",
+                    "tileloadd tmm7, [{b1} + {s}*1 + ",
+                    $y,
+                    "]\n",
+                    "tdpbusd tmm0, tmm4, tmm6\n",
+                    "tdpbssd tmm1, tmm5, tmm6\n",
+                    "tdpbusd tmm2, tmm4, tmm7\n",
+                    "tdpbssd tmm3, tmm5, tmm7",
+                )
+            };
+            (one, $w:literal, $y:literal) => {
+                concat!(
+                    "tileloadd tmm4, [{a} + {s}*1 + ",
+                    $w,
+                    "]\n",
+                    "tileloadd tmm5, [{a} + {s}*1 + ",
+                    $w,
+                    " + 1024]\n",
+                    "tileloadd tmm6, [{b0} + {s}*1 + ",
+                    $y,
+                    "]\n",
+                    "tdpbusd tmm0, tmm4, tmm6\n",
+                    "tdpbssd tmm1, tmm5, tmm6",
+                )
+            };
+        }
         // SAFETY: the contract; the tile loads and stores stay inside the
         // buffers above (16 rows of 64 bytes, stride 64).
         unsafe {
@@ -611,38 +640,10 @@ mod x86 {
                     "tilezero tmm1",
                     "tilezero tmm2",
                     "tilezero tmm3",
-                    "tileloadd tmm4, [{a} + {s}*1]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 1024]",
-                    "tileloadd tmm6, [{b0} + {s}*1]",
-                    "tileloadd tmm7, [{b1} + {s}*1]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tdpbusd tmm2, tmm4, tmm7",
-                    "tdpbssd tmm3, tmm5, tmm7",
-                    "tileloadd tmm4, [{a} + {s}*1 + 2048]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 3072]",
-                    "tileloadd tmm6, [{b0} + {s}*1 + 1024]",
-                    "tileloadd tmm7, [{b1} + {s}*1 + 1024]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tdpbusd tmm2, tmm4, tmm7",
-                    "tdpbssd tmm3, tmm5, tmm7",
-                    "tileloadd tmm4, [{a} + {s}*1 + 4096]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 5120]",
-                    "tileloadd tmm6, [{b0} + {s}*1 + 2048]",
-                    "tileloadd tmm7, [{b1} + {s}*1 + 2048]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tdpbusd tmm2, tmm4, tmm7",
-                    "tdpbssd tmm3, tmm5, tmm7",
-                    "tileloadd tmm4, [{a} + {s}*1 + 6144]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 7168]",
-                    "tileloadd tmm6, [{b0} + {s}*1 + 3072]",
-                    "tileloadd tmm7, [{b1} + {s}*1 + 3072]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tdpbusd tmm2, tmm4, tmm7",
-                    "tdpbssd tmm3, tmm5, tmm7",
+                    chunk!(two, "0", "0"),
+                    chunk!(two, "2048", "1024"),
+                    chunk!(two, "4096", "2048"),
+                    chunk!(two, "6144", "3072"),
                     "tilestored [{o} + {s}*1], tmm0",
                     "tilestored [{o} + {s}*1 + 1024], tmm1",
                     "tilestored [{o} + {s}*1 + 2048], tmm2",
@@ -659,26 +660,10 @@ mod x86 {
                 std::arch::asm!(
                     "tilezero tmm0",
                     "tilezero tmm1",
-                    "tileloadd tmm4, [{a} + {s}*1]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 1024]",
-                    "tileloadd tmm6, [{b0} + {s}*1]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tileloadd tmm4, [{a} + {s}*1 + 2048]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 3072]",
-                    "tileloadd tmm6, [{b0} + {s}*1 + 1024]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tileloadd tmm4, [{a} + {s}*1 + 4096]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 5120]",
-                    "tileloadd tmm6, [{b0} + {s}*1 + 2048]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
-                    "tileloadd tmm4, [{a} + {s}*1 + 6144]",
-                    "tileloadd tmm5, [{a} + {s}*1 + 7168]",
-                    "tileloadd tmm6, [{b0} + {s}*1 + 3072]",
-                    "tdpbusd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm5, tmm6",
+                    chunk!(one, "0", "0"),
+                    chunk!(one, "2048", "1024"),
+                    chunk!(one, "4096", "2048"),
+                    chunk!(one, "6144", "3072"),
                     "tilestored [{o} + {s}*1], tmm0",
                     "tilestored [{o} + {s}*1 + 1024], tmm1",
                     a = in(reg) a,
