@@ -362,8 +362,8 @@ mod x86 {
                 for (r, &xr) in x.iter().enumerate() {
                     let x = xr.add(b * bytes);
                     let (d, dmin, w) = match dtype {
-                        DType::Q4K => q4k(x),
-                        DType::Q5K => q5k(x),
+                        DType::Q4K => q45k::<false>(x),
+                        DType::Q5K => q45k::<true>(x),
                         _ => q6k(x),
                     };
                     sb.cast::<f32>().add(r).write(d);
@@ -422,40 +422,27 @@ mod x86 {
         unsafe { _mm512_mullo_epi16(_mm512_cvtepu8_epi16(q), sc) }
     }
 
+    /// Q4_K (`Q5` false) or Q5_K: the same nibbles and scales, Q5_K's
+    /// quants 16 bytes later with a fifth bit from `qh`.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
-    unsafe fn q4k(x: *const u8) -> Expanded {
-        // SAFETY: x holds a Q4_K superblock (callers).
-        unsafe {
-            let (sc, mp) = scales_mins(x);
-            let m4 = _mm256_set1_epi8(0x0f);
-            let w = std::array::from_fn(|c| {
-                let v = _mm256_loadu_si256(x.add(16 + 32 * c).cast());
-                let lo = _mm256_and_si256(v, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                (
-                    times(lo, _mm512_set1_epi16(sc[2 * c] as i16)),
-                    times(hi, _mm512_set1_epi16(sc[2 * c + 1] as i16)),
-                )
-            });
-            (f16(x), (f16(x.add(2)), mp), w)
-        }
-    }
-
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
-    unsafe fn q5k(x: *const u8) -> Expanded {
-        // SAFETY: x holds a Q5_K superblock (callers).
+    unsafe fn q45k<const Q5: bool>(x: *const u8) -> Expanded {
+        // SAFETY: x holds a Q4_K (Q5_K) superblock (callers).
         unsafe {
             let (sc, mp) = scales_mins(x);
             let m4 = _mm256_set1_epi8(0x0f);
             let one = _mm256_set1_epi8(1);
             let qh = _mm256_loadu_si256(x.add(16).cast());
-            // bit `s` of every byte of qh, as 16
+            // Q5_K: bit `s` of every byte of qh, as 16
             let bit = |s: i32| {
+                if !Q5 {
+                    return _mm256_setzero_si256();
+                }
                 let v = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(s));
                 _mm256_slli_epi16(_mm256_and_si256(v, one), 4)
             };
+            let qs = if Q5 { 48 } else { 16 };
             let w = std::array::from_fn(|c| {
-                let v = _mm256_loadu_si256(x.add(48 + 32 * c).cast());
+                let v = _mm256_loadu_si256(x.add(qs + 32 * c).cast());
                 let lo = _mm256_or_si256(_mm256_and_si256(v, m4), bit(2 * c as i32));
                 let hi = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
