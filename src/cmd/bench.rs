@@ -149,7 +149,8 @@ struct Row {
 enum Note {
     /// Printed as it is.
     Text(String),
-    /// A CPU model's roofline line: `who` (several models), its own probe.
+    /// A CPU model's roofline line: `who` (several models), the better of
+    /// its own two probes.
     CpuRoofline {
         who: Option<String>,
         probe_gbs: f64,
@@ -168,7 +169,7 @@ impl BenchOut {
     /// The bandwidth the CPU rows are compared with: the fastest probe. A
     /// probe is a second of reading; on a shared VM one of them can catch
     /// a busy second and read half of what the decoding then did (a 130%
-    /// "roofline"), so each model gets its own and the best one counts.
+    /// "roofline"), so each model gets two and the best of all counts.
     fn cpu_gbs(&self) -> Option<f64> {
         self.cpu_probes.iter().copied().reduce(f64::max)
     }
@@ -195,7 +196,7 @@ impl BenchOut {
                     let g = best.unwrap_or(*probe_gbs);
                     let of = if self.cpu_probes.len() > 1 {
                         format!(
-                            " (the best of {} probes, one after each model's runs; this model's read {probe_gbs:.1})",
+                            " (the best of {} probes, before each model loads and after its runs; this model's best {probe_gbs:.1})",
                             self.cpu_probes.len()
                         )
                     } else {
@@ -254,6 +255,21 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
 fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
+    let device = crate::cmd::resolve_device(&a.model, None)?;
+    // a CPU model's bandwidth is probed before it loads and again after its
+    // runs (the machine may be busier at one of them)
+    let mut cpu_probe = None;
+    let mut probe = || {
+        let g = crate::backend::Host::new(n_threads).read_bandwidth();
+        // the probe's buffer is gone: forget its peak, so the run's peak
+        // RSS is the engines' own
+        reset_peak_rss();
+        out.cpu_probes.push(g);
+        cpu_probe = Some(cpu_probe.map_or(g, |p: f64| p.max(g)));
+    };
+    if device == crate::backend::Device::Cpu {
+        probe();
+    }
     let model = load_model_any_device(&a.model)?;
     let w = model.weights();
     let c = &w.config;
@@ -276,7 +292,6 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     }
 
     // kvrun: one session per policy, on the asked device
-    let device = crate::cmd::resolve_device(&a.model, None)?;
     let side = KvrunSide {
         a,
         path: &path,
@@ -325,19 +340,13 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     // table, plus the live KV)
     // (interleaved, llama.cpp's model is resident too: no kvrun-only peak)
     let rss_kvrun = peak_rss_bytes().filter(|_| rival.is_none());
-    // (a CPU model's probe runs after its own runs; the rows are compared
-    // with the best probe of the whole run, see `BenchOut::cpu_gbs`)
-    let cpu_probe = match device {
-        crate::backend::Device::Cuda(_) => None,
-        crate::backend::Device::Cpu => {
-            let g = crate::backend::Host::new(n_threads).read_bandwidth();
-            // the probe's buffer is gone: forget its peak, so the whole
-            // run's peak RSS below is the engines' own
-            reset_peak_rss();
-            out.cpu_probes.push(g);
-            Some(g)
-        }
-    };
+    // the second probe (the rows are compared with the best probe of the
+    // whole run, see `BenchOut::cpu_gbs`); the peak RSS so far is kept
+    // across the reset it makes
+    let run_peak = peak_rss_bytes();
+    if device == crate::backend::Device::Cpu {
+        probe();
+    }
     let weight_bytes = decode_weight_bytes(model.checkpoint());
     let kv_token_bytes = (2 * c.n_cache_layers() * c.kv_dim() * 2) as f64;
 
@@ -435,7 +444,9 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
             b as f64 / (1 << 20) as f64
         )));
     }
-    if let Some(b) = peak_rss_bytes().map(|p| p.max(rss_kvrun.unwrap_or(0))) {
+    if let Some(b) =
+        peak_rss_bytes().map(|p| p.max(rss_kvrun.unwrap_or(0)).max(run_peak.unwrap_or(0)))
+    {
         out.notes.push(Note::Text(format!(
             "peak RSS of the whole run: {:.1} MiB",
             b as f64 / (1 << 20) as f64
