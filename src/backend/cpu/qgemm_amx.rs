@@ -580,9 +580,10 @@ mod x86 {
     #[inline(always)]
     unsafe fn tiles<const TWO: bool>(a: *const u8, b0: *const u8, b1: *const u8, o: *mut u8) {
         // one 64-weight chunk: the chunk's low- and high-byte weight tiles
-        // at `a + $w`, token tile 0's (and 1's) at `b0 + $y` (`b1 + $y`)
-        macro_rules! chunk {
-            (two, $w:literal, $y:literal) => {
+        // at `a + $w`, token tile 0's at `b0 + $y` (both variants), then
+        // token tile 1's at `b1 + $y` (`two`) and the products
+        macro_rules! loads {
+            ($w:literal, $y:literal) => {
                 concat!(
                     "tileloadd tmm4, [{a} + {s}*1 + ",
                     $w,
@@ -593,6 +594,13 @@ mod x86 {
                     "tileloadd tmm6, [{b0} + {s}*1 + ",
                     $y,
                     "]\n",
+                )
+            };
+        }
+        macro_rules! chunk {
+            (two, $w:literal, $y:literal) => {
+                concat!(
+                    loads!($w, $y),
                     "tileloadd tmm7, [{b1} + {s}*1 + ",
                     $y,
                     "]\n",
@@ -604,15 +612,7 @@ mod x86 {
             };
             (one, $w:literal, $y:literal) => {
                 concat!(
-                    "tileloadd tmm4, [{a} + {s}*1 + ",
-                    $w,
-                    "]\n",
-                    "tileloadd tmm5, [{a} + {s}*1 + ",
-                    $w,
-                    " + 1024]\n",
-                    "tileloadd tmm6, [{b0} + {s}*1 + ",
-                    $y,
-                    "]\n",
+                    loads!($w, $y),
                     "tdpbusd tmm0, tmm4, tmm6\n",
                     "tdpbssd tmm1, tmm5, tmm6",
                 )

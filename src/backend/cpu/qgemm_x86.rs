@@ -118,8 +118,9 @@ fn decode_q4_1_vnni(
 /// streams of 20-byte blocks, which the hardware prefetcher does not keep
 /// ahead of: each block prefetches the same block of the rows two calls
 /// on into L2, as the K-quant decoding kernels do. On a 2-core Zen 4 VM
-/// that took SmolLM2-135M's decoding from 130 to 217 t/s (`kvrun bench
-/// --no-llama -t 2 -r 3 -p 0 -n 128`; one call ahead 216, four 224).
+/// that took SmolLM2-135M's decoding from 130 t/s (distance 0: the block
+/// being read) to 218 (`kvrun bench --no-llama -t 2 -r 3 -p 0 -n 128`;
+/// one call ahead 216, four 224).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA; every row holds `nb` Q4_1 blocks and
