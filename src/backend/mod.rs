@@ -36,8 +36,11 @@ use std::borrow::Cow;
 pub type Host = cpu::Cpu;
 /// Loads weights for the host backend without starting it.
 pub type HostLoader = cpu::Loader;
-/// The host loader.
-pub const HOST_LOADER: HostLoader = cpu::Loader;
+/// The host loader: matrices it does not repack are read in place from
+/// the file's map (see [`cpu::WeightPages`]).
+pub const HOST_LOADER: HostLoader = cpu::Loader {
+    pages: cpu::WeightPages::Mapped,
+};
 
 /// Most query heads sharing one KV head that the attention kernels handle.
 pub const MAX_GROUP: usize = 16;

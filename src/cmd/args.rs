@@ -46,9 +46,53 @@ pub struct ModelArgs {
     /// Read the chat template (Jinja source) from a file.
     #[arg(long = "chat-template-file")]
     pub chat_template_file: Option<PathBuf>,
+    /// Where the CPU reads the weight matrices it does not repack: on (as
+    /// llama.cpp) in place from the file's memory map, so loading is quick
+    /// and the pages are the page cache's, shared with other processes
+    /// mapping the file; off copies them at load into 2 MiB pages, which
+    /// decoding streams a little faster (0-4% measured, for about 0.7 s of
+    /// load per GB). `kvrun bench` takes a list (--mmap 0,1) and measures
+    /// each in turn. A GPU run reads the map to upload it.
+    #[arg(long = "mmap", default_value = "on", value_name = "on|off")]
+    pub mmap: String,
 }
 
 impl ModelArgs {
+    /// `--mmap` as a list of settings (true: read in place from the map).
+    pub fn mmap_list(&self) -> Result<Vec<bool>> {
+        self.mmap
+            .split(',')
+            .map(|v| match v.trim() {
+                "on" | "1" | "true" => Ok(true),
+                "off" | "0" | "false" => Ok(false),
+                o => Err(Error::arg(
+                    "--mmap",
+                    format!("'{o}' is not on, off, 1 or 0"),
+                )),
+            })
+            .collect()
+    }
+
+    /// How the host takes the weights for `device`: `--mmap` (one
+    /// setting) on the CPU; read from the map for a GPU, which uploads
+    /// them and never decodes from the host's copy.
+    pub fn loader(&self, device: crate::backend::Device) -> Result<crate::backend::HostLoader> {
+        use crate::backend::cpu::WeightPages;
+        let list = self.mmap_list()?;
+        let [mapped] = list[..] else {
+            return Err(Error::arg(
+                "--mmap",
+                "takes one setting here (a list is for `kvrun bench`)",
+            ));
+        };
+        let pages = if mapped || device != crate::backend::Device::Cpu {
+            WeightPages::Mapped
+        } else {
+            WeightPages::Huge
+        };
+        Ok(crate::backend::cpu::Loader { pages })
+    }
+
     /// `--reasoning` as a template's `enable_thinking`.
     pub fn enable_thinking(&self) -> Option<bool> {
         match self.reasoning.as_str() {

@@ -223,6 +223,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         resolve_model(m)?;
     }
     let policies: Vec<&str> = a.kv.policy.split(',').map(str::trim).collect();
+    let mmaps = a.model.mmap_list()?;
     let mut out = BenchOut::default();
     for m in &models {
         let mut one = a.clone();
@@ -244,11 +245,21 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     }
     println!(
         "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} | read/token | roofline |",
-        policies[0]
+        policies[0].to_owned() + &mmap_label(&mmaps, 0)
     );
     println!("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |");
     out.print();
     Ok(())
+}
+
+/// What tells the `--mmap` settings apart in an engine's name: nothing
+/// when there is one.
+fn mmap_label(mmaps: &[bool], i: usize) -> String {
+    if mmaps.len() > 1 {
+        format!(" mmap={}", mmaps[i] as u8)
+    } else {
+        String::new()
+    }
 }
 
 /// Bench one model (`a.model.model`), appending its rows and notes.
@@ -256,6 +267,13 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     let device = crate::cmd::resolve_device(&a.model, None)?;
+    let mmaps = a.model.mmap_list()?;
+    if mmaps.len() > 1 && device != crate::backend::Device::Cpu {
+        return Err(Error::arg(
+            "--mmap",
+            "a list of settings is for CPU runs (a GPU reads the map once to upload it)",
+        ));
+    }
     // a CPU model's bandwidth is probed before it loads and again after its
     // runs (the machine may be busier at one of them)
     let mut cpu_probe = None;
@@ -270,7 +288,25 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     if device == crate::backend::Device::Cpu {
         probe();
     }
-    let model = load_model_any_device(&a.model)?;
+    // one model per --mmap setting, all loaded at once (their sessions
+    // take turns, as the policies do)
+    let loaded: Vec<crate::load::Loaded> = if mmaps.len() > 1 {
+        device.check()?;
+        mmaps
+            .iter()
+            .map(|&on| {
+                let pages = if on {
+                    crate::backend::cpu::WeightPages::Mapped
+                } else {
+                    crate::backend::cpu::WeightPages::Huge
+                };
+                crate::load::Loaded::open_with(&path, &crate::backend::cpu::Loader { pages })
+            })
+            .collect::<Result<_>>()?
+    } else {
+        vec![load_model_any_device(&a.model, device)?]
+    };
+    let model = &loaded[0];
     let w = model.weights();
     let c = &w.config;
     let name = model.name();
@@ -315,7 +351,7 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     let ((ours, kv_lines, kv_peak), device_note, device_gbs) = match device {
         crate::backend::Device::Cpu => (
             side.run(
-                w,
+                &loaded.iter().map(|m| m.weights()).collect::<Vec<_>>(),
                 || Ok(crate::backend::Host::new(n_threads)),
                 rival.as_deref_mut().map(|r| r as &mut dyn Rival),
             )?,
@@ -325,13 +361,13 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
         crate::backend::Device::Cuda(ordinal) => {
             let b = crate::backend::cuda::Cuda::new(ordinal, n_threads)?;
             let t = Instant::now();
-            let wd = crate::cmd::device_weights(&b, &model, &a.kv)?;
+            let wd = crate::cmd::device_weights(&b, model, &a.kv)?;
             let note = format!(
                 "{}: weights uploaded in {:.2} s",
                 b.name(),
                 t.elapsed().as_secs_f64()
             );
-            let m = side.run(&wd, || Ok(b.sibling(n_threads)), None)?;
+            let m = side.run(&[&wd], || Ok(b.sibling(n_threads)), None)?;
             (m, Some(note), Some(b.read_bandwidth()?))
         }
     };
@@ -373,18 +409,22 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
         read_bps,
         device_gbs,
     };
+    // sessions: per --mmap setting, per policy
+    let sessions: Vec<(usize, &str)> = (0..loaded.len())
+        .flat_map(|vi| policies.iter().map(move |p| (vi, *p)))
+        .collect();
     for (i, (t, _)) in tests.iter().enumerate() {
         let first = mean_sd(&ours[i][0]).0;
-        for (pi, p) in policies.iter().enumerate() {
-            let (m, sd) = mean_sd(&ours[i][pi]);
+        for (si, &(vi, p)) in sessions.iter().enumerate() {
+            let (m, sd) = mean_sd(&ours[i][si]);
             let ratio = theirs[i].as_ref().map(|r| m / mean_sd(r).0);
             let engine =
                 if policies.len() == 1 && crate::policy::find(p).is_some_and(|d| !d.budgeted()) {
                     "kvrun".to_owned()
                 } else {
                     format!("kvrun {p}")
-                };
-            let (rb, bps) = roof(t, m, kv_peak[pi]);
+                } + &mmap_label(&mmaps, vi);
+            let (rb, bps) = roof(t, m, kv_peak[si]);
             out.rows.push(row(
                 format!(
                     "| {name} | {size_mib:.2} MiB | {n_threads} | {engine} | {t} | {m:.2} ± {sd:.2} | {} | {:.1}% | {rb}",
@@ -438,9 +478,14 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
             weight_mb: weight_bytes / 1e6,
         });
     }
+    let both = if loaded.len() > 1 {
+        " (every --mmap setting's weights loaded at once)"
+    } else {
+        ""
+    };
     if let Some(b) = rss_kvrun {
         out.notes.push(Note::Text(format!(
-            "peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB",
+            "peak RSS after the kvrun runs (before llama.cpp loads): {:.1} MiB{both}",
             b as f64 / (1 << 20) as f64
         )));
     }
@@ -448,7 +493,7 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
         peak_rss_bytes().map(|p| p.max(rss_kvrun.unwrap_or(0)).max(run_peak.unwrap_or(0)))
     {
         out.notes.push(Note::Text(format!(
-            "peak RSS of the whole run: {:.1} MiB",
+            "peak RSS of the whole run: {:.1} MiB{both}",
             b as f64 / (1 << 20) as f64
         )));
     }
@@ -646,12 +691,13 @@ type Rates = Vec<Vec<Vec<f64>>>;
 type Measured = (Rates, Vec<String>, Vec<f64>);
 
 impl KvrunSide<'_> {
-    /// One session per policy (`--policy a,b,c`), measured interleaved (rep
-    /// by rep) so that machine noise hits them alike; the tokens/s and a
-    /// KV line per policy.
+    /// One session per weights of `ws` (the `--mmap` settings) and policy
+    /// (`--policy a,b,c`), in that order, measured interleaved (rep by rep)
+    /// so that machine noise hits them alike; the tokens/s and a KV line per
+    /// session.
     fn run<'w, B: Backend>(
         &self,
-        w: &'w Weights<'w, B>,
+        ws: &[&'w Weights<'w, B>],
         backend: impl Fn() -> Result<B>,
         mut rival: Option<&mut dyn Rival>,
     ) -> Result<Measured> {
@@ -665,8 +711,12 @@ impl KvrunSide<'_> {
             toks,
         } = *self;
         let n_ctx_ours = n_ctx + a.n_gen * (a.reps + 1);
+        let mmaps = a.model.mmap_list()?;
         let mut sessions = Vec::new();
-        for p in policies {
+        let mut labels = Vec::new();
+        for (vi, p) in (0..ws.len()).flat_map(|vi| policies.iter().map(move |p| (vi, p))) {
+            let w = ws[vi];
+            labels.push((*p, mmap_label(&mmaps, vi)));
             let kv = KvArgs {
                 policy: (*p).to_owned(),
                 // a budget beyond the context holds the context
@@ -733,12 +783,12 @@ impl KvrunSide<'_> {
             }
             ours.push(res);
         }
-        let kv_lines: Vec<String> = policies
+        let kv_lines: Vec<String> = labels
             .iter()
             .zip(&sessions)
-            .map(|(p, sess)| {
+            .map(|((p, setting), sess)| {
                 format!(
-                    "kvrun KV: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
+                    "kvrun KV{setting}: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
                     a.kv.kv_budget
                         .filter(|_| crate::policy::find(p).is_some_and(|d| d.budgeted()))
                         .map(|b| b.to_string())

@@ -100,14 +100,17 @@ pub fn load_model(m: &ModelArgs) -> Result<Loaded> {
             format!("{}: this command runs on the CPU only for now (the one-shot command and `kvrun bench` run on the GPU)", m.device),
         ));
     }
-    Loaded::open(&resolve_model(&m.model)?)
+    let loader = m.loader(crate::backend::Device::Cpu)?;
+    Loaded::open_with(&resolve_model(&m.model)?, &loader)
 }
 
-/// `load_model` for the commands that run on any device: a device this
-/// build or machine cannot use fails before any loading.
-pub fn load_model_any_device(m: &ModelArgs) -> Result<Loaded> {
-    crate::backend::Device::parse(&m.device)?.check()?;
-    Loaded::open(&resolve_model(&m.model)?)
+/// `load_model` for the commands that run on any device (`device`, from
+/// [`resolve_device`]): a device this build or machine cannot use fails
+/// before any loading.
+pub fn load_model_any_device(m: &ModelArgs, device: crate::backend::Device) -> Result<Loaded> {
+    device.check()?;
+    let loader = m.loader(device)?;
+    Loaded::open_with(&resolve_model(&m.model)?, &loader)
 }
 
 /// The device a command computes on: `--device`, or `-ngl N` (llama.cpp's

@@ -75,7 +75,8 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         _ => None,
     };
     let t_load = std::time::Instant::now();
-    let m = load_model_any_device(&a.model)?;
+    let device = crate::cmd::resolve_device(&a.model, a.gpu_layers.as_deref())?;
+    let m = load_model_any_device(&a.model, device)?;
     let (w, tok) = (m.weights(), &m.tokenizer);
     let tmpl = if a.raw {
         None
@@ -106,7 +107,7 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         no_template: tmpl.is_none() && !a.raw,
         load_ms,
     };
-    match crate::cmd::resolve_device(&a.model, a.gpu_layers.as_deref())? {
+    match device {
         Device::Cpu => {
             let sess =
                 a.kv.session(w, seed, &path, n_ctx, n_threads, a.batch_size, ids.len())?;

@@ -62,6 +62,14 @@ impl Drop for Mapped {
     }
 }
 
+/// Whether `bytes` lie inside the live map of a file (not an anonymous
+/// map, not the heap).
+pub fn in_file_map(bytes: &[u8]) -> bool {
+    let (a, n) = (bytes.as_ptr() as usize, bytes.len());
+    let maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+    maps.iter().any(|&(s, len)| a >= s && a + n <= s + len)
+}
+
 /// Drop the whole pages of `bytes` from this process's resident memory
 /// when they belong to the map of a file (a backend that keeps its own
 /// copy of some weights, e.g. repacked, calls this so those weights are

@@ -21,6 +21,7 @@ pub mod safetensors;
 /// written against the old paths.
 pub use crate::format::{gguf, mmap};
 
+use crate::backend::{HostLoader, HOST_LOADER};
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::format::gguf::Gguf;
@@ -77,9 +78,14 @@ impl Checkpoint {
     }
     /// The model's weights (borrowing the maps).
     pub fn weights(&self) -> Result<Weights<'_>> {
+        self.weights_on(&HOST_LOADER)
+    }
+    /// The model's weights, taken by `loader` (which says where the
+    /// matrices are read from).
+    pub fn weights_on(&self, loader: &HostLoader) -> Result<Weights<'_>> {
         match self {
-            Checkpoint::Gguf(g) => Weights::from_gguf(g),
-            Checkpoint::Hf(h) => h.weights(),
+            Checkpoint::Gguf(g) => Weights::from_gguf_on(loader, g),
+            Checkpoint::Hf(h) => h.weights_on(loader),
         }
     }
     /// The tokenizer.
@@ -145,8 +151,13 @@ impl Loaded {
     /// the tokenizer, and fail with one line when the tokenizer has more
     /// tokens than the embedding has rows.
     pub fn open(path: &Path) -> Result<Loaded> {
+        Self::open_with(path, &HOST_LOADER)
+    }
+
+    /// `open`, the weights taken by `loader`.
+    pub fn open_with(path: &Path, loader: &HostLoader) -> Result<Loaded> {
         let ck = Arc::new(Checkpoint::open(path)?);
-        let w: Weights<'_> = ck.weights()?;
+        let w: Weights<'_> = ck.weights_on(loader)?;
         // SAFETY: `w` borrows only from `*ck` (the checkpoint's maps and
         // headers): `Checkpoint::weights` ties its result to `&self` and
         // nothing else. That data lives in the Arc's heap allocation and in

@@ -459,6 +459,11 @@ impl HfCheckpoint {
         self.weights_with(self.config()?)
     }
 
+    /// Load the weights through `loader`.
+    pub fn weights_on(&self, loader: &crate::backend::HostLoader) -> Result<Weights<'_>> {
+        Weights::load_on(loader, self.config()?, &self.source())
+    }
+
     /// Load the weights with an adjusted config (e.g. another RoPE style).
     pub fn weights_with(&self, cfg: Config) -> Result<Weights<'_>> {
         Weights::load(cfg, &self.source())

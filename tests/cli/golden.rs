@@ -284,6 +284,57 @@ fn small_bench(extra: &[&str]) -> (String, String, bool) {
     kvrun(&args)
 }
 
+/// `kvrun bench --mmap 0,1` (llama-bench's flag) loads the model once per
+/// setting and measures both in the same run: a row per setting and test,
+/// the second compared with the first, and a KV line each. Bad settings,
+/// or a list where one run takes one setting, are one-line errors.
+#[test]
+fn bench_measures_each_mmap_setting() {
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--mmap", "0,1"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("| vs full mmap=0 |"), "{out}");
+    for test in ["pp8", "tg4"] {
+        for (setting, vs) in [("mmap=0", Some("100.0%")), ("mmap=1", None)] {
+            let row = out
+                .lines()
+                .find(|l| l.contains(&format!("| kvrun {setting} | {test} |")))
+                .unwrap_or_else(|| panic!("no {setting} {test} row in {out}"));
+            let cell = row.split('|').nth(8).unwrap().trim();
+            match vs {
+                Some(v) => assert_eq!(cell, v, "{row}"),
+                None => assert!(cell.ends_with('%') && cell != "-", "{row}"),
+            }
+        }
+        assert_eq!(out.matches(&format!("| {test} |")).count(), 2, "{out}");
+    }
+    for setting in ["mmap=0", "mmap=1"] {
+        assert!(
+            out.contains(&format!("kvrun KV {setting}: policy full")),
+            "{out}"
+        );
+    }
+    assert!(
+        out.contains("every --mmap setting's weights loaded at once"),
+        "{out}"
+    );
+    for bad in [
+        &["bench", "--mmap", "maybe", "-p", "8", "-n", "0"][..],
+        &["-p", "hi", "-n", "1", "--mmap", "0,1"][..],
+    ] {
+        let (_, err, ok) = kvrun(bad);
+        assert!(!ok, "{bad:?}");
+        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
+        assert!(err.contains("--mmap"), "{bad:?}: {err}");
+    }
+    // one setting: the usual table, no label
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--mmap", "off"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("| kvrun | tg4 |") && !out.contains("mmap="),
+        "{out}"
+    );
+}
+
 /// `kvrun bench --interleave` measures llama.cpp repetition by repetition
 /// beside kvrun: both engines get a row per test with their own number of
 /// repetitions behind it, the table says the run was interleaved, and no

@@ -1369,7 +1369,7 @@ fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
     let dt = DType::Q4K;
     let mut r = Rng::new(3);
     let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
-    let loader = kvrun::backend::cpu::Loader;
+    let loader = kvrun::backend::HOST_LOADER;
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
     let want = kvrun::backend::cpu::q4k_x8::decode_for(level).is_some();
@@ -1394,6 +1394,62 @@ fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
         .matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb]))
         .unwrap();
     assert!(!odd.is_repacked());
+}
+
+/// A matrix read in place from a file's map is copied into huge pages
+/// when the loader asks (`WeightPages::Huge`, `--mmap off`): the same rows,
+/// no longer borrowed, the map's pages released (a re-read faults the same
+/// bytes back); `Mapped` leaves it in place, and a matrix in anonymous or
+/// heap memory is never copied (nothing would back its released pages).
+#[test]
+fn cpu_loader_copies_mapped_matrices_into_huge_pages_when_asked() {
+    use kvrun::backend::cpu::{Loader, WeightPages};
+    use kvrun::backend::WeightSink;
+    type Sink = dyn WeightSink<kvrun::backend::cpu::Cpu>;
+    let mut r = Rng::new(5);
+    // the Q8_0 matrix spans several 2 MiB parts of the copy
+    for (dt, n_out) in [(DType::Q8_0, 2048), (DType::Q6K, 16), (DType::Q4K, 16)] {
+        let n_in = 1024;
+        let (w, _) = quant_problem(dt, &mut r, n_out, n_in, 1);
+        let path = std::env::temp_dir().join(format!("kvrun-huge-{}-{dt}.bin", std::process::id()));
+        // an odd offset, so the matrix starts and ends mid-page
+        let mut file = vec![7u8; 4099];
+        file.extend_from_slice(&w);
+        file.extend_from_slice(&[9u8; 333]);
+        std::fs::write(&path, &file).unwrap();
+        let map = kvrun::format::mmap::Mapped::open(&path).unwrap();
+        let bytes = &map.bytes()[4099..4099 + w.len()];
+        let huge: &Sink = &Loader {
+            pages: WeightPages::Huge,
+        };
+        let mapped: &Sink = &Loader {
+            pages: WeightPages::Mapped,
+        };
+        let h = huge
+            .matrix(dt, n_in, n_out, std::borrow::Cow::Borrowed(bytes))
+            .unwrap();
+        let m = mapped
+            .matrix(dt, n_in, n_out, std::borrow::Cow::Borrowed(bytes))
+            .unwrap();
+        // Q4_K is repacked (a copy already) where the level has Q4_K×8
+        assert_eq!(m.is_borrowed(), !m.is_repacked(), "{dt}");
+        assert!(!h.is_borrowed(), "{dt}");
+        let rb = dt.row_bytes(n_in);
+        for i in 0..n_out {
+            assert_eq!(&h.row(i)[..], &w[i * rb..(i + 1) * rb], "{dt} row {i}");
+            assert_eq!(&m.row(i)[..], &w[i * rb..(i + 1) * rb], "{dt} row {i}");
+        }
+        // the map reads the same after its pages were released
+        assert_eq!(map.bytes(), &file[..], "{dt}");
+        drop((h, m));
+        drop(map);
+        let _ = std::fs::remove_file(&path);
+        // heap bytes: never copied
+        let t = huge
+            .matrix(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w))
+            .unwrap();
+        assert_eq!(t.is_borrowed(), !t.is_repacked(), "{dt}");
+    }
 }
 
 /// The f16 GEMV of the retention gates at every SIMD level this CPU runs

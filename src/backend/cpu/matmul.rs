@@ -92,6 +92,40 @@ impl<'a> QMat<'a> {
         }
     }
 
+    /// The matrix read from a copy in memory asked to be huge pages
+    /// ([`super::mem::huge_capacity`]) when it reads its rows in place
+    /// from a file's map; the copied pages of the map are released (see
+    /// `crate::format::mmap::release`). Anything else (repacked, owned,
+    /// or in an anonymous map, which has no file to fault the pages back
+    /// from) is returned as it is. The bytes are the same.
+    pub fn into_huge_pages(self) -> QMat<'a> {
+        let Cow::Borrowed(b) = self.bytes else {
+            return self;
+        };
+        if self.x8.is_some() || b.is_empty() || !crate::format::mmap::in_file_map(b) {
+            return self;
+        }
+        let mut v: Vec<u8> = super::mem::huge_capacity(b.len());
+        // 2 MiB at a time, each part's map pages released once copied, so
+        // the weights are resident about once even during the copy (an
+        // output matrix can be half a GiB); the pages the parts' edges
+        // share go with the last release
+        const PART: usize = 2 << 20;
+        let mut i = 0;
+        while i < b.len() {
+            let end =
+                (((b.as_ptr() as usize + i) / PART + 1) * PART - b.as_ptr() as usize).min(b.len());
+            v.extend_from_slice(&b[i..end]);
+            crate::format::mmap::release(&b[i..end]);
+            i = end;
+        }
+        crate::format::mmap::release(b);
+        QMat {
+            bytes: Cow::Owned(v),
+            ..self
+        }
+    }
+
     /// Whether the matrix reads its rows in place from the source it was
     /// made from (usually the memory map), not from a copy.
     pub fn is_borrowed(&self) -> bool {

@@ -170,11 +170,28 @@ unsafe fn stream_sum_avx2(words: &[u64]) -> u64 {
     lanes.iter().fold(tail, |s, &x| s.wrapping_add(x))
 }
 
-/// Takes weights for the CPU without a running backend: matrices keep the
-/// mapped bytes as they are, except where the kernel level has a repacked
-/// layout for them ([`QMat::repack_for`]).
+/// Where the CPU reads the weight matrices it does not repack from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightPages {
+    /// In place, from the file's memory map: nothing is copied and the
+    /// pages are the page cache's (shared with other processes mapping
+    /// the same file), but they are 4 KiB pages.
+    Mapped,
+    /// Copied at load into memory asked to be 2 MiB transparent huge
+    /// pages, the map's own pages released (so the RSS still counts each
+    /// weight once). Decoding streams every weight once per token, and on
+    /// the VMs measured a streaming read ran faster from huge pages (see
+    /// [`mem`]).
+    Huge,
+}
+
+/// Takes weights for the CPU without a running backend: matrices are
+/// repacked where the kernel level has a layout for them
+/// ([`QMat::repack_for`]), and the others are read where `pages` says.
 #[derive(Debug, Clone, Copy)]
-pub struct Loader;
+pub struct Loader {
+    pub pages: WeightPages,
+}
 
 impl crate::backend::WeightSink<Cpu> for Loader {
     fn matrix<'w>(
@@ -185,8 +202,12 @@ impl crate::backend::WeightSink<Cpu> for Loader {
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
         // rearranged for this level's products where it has a layout for
-        // them (Q4_K×8 at AVX-512 VNNI)
-        Ok(QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level()))
+        // them (Q4_K×8 at AVX-512 VNNI), else copied into huge pages if asked
+        let m = QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level());
+        Ok(match self.pages {
+            WeightPages::Huge => m.into_huge_pages(),
+            WeightPages::Mapped => m,
+        })
     }
     fn table<'w>(
         &self,
@@ -254,7 +275,13 @@ impl Backend for Cpu {
     ) -> Result<QMat<'w>> {
         // as the host loader takes them (repacked where the level has a
         // layout for its products)
-        crate::backend::WeightSink::<Cpu>::matrix(&Loader, dtype, n_in, n_out, bytes)
+        crate::backend::WeightSink::<Cpu>::matrix(
+            &crate::backend::HOST_LOADER,
+            dtype,
+            n_in,
+            n_out,
+            bytes,
+        )
     }
 
     fn table<'w>(
@@ -264,7 +291,13 @@ impl Backend for Cpu {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
-        crate::backend::WeightSink::<Cpu>::table(&Loader, dtype, n_in, n_out, bytes)
+        crate::backend::WeightSink::<Cpu>::table(
+            &crate::backend::HOST_LOADER,
+            dtype,
+            n_in,
+            n_out,
+            bytes,
+        )
     }
 
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
