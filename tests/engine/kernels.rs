@@ -1247,103 +1247,54 @@ fn qgemm_speed() {
     }
 }
 
-/// Q4_K×8 and Q5_K×8: every row unpacks to its GGUF bytes, the scalar
-/// model of a row block equals `dot_scalar` on the rows, and the repacked
-/// kernel at every level this CPU runs equals the model bit for bit (fresh
-/// random weights; quants of every value, so Q5_K's lane sums reach their
-/// bound).
 #[test]
-fn kx8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
-    use kvrun::backend::cpu::kx8::{decode_for, decode_scalar, Kx8};
+fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
+    use kvrun::backend::cpu::q4k_x8::{decode_for, decode_scalar, Q4kX8};
     use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, ROWS};
     let seed = 0x5eed_0418 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
+    let dt = DType::Q4K;
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
     let mut checked = 0;
-    for dt in [DType::Q4K, DType::Q5K] {
-        let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
-        for n_in in [256usize, 768, 1536, 3584, 18944] {
-            let nb = n_in / 256;
-            let n_out = 3 * ROWS;
-            let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
-            let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
-            let x8 = Kx8::new(dt, &w, n_out, nb);
-            let mut row = vec![0u8; rb];
-            for i in 0..n_out {
-                x8.row_into(i, &mut row);
-                assert_eq!(
-                    row,
-                    w[i * rb..(i + 1) * rb],
-                    "{dt} n_in {n_in}: row {i} round trip"
-                );
-            }
-            let y = &act[..ab];
-            for blk in 0..n_out / ROWS {
-                let model = decode_scalar(dt, nb, x8.block(blk), y);
-                for k in 0..ROWS {
-                    let i = blk * ROWS + k;
-                    let want = dot_scalar(dt, nb, &w[i * rb..(i + 1) * rb], y);
-                    assert_eq!(
-                        model[k].to_bits(),
-                        want.to_bits(),
-                        "{dt} n_in {n_in} row {i}"
-                    );
-                }
-                for level in simd_levels() {
-                    if let Some(f) = decode_for(dt, level) {
-                        let got = f(nb, x8.block(blk), y);
-                        for k in 0..ROWS {
-                            assert_eq!(
-                                got[k].to_bits(),
-                                model[k].to_bits(),
-                                "{dt} {level:?} n_in {n_in} row {}: {} vs {}",
-                                blk * ROWS + k,
-                                got[k],
-                                model[k]
-                            );
-                        }
-                        checked += 1;
-                    }
-                }
-            }
-        }
-        // the extremes: all quants at their top value against activations
-        // of -128 and 127 (the lane sums' bounds), every scale and min at 63
-        let nb = 2;
-        let sb = dt.row_bytes(256);
-        let mut w = vec![0u8; ROWS * nb * sb];
-        for (i, b) in w.chunks_exact_mut(sb).enumerate() {
-            b[..2].copy_from_slice(
-                &half::f16::from_f32(0.01 + i as f32 * 1e-3)
-                    .to_bits()
-                    .to_le_bytes(),
+    for n_in in [256usize, 768, 3584, 18944] {
+        let nb = n_in / 256;
+        let n_out = 3 * ROWS;
+        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
+        let x8 = Q4kX8::new(&w, n_out, nb);
+        let mut row = vec![0u8; rb];
+        for i in 0..n_out {
+            x8.row_into(i, &mut row);
+            assert_eq!(
+                row,
+                w[i * rb..(i + 1) * rb],
+                "n_in {n_in}: row {i} round trip"
             );
-            b[2..4].copy_from_slice(&half::f16::from_f32(0.02).to_bits().to_le_bytes());
-            b[4..16].fill(0xff);
-            b[16..].fill(0xff);
         }
-        let mut y = vec![0u8; nb * 292];
-        for (k, blk) in y.chunks_exact_mut(292).enumerate() {
-            blk[..4].copy_from_slice(&0.5f32.to_le_bytes());
-            let v: i8 = if k == 0 { -128 } else { 127 };
-            blk[4..260].fill(v as u8);
-            for j in 0..16 {
-                blk[260 + 2 * j..262 + 2 * j].copy_from_slice(&(16 * v as i16).to_le_bytes());
+        let y = &act[..ab];
+        for blk in 0..n_out / ROWS {
+            let model = decode_scalar(nb, x8.block(blk), y);
+            for k in 0..ROWS {
+                let i = blk * ROWS + k;
+                let want = dot_scalar(dt, nb, &w[i * rb..(i + 1) * rb], y);
+                assert_eq!(model[k].to_bits(), want.to_bits(), "n_in {n_in} row {i}");
             }
-        }
-        let x8 = Kx8::new(dt, &w, ROWS, nb);
-        let model = decode_scalar(dt, nb, x8.block(0), &y);
-        for level in simd_levels() {
-            if let Some(f) = decode_for(dt, level) {
-                let got = f(nb, x8.block(0), &y);
-                for k in 0..ROWS {
-                    assert_eq!(
-                        got[k].to_bits(),
-                        model[k].to_bits(),
-                        "{dt} {level:?} extremes row {k}"
-                    );
+            for level in simd_levels() {
+                if let Some(f) = decode_for(level) {
+                    let got = f(nb, x8.block(blk), y);
+                    for k in 0..ROWS {
+                        assert_eq!(
+                            got[k].to_bits(),
+                            model[k].to_bits(),
+                            "{level:?} n_in {n_in} row {}: {} vs {}",
+                            blk * ROWS + k,
+                            got[k],
+                            model[k]
+                        );
+                    }
+                    checked += 1;
                 }
-                checked += 1;
             }
         }
     }
@@ -1351,28 +1302,22 @@ fn kx8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
 }
 
 /// One core: the row-major 512-bit decoding kernel against the repacked
-/// Q4_K×8 or Q5_K×8 one (`KVRUN_SPEED_TYPE`, default Q4_K), 8-row calls
-/// over a matrix in L2 and one streamed from memory.
+/// Q4_K×8 one, 8-row calls over a matrix in L2 and one streamed from memory.
 #[test]
 #[ignore]
-fn kx8_speed() {
-    use kvrun::backend::cpu::kx8::{decode_for, Kx8};
+fn q4k_x8_speed() {
     use kvrun::backend::cpu::matmul::k_quant_kernel;
+    use kvrun::backend::cpu::q4k_x8::{decode_for, Q4kX8};
     use kvrun::backend::cpu::qgemm_lanes::ROWS;
-    let dt = match std::env::var("KVRUN_SPEED_TYPE").as_deref() {
-        Ok("Q5_K") => DType::Q5K,
-        _ => DType::Q4K,
-    };
+    let dt = DType::Q4K;
     let mut r = Rng::new(5);
-    let n_in: usize = std::env::var("KVRUN_SPEED_N_IN")
-        .map(|s| s.parse().unwrap())
-        .unwrap_or(3584);
+    let n_in = 3584;
     let nb = n_in / 256;
     let rb = dt.row_bytes(n_in);
     let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
         .unwrap()
         .act_bytes(n_in);
-    let Some(x8f) = decode_for(dt, Level::Avx512Vnni) else {
+    let Some(x8f) = decode_for(Level::Avx512Vnni) else {
         eprintln!("no VNNI");
         return;
     };
@@ -1382,7 +1327,7 @@ fn kx8_speed() {
         .unwrap_or_else(|_| vec![64, 18944]);
     for n_out in sizes {
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
-        let x8 = Kx8::new(dt, &w, n_out, nb);
+        let x8 = Q4kX8::new(&w, n_out, nb);
         let y = &act[..ab];
         let reps = (200_000_000 / (n_out * n_in)).max(3);
         for round in 0..3 {
@@ -1406,7 +1351,7 @@ fn kx8_speed() {
             let b = t.elapsed().as_secs_f64();
             let gb = (reps * n_out * rb) as f64 / 1e9;
             eprintln!(
-                "{dt} {n_out}x{n_in} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
+                "{n_out}x{n_in} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
                 gb / a,
                 gb / b,
                 a / b
@@ -1427,7 +1372,7 @@ fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
     let loader = kvrun::backend::HOST_LOADER;
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
-    let want = kvrun::backend::cpu::kx8::decode_for(dt, level).is_some();
+    let want = kvrun::backend::cpu::q4k_x8::decode_for(level).is_some();
     let m = sink
         .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
         .unwrap();

@@ -1,6 +1,6 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
-//! GGUF storage type, usually borrowed from the memory map; Q4_K and Q5_K
-//! repacked as [`Kx8`] at the AVX-512 VNNI level) and the
+//! GGUF storage type, usually borrowed from the memory map; Q4_K repacked
+//! as [`Q4kX8`] at the AVX-512 VNNI level) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
 //! `ggml-sys`, with cache blocking for batched prefill, and our own tile
 //! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K
@@ -8,8 +8,8 @@
 //! (`qgemm_q8_0`, prefill and decode).
 
 use super::isa::{self, Level};
-use super::kx8::{self, Kx8};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
+use super::q4k_x8::{self, Q4kX8};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
 use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
@@ -29,7 +29,7 @@ pub struct QMat<'a> {
     /// empty once repacked.
     bytes: Cow<'a, [u8]>,
     /// The same rows repacked for this machine's kernels (`repack_for`).
-    x8: Option<Kx8>,
+    x8: Option<Q4kX8>,
     traits: CpuTraits,
 }
 
@@ -68,20 +68,20 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K or Q5_K with a multiple of 8 rows becomes Q4_K×8 or
-    /// Q5_K×8 at AVX-512 VNNI ([`Kx8`], the same bytes rearranged; mapped pages of the
+    /// fastest: Q4_K with a multiple of 8 rows becomes Q4_K×8 at AVX-512
+    /// VNNI ([`Q4kX8`], the same bytes rearranged; mapped pages of the
     /// original are released, so the weights are not resident twice);
     /// anything else stays as it is. Results are the same bit for bit.
     pub fn repack_for(self, level: Level) -> QMat<'a> {
-        if !kx8::repacks(self.dtype)
+        if self.dtype != DType::Q4K
             || !self.n_out.is_multiple_of(qgemm_lanes::ROWS)
-            || kx8::decode_for(self.dtype, level).is_none()
+            || q4k_x8::decode_for(level).is_none()
             || self.x8.is_some()
         {
             return self;
         }
         let nb = self.n_in / self.dtype.block_len();
-        let x8 = Kx8::new(self.dtype, &self.bytes, self.n_out, nb);
+        let x8 = Q4kX8::new(&self.bytes, self.n_out, nb);
         if let Cow::Borrowed(b) = self.bytes {
             crate::format::mmap::release(b);
         }
@@ -300,10 +300,9 @@ pub fn matmul_q_at(
         return matmul_k_amx(pool, w, act, n_tok, out);
     }
     if let Some(x8) = &w.x8 {
-        // Q4_K×8 / Q5_K×8: its own decoding kernel; prefill packs micro
-        // tiles from it
+        // Q4_K×8: its own decoding kernel; prefill packs micro tiles from it
         if let (Some(one), Some(packed)) = (
-            kx8::decode_for(w.dtype, level),
+            q4k_x8::decode_for(level),
             qgemm_lanes::packed_for(w.dtype, level),
         ) {
             if n_tok == 1 {
@@ -516,7 +515,7 @@ fn matmul_k_packed(
         let pb = nb * PACKED_BYTES;
         // this thread's packed micro tiles  (micro, nb, PACKED_BYTES)
         let mut packed = vec![0u8; micro * pb];
-        // a micro tile's rows gathered from K×8  (ROWS, row bytes)
+        // a micro tile's rows gathered from Q4_K×8  (ROWS, row bytes)
         let rb = w.dtype.row_bytes(n_in);
         let mut gathered = vec![0u8; if w.x8.is_some() { ROWS * rb } else { 0 }];
         while let Some(blk) = blocks.next() {
@@ -613,6 +612,7 @@ fn pack_token_tiles(
 /// bit.
 fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
     use qgemm_amx::{ACT_SB, A_SB, SIDE_SB, TILE};
+    use qgemm_lanes::Q4_K_BYTES;
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
@@ -639,11 +639,11 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
         // the block's accumulators  (AMX_PANELS, n_tt, 16 rows, 16 tokens)
         let mut acc = vec![0f32; AMX_PANELS * n_tt * TILE * TILE];
         let mut acc_m = vec![0f32; acc.len()];
-        // a panel's slice of rows gathered from K×8  (TILE, kb superblocks)
+        // a panel's slice of rows gathered from Q4_K×8  (TILE, kb superblocks)
         let mut gathered = vec![
             0u8;
             if w.x8.is_some() {
-                TILE * kb * qgemm_lanes::block_bytes(w.dtype)
+                TILE * kb * Q4_K_BYTES
             } else {
                 0
             }
@@ -661,12 +661,12 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
                     let pick = |j: usize| (r0 + pn * TILE + j).min(r1 - 1);
                     let rows: [&[u8]; TILE] = match &w.x8 {
                         Some(x8) => {
-                            let len = k * qgemm_lanes::block_bytes(w.dtype);
+                            let len = k * Q4_K_BYTES;
                             for (j, row) in gathered.chunks_exact_mut(len).enumerate() {
                                 let r = pick(j);
                                 let groups =
-                                    &x8.block(r / qgemm_lanes::ROWS)[s0 * x8.group_bytes()..];
-                                kx8::unpack_row(w.dtype, groups, k, r % qgemm_lanes::ROWS, row);
+                                    &x8.block(r / qgemm_lanes::ROWS)[s0 * q4k_x8::GROUP_BYTES..];
+                                q4k_x8::unpack_row(groups, k, r % qgemm_lanes::ROWS, row);
                             }
                             std::array::from_fn(|j| &gathered[j * len..(j + 1) * len])
                         }
@@ -1041,16 +1041,16 @@ fn matvec_k<const R: usize>(
     });
 }
 
-/// One token through a K×8 matrix: the row blocks split between
+/// One token through a Q4_K×8 matrix: the row blocks split between
 /// threads as in [`matvec_k`] (a run each, stolen from by threads that are
 /// done), each block one call of the repacked kernel.
 fn matvec_x8(
     pool: &ThreadPool,
     w: &QMat<'_>,
-    x8: &Kx8,
+    x8: &Q4kX8,
     act: &[u8],
     out: &mut [f32],
-    kernel: kx8::X8Fn,
+    kernel: q4k_x8::X8Fn,
 ) {
     use qgemm_lanes::ROWS;
     let n_out = w.n_out;

@@ -35,13 +35,13 @@ pub mod elementwise;
 pub mod gemv_f16;
 pub mod isa;
 pub mod kv_store;
-pub mod kx8;
 pub mod matmul;
 pub mod mem;
 pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
+pub mod q4k_x8;
 pub mod qgemm_amx;
 #[cfg(target_arch = "x86_64")]
 mod qgemm_k_decode;
@@ -202,8 +202,7 @@ impl crate::backend::WeightSink<Cpu> for Loader {
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
         // rearranged for this level's products where it has a layout for
-        // them (Q4_K×8, Q5_K×8 at AVX-512 VNNI), else copied into huge
-        // pages if asked
+        // them (Q4_K×8 at AVX-512 VNNI), else copied into huge pages if asked
         let m = QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level());
         Ok(match self.pages {
             WeightPages::Huge => m.into_huge_pages(),

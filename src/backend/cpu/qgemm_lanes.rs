@@ -47,8 +47,8 @@
 //! sums moved into lanes for the same float steps): with one token the
 //! transposes cost more than they save, and the result is the same bit for
 //! bit, so a prompt's logits still do not depend on how it is chunked.
-//! (At the AVX-512 VNNI level Q4_K and Q5_K matrices are repacked at load
-//! instead, [`super::kx8`], and decoded by that module's kernel with the same
+//! (At the AVX-512 VNNI level Q4_K matrices are repacked at load instead,
+//! [`super::q4k_x8`], and decoded by that module's kernel with the same
 //! sums and float steps.)
 //!
 //! With VNNI the prefill also runs over packed micro tiles ([`packed_for`]):
@@ -119,7 +119,7 @@ pub const TOKS: usize = 8;
 pub type LanesFn<const N: usize> = fn(usize, &[&[u8]; ROWS], &[&[u8]; N]) -> [[f32; N]; ROWS];
 
 /// Bytes of one superblock of `dtype`, for the formats this module runs.
-pub fn block_bytes(dtype: DType) -> usize {
+fn block_bytes(dtype: DType) -> usize {
     match dtype {
         DType::Q4K => Q4_K_BYTES,
         DType::Q5K => Q5_K_BYTES,

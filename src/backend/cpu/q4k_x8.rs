@@ -1,6 +1,5 @@
-//! Q4_K and Q5_K repacked eight rows at a time (`Q4_K×8`, `Q5_K×8`), and
-//! their decoding kernel for AVX-512 VNNI: one token against 8 rows per
-//! call.
+//! Q4_K repacked eight rows at a time (`Q4_K×8`), and its decoding kernel
+//! for AVX-512 VNNI: one token against 8 rows per call.
 //!
 //! Why repack: the row-major decoding kernels (`qgemm_k_decode`) multiply
 //! a run of 32 weights by its activations with `maddubs` and then by the
@@ -19,10 +18,9 @@
 //! the rows already sit in lanes for the float step.
 //!
 //! # Layout
-//! Rows `8R..8R + 8`, superblock `b`: a group of [`group_bytes`] = 8 × 144
-//! (Q4_K) or 8 × 176 (Q5_K) bytes, the same bytes as the 8 rows'
-//! superblocks rearranged; groups of a row block follow each other by
-//! superblock, row blocks by row:
+//! Rows `8R..8R + 8`, superblock `b`: a group of [`GROUP_BYTES`] = 8 × 144
+//! bytes (the same bytes as the 8 rows' superblocks, rearranged; groups of
+//! a row block follow each other by superblock, row blocks by row):
 //!
 //! | bytes | holds |
 //! |---|---|
@@ -31,15 +29,10 @@
 //! | 32..96 | per 128-bit lane L: bytes 0..4 and 8..12 of the packed scales of rows 2L and 2L + 1 (`A₂L A₂L₊₁ C₂L C₂L₊₁`) |
 //! | 96..128 | bytes 4..8 of the packed scales of rows 0..7 (`B₀..B₇`) |
 //! | 128..1152 | for chunk c < 4 and h < 4, 64 bytes at 128 + 64·(4c + h): byte 8r + j is `qs[32c + 8h + j]` of row r |
-//! | 1152..1408 | Q5_K only: for h < 4, 64 bytes at 1152 + 64·h: byte 8r + j is `qh[8h + j]` of row r |
 //!
 //! So the scales of rows 2L, 2L + 1 unpack inside 128-bit lane L, where
 //! the `vpdpbusd` sums of those two rows are (row r in 32-bit lanes 2r and
-//! 2r + 1), and one in-lane byte shuffle per run spreads them. Q5_K's
-//! fifth bits: the low nibbles of load (c, h) are weights 64c + 8h + j,
-//! whose fifth bit is bit 2c of `qh[8h + j]`, and the high nibbles weights
-//! 64c + 32 + 8h + j (bit 2c + 1): one 64-byte load of `qh` per h serves
-//! all four chunks, a shift and a masked OR per nibble register.
+//! 2r + 1), and one in-lane byte shuffle per run spreads them.
 //!
 //! # Arithmetic
 //! The integer sums and the float steps are `qgemm_lanes`'s (its module
@@ -48,68 +41,43 @@
 //! so a matrix gives the same logits bit for bit repacked or not, on any
 //! kernel. Overflow: a lane sums 16 products of a run (4 `vpdpbusd`),
 //! |sum| ≤ 16·15·128 = 30720, which `vpdpwssd` reads as an exact i16 (the
-//! sign-extended upper half is multiplied by 0). Q5_K's quants reach 31,
-//! so its lanes sum 8 products (two `vpdpbusd`), |sum| ≤ 8·31·128 = 31744,
-//! before each `vpdpwssd`: two per run.
+//! sign-extended upper half is multiplied by 0).
 
-use super::qgemm_lanes::{block_bytes, Q8_K_BYTES, ROWS};
-use crate::tensor::DType;
+use super::qgemm_lanes::{Q4_K_BYTES, Q8_K_BYTES, ROWS};
 
-/// Bytes of one group (8 rows × one superblock) of `dtype` (Q4_K, Q5_K).
-pub const fn group_bytes(dtype: DType) -> usize {
-    match dtype {
-        DType::Q5K => ROWS * 176,
-        _ => ROWS * 144,
-    }
-}
+/// Bytes of one group (8 rows × one superblock).
+pub const GROUP_BYTES: usize = ROWS * Q4_K_BYTES;
 
 /// Offsets in a group.
 const G_DMIN: usize = 16;
 const G_AC: usize = 32;
 const G_B: usize = 96;
 const G_Q: usize = 128;
-const G_QH: usize = 1152;
 
-/// Whether `dtype` has a repacked layout here.
-pub fn repacks(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4K | DType::Q5K)
-}
-
-/// A Q4_K or Q5_K matrix of `n_out` rows (a multiple of 8) × `nb`
-/// superblocks, repacked: `n_out / 8` row blocks of `nb` groups, 64-byte
-/// aligned.
-pub struct Kx8 {
+/// A Q4_K matrix of `n_out` rows (a multiple of 8) × `nb` superblocks,
+/// repacked: `n_out / 8` row blocks of `nb` groups, 64-byte aligned.
+pub struct Q4kX8 {
     buf: Vec<u8>,
     off: usize,
-    /// Q4_K or Q5_K.
-    pub dtype: DType,
     /// Superblocks per row.
     pub nb: usize,
     /// Rows.
     pub n_out: usize,
 }
 
-impl std::fmt::Debug for Kx8 {
+impl std::fmt::Debug for Q4kX8 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Kx8({}, {}x{} superblocks)",
-            self.dtype, self.n_out, self.nb
-        )
+        write!(f, "Q4kX8({}x{} superblocks)", self.n_out, self.nb)
     }
 }
 
-impl Kx8 {
-    /// Repack `src`, `n_out` rows of `nb` superblocks of `dtype` (Q4_K or
-    /// Q5_K) each (row-major, as GGUF stores them); `n_out` must be a
-    /// multiple of 8.
-    pub fn new(dtype: DType, src: &[u8], n_out: usize, nb: usize) -> Kx8 {
-        assert!(repacks(dtype), "K×8: {dtype}");
-        assert!(n_out.is_multiple_of(ROWS), "{dtype}×8: {n_out} rows");
-        let sb = block_bytes(dtype);
-        let gb = group_bytes(dtype);
-        let rb = nb * sb;
-        assert_eq!(src.len(), n_out * rb, "{dtype}×8: matrix bytes");
+impl Q4kX8 {
+    /// Repack `src`, `n_out` rows of `nb` Q4_K superblocks each (row-major,
+    /// as GGUF stores them); `n_out` must be a multiple of 8.
+    pub fn new(src: &[u8], n_out: usize, nb: usize) -> Q4kX8 {
+        assert!(n_out.is_multiple_of(ROWS), "Q4_K×8: {n_out} rows");
+        let rb = nb * Q4_K_BYTES;
+        assert_eq!(src.len(), n_out * rb, "Q4_K×8: matrix bytes");
         let len = src.len();
         // untouched zero pages (calloc), asked to come as transparent huge
         // pages: a 7B's load went from 7.3 to 5.7 s on a VM, where faulting
@@ -122,12 +90,12 @@ impl Kx8 {
         let pack_blocks = |first: usize, out: &mut [u8]| {
             for (i, out) in out.chunks_exact_mut(block).enumerate() {
                 let r0 = (first + i) * ROWS;
-                for (b, g) in out.chunks_exact_mut(gb).enumerate() {
+                for (b, g) in out.chunks_exact_mut(GROUP_BYTES).enumerate() {
                     let x: [&[u8]; ROWS] = std::array::from_fn(|r| {
-                        let at = (r0 + r) * rb + b * sb;
-                        &src[at..at + sb]
+                        let at = (r0 + r) * rb + b * Q4_K_BYTES;
+                        &src[at..at + Q4_K_BYTES]
                     });
-                    pack_group(dtype, &x, g);
+                    pack_group(&x, g);
                 }
             }
         };
@@ -147,41 +115,35 @@ impl Kx8 {
         } else {
             pack_blocks(0, dst);
         }
-        Kx8 {
+        Q4kX8 {
             buf,
             off,
-            dtype,
             nb,
             n_out,
         }
     }
 
-    /// Bytes of one group.
-    pub fn group_bytes(&self) -> usize {
-        group_bytes(self.dtype)
-    }
-
-    /// All groups, `(n_out / 8, nb, group_bytes)`.
+    /// All groups, `(n_out / 8, nb, GROUP_BYTES)`.
     pub fn bytes(&self) -> &[u8] {
-        &self.buf[self.off..self.off + self.n_out / ROWS * self.nb * self.group_bytes()]
+        &self.buf[self.off..self.off + self.n_out * self.nb * Q4_K_BYTES]
     }
 
     /// The `nb` groups of row block `blk` (rows 8·blk..8·blk + 8).
     pub fn block(&self, blk: usize) -> &[u8] {
-        let bb = self.nb * self.group_bytes();
+        let bb = self.nb * GROUP_BYTES;
         &self.bytes()[blk * bb..(blk + 1) * bb]
     }
 
     /// Row `r` as GGUF stores it (`nb` superblocks) into `out`.
     pub fn row_into(&self, r: usize, out: &mut [u8]) {
-        unpack_row(self.dtype, self.block(r / ROWS), self.nb, r % ROWS, out);
+        unpack_row(self.block(r / ROWS), self.nb, r % ROWS, out);
     }
 }
 
-/// Where row `r`'s bytes of one superblock of `dtype` lie in its group
-/// (see the module doc): `(offset in the superblock, offset in the group,
-/// length)`. Packing and unpacking both copy along this one list.
-fn segments(dtype: DType, r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+/// Where row `r`'s bytes of one superblock lie in its group (see the
+/// module doc): `(offset in the superblock, offset in the group, length)`.
+/// Packing and unpacking both copy along this one list.
+fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     // packed scales: A (bytes 0..4) and C (8..12) in 128-bit lane r / 2
     let ac = G_AC + 16 * (r / 2) + 4 * (r % 2);
     let heads = [
@@ -191,32 +153,27 @@ fn segments(dtype: DType, r: usize) -> impl Iterator<Item = (usize, usize, usize
         (12, ac + 8, 4),
         (8, G_B + 4 * r, 4),
     ];
-    // quants: 8 bytes of chunk c at 8h, in load 4c + h (after Q5_K's qh)
-    let qs = if dtype == DType::Q5K { 48 } else { 16 };
-    let quants = (0..16).map(move |i| (qs + 8 * i, G_Q + 64 * i + 8 * r, 8));
-    // Q5_K's fifth bits: qh[8h..8h + 8] in load h
-    let n_qh = if dtype == DType::Q5K { 4 } else { 0 };
-    let qh = (0..n_qh).map(move |h| (16 + 8 * h, G_QH + 64 * h + 8 * r, 8));
-    heads.into_iter().chain(quants).chain(qh)
+    // quants: 8 bytes of chunk c at 8h, in load 4c + h
+    let quants = (0..16).map(move |i| (16 + 8 * i, G_Q + 64 * i + 8 * r, 8));
+    heads.into_iter().chain(quants)
 }
 
-/// One group of `dtype` from the 8 rows' superblocks `x`.
-fn pack_group(dtype: DType, x: &[&[u8]; ROWS], g: &mut [u8]) {
+/// One group from the 8 rows' superblocks `x`.
+fn pack_group(x: &[&[u8]; ROWS], g: &mut [u8]) {
     for (r, x) in x.iter().enumerate() {
-        for (at, to, n) in segments(dtype, r) {
+        for (at, to, n) in segments(r) {
             g[to..to + n].copy_from_slice(&x[at..at + n]);
         }
     }
 }
 
-/// Row `r` (< 8) of a row block's `nb` groups of `dtype`, as GGUF stores it.
-pub fn unpack_row(dtype: DType, groups: &[u8], nb: usize, r: usize, out: &mut [u8]) {
-    let (gb, sb) = (group_bytes(dtype), block_bytes(dtype));
-    assert!(repacks(dtype) && groups.len() >= nb * gb && out.len() >= nb * sb && r < ROWS);
+/// Row `r` (< 8) of a row block's `nb` groups, as GGUF stores it.
+pub fn unpack_row(groups: &[u8], nb: usize, r: usize, out: &mut [u8]) {
+    assert!(groups.len() >= nb * GROUP_BYTES && out.len() >= nb * Q4_K_BYTES && r < ROWS);
     for b in 0..nb {
-        let g = &groups[b * gb..(b + 1) * gb];
-        let x = &mut out[b * sb..(b + 1) * sb];
-        for (at, from, n) in segments(dtype, r) {
+        let g = &groups[b * GROUP_BYTES..(b + 1) * GROUP_BYTES];
+        let x = &mut out[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
+        for (at, from, n) in segments(r) {
             x[at..at + n].copy_from_slice(&g[from..from + n]);
         }
     }
@@ -227,41 +184,34 @@ pub fn unpack_row(dtype: DType, groups: &[u8], nb: usize, r: usize, out: &mut [u
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// Scalar model: each row unpacked and run through `qgemm_lanes::dot_scalar`.
-pub fn decode_scalar(dtype: DType, nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
-    let mut row = vec![0u8; nb * block_bytes(dtype)];
+pub fn decode_scalar(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+    let mut row = vec![0u8; nb * Q4_K_BYTES];
     std::array::from_fn(|r| {
-        unpack_row(dtype, groups, nb, r, &mut row);
-        super::qgemm_lanes::dot_scalar(dtype, nb, &row, y)
+        unpack_row(groups, nb, r, &mut row);
+        super::qgemm_lanes::dot_scalar(crate::tensor::DType::Q4K, nb, &row, y)
     })
 }
 
-/// The AVX-512 VNNI kernel of `dtype` (Q4_K, Q5_K) where this CPU runs it
-/// at kernel level `level`.
-pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
+/// The AVX-512 VNNI kernel where this CPU runs it at kernel level `level`.
+pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
     use super::isa::detected;
     #[cfg(target_arch = "x86_64")]
     if level.vnni() && level <= detected() {
-        match dtype {
-            DType::Q4K => return Some(decode::<false>),
-            DType::Q5K => return Some(decode::<true>),
-            _ => {}
-        }
+        return Some(decode);
     }
-    let _ = (dtype, level, detected);
+    let _ = (level, detected);
     None
 }
 
-/// The kernel's checks and entry (`Q5`: Q5_K, else Q4_K).
 #[cfg(target_arch = "x86_64")]
-fn decode<const Q5: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
-    let dt = if Q5 { DType::Q5K } else { DType::Q4K };
+fn decode(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
     assert!(
-        groups.len() >= nb * group_bytes(dt) && y.len() >= nb * Q8_K_BYTES,
-        "{dt}×8 decode: short operands"
+        groups.len() >= nb * GROUP_BYTES && y.len() >= nb * Q8_K_BYTES,
+        "Q4_K×8 decode: short operands"
     );
     // SAFETY: handed out by `decode_for` only where the CPU has AVX-512
     // F/BW/VL and VNNI; the lengths (checked above) bound every load.
-    unsafe { decode_vnni::<Q5>(nb, groups.as_ptr(), y.as_ptr()) }
+    unsafe { decode_vnni(nb, groups.as_ptr(), y.as_ptr()) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -315,35 +265,13 @@ unsafe fn fold_pairs(x: __m512i) -> __m256i {
     unsafe { _mm512_cvtepi64_epi32(_mm512_add_epi32(x, _mm512_srli_epi64(x, 32))) }
 }
 
-/// Q5_K's fifth bits of load (c, h): bit `b` of each byte of `qh` moved
-/// to bit 4 (the other bits are left over, for the caller to mask).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn bit_to_4(qh: __m512i, b: usize) -> __m512i {
-    // SAFETY: register-only AVX-512 BW shifts (the caller's features); a
-    // word shift moves bits between the bytes of a word, but never into
-    // or out of bit 4 of either byte for these counts.
-    unsafe {
-        match b {
-            0 => _mm512_slli_epi16::<4>(qh),
-            1 => _mm512_slli_epi16::<3>(qh),
-            2 => _mm512_slli_epi16::<2>(qh),
-            3 => _mm512_slli_epi16::<1>(qh),
-            4 => qh,
-            5 => _mm512_srli_epi16::<1>(qh),
-            6 => _mm512_srli_epi16::<2>(qh),
-            _ => _mm512_srli_epi16::<3>(qh),
-        }
-    }
-}
-
-/// One token against 8 repacked rows (`Q5`: Q5_K, else Q4_K).
+/// One token against 8 repacked rows.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and VNNI; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn decode_vnni<const Q5: bool>(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every
     // load is inside the nb groups / blocks.
@@ -352,12 +280,10 @@ unsafe fn decode_vnni<const Q5: bool>(nb: usize, x: *const u8, y: *const u8) -> 
         let sc_low = _mm512_loadu_si512(SC_LOW.as_ptr().cast());
         let sc_high = _mm512_set1_epi8(0x30);
         let c_rows = _mm256_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15);
-        let bit4 = _mm512_set1_epi8(0x10);
-        let gb = group_bytes(if Q5 { DType::Q5K } else { DType::Q4K });
         let mut acc = _mm256_setzero_ps();
         let mut acc_m = _mm256_setzero_ps();
         for b in 0..nb {
-            let g = x.add(b * gb);
+            let g = x.add(b * GROUP_BYTES);
             let yb = y.add(b * Q8_K_BYTES);
             // scales of rows 2L, 2L + 1 in 128-bit lane L: bytes 0..4 and
             // 4..8 scales 0..3, bytes 8..12 and 12..16 scales 4..7 (low 4
@@ -369,30 +295,20 @@ unsafe fn decode_vnni<const Q5: bool>(nb: usize, x: *const u8, y: *const u8) -> 
             // the integer sums, row r in lanes 2r and 2r + 1
             let mut isum = _mm512_setzero_si512();
             for c in 0..4 {
-                // a run's lane sums: [0] of loads h < 2, [1] of h ≥ 2 (Q5_K;
-                // Q4_K sums all four loads in [0])
-                let mut sl = [_mm512_setzero_si512(); 2];
-                let mut sh = [_mm512_setzero_si512(); 2];
+                let mut sl = _mm512_setzero_si512();
+                let mut sh = _mm512_setzero_si512();
                 for h in 0..4 {
                     let v = _mm512_loadu_si512(g.add(G_Q + 64 * (4 * c + h)).cast());
-                    let mut lo = _mm512_and_si512(v, nib);
-                    let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                    if Q5 {
-                        // | (bit 2c or 2c + 1 of qh, at bit 4): ternary
-                        // logic 0xF8 is a | (b & c)
-                        let qh = _mm512_loadu_si512(g.add(G_QH + 64 * h).cast());
-                        lo = _mm512_ternarylogic_epi32::<0xF8>(lo, bit_to_4(qh, 2 * c), bit4);
-                        hi = _mm512_ternarylogic_epi32::<0xF8>(hi, bit_to_4(qh, 2 * c + 1), bit4);
-                    }
+                    let lo = _mm512_and_si512(v, nib);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                     let ya = _mm512_set1_epi64(
                         yb.add(4 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
                     );
                     let yh = _mm512_set1_epi64(
                         yb.add(36 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
                     );
-                    let k = if Q5 { h / 2 } else { 0 };
-                    sl[k] = _mm512_dpbusd_epi32(sl[k], lo, ya);
-                    sh[k] = _mm512_dpbusd_epi32(sh[k], hi, yh);
+                    sl = _mm512_dpbusd_epi32(sl, lo, ya);
+                    sh = _mm512_dpbusd_epi32(sh, hi, yh);
                 }
                 let s_lo =
                     _mm512_shuffle_epi8(sc, _mm512_loadu_si512(RUN_SCALE[2 * c].as_ptr().cast()));
@@ -400,12 +316,8 @@ unsafe fn decode_vnni<const Q5: bool>(nb: usize, x: *const u8, y: *const u8) -> 
                     sc,
                     _mm512_loadu_si512(RUN_SCALE[2 * c + 1].as_ptr().cast()),
                 );
-                isum = _mm512_dpwssd_epi32(isum, sl[0], s_lo);
-                isum = _mm512_dpwssd_epi32(isum, sh[0], s_hi);
-                if Q5 {
-                    isum = _mm512_dpwssd_epi32(isum, sl[1], s_lo);
-                    isum = _mm512_dpwssd_epi32(isum, sh[1], s_hi);
-                }
+                isum = _mm512_dpwssd_epi32(isum, sl, s_lo);
+                isum = _mm512_dpwssd_epi32(isum, sh, s_hi);
             }
             // mins: row r's 0..3 from B_r, 4..7 from C_r's high nibbles and
             // B_r's top bits; against the activation's 32-value sums
