@@ -53,7 +53,7 @@ pub mod reference;
 
 pub use matmul::QMat;
 
-use crate::backend::{AttnStep, Backend, KvAccess, KvStore, KvType, Rope};
+use crate::backend::{AttnStep, Backend, KvAccess, KvStore, KvType, Rope, WeightSink, HOST_LOADER};
 use crate::error::Result;
 use crate::tensor::DType;
 use elementwise::{add, geglu, rmsnorm, rmsnorm_inplace, swiglu};
@@ -275,13 +275,7 @@ impl Backend for Cpu {
     ) -> Result<QMat<'w>> {
         // as the host loader takes them (repacked where the level has a
         // layout for its products)
-        crate::backend::WeightSink::<Cpu>::matrix(
-            &crate::backend::HOST_LOADER,
-            dtype,
-            n_in,
-            n_out,
-            bytes,
-        )
+        WeightSink::<Cpu>::matrix(&HOST_LOADER, dtype, n_in, n_out, bytes)
     }
 
     fn table<'w>(
@@ -291,13 +285,7 @@ impl Backend for Cpu {
         n_out: usize,
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
-        crate::backend::WeightSink::<Cpu>::table(
-            &crate::backend::HOST_LOADER,
-            dtype,
-            n_in,
-            n_out,
-            bytes,
-        )
+        WeightSink::<Cpu>::table(&HOST_LOADER, dtype, n_in, n_out, bytes)
     }
 
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
