@@ -15,6 +15,19 @@ use std::path::{Path, PathBuf};
 /// File name of the default model (fetched by models/fetch.sh).
 pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// The host loader of one `--mmap` setting (`mapped`: on) for `device`:
+/// a GPU always reads the map, since it uploads the weights and never
+/// decodes from the host's copy.
+pub fn loader_for(mapped: bool, device: crate::backend::Device) -> crate::backend::HostLoader {
+    use crate::backend::cpu::WeightPages;
+    let pages = if mapped || device != crate::backend::Device::Cpu {
+        WeightPages::Mapped
+    } else {
+        WeightPages::Huge
+    };
+    crate::backend::cpu::Loader { pages }
+}
+
 /// Model selection shared by every command.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -74,10 +87,8 @@ impl ModelArgs {
     }
 
     /// How the host takes the weights for `device`: `--mmap` (one
-    /// setting) on the CPU; read from the map for a GPU, which uploads
-    /// them and never decodes from the host's copy.
+    /// setting; see [`loader_for`]).
     pub fn loader(&self, device: crate::backend::Device) -> Result<crate::backend::HostLoader> {
-        use crate::backend::cpu::WeightPages;
         let list = self.mmap_list()?;
         let [mapped] = list[..] else {
             return Err(Error::arg(
@@ -85,12 +96,7 @@ impl ModelArgs {
                 "takes one setting here (a list is for `kvrun bench`)",
             ));
         };
-        let pages = if mapped || device != crate::backend::Device::Cpu {
-            WeightPages::Mapped
-        } else {
-            WeightPages::Huge
-        };
-        Ok(crate::backend::cpu::Loader { pages })
+        Ok(loader_for(mapped, device))
     }
 
     /// `--reasoning` as a template's `enable_thinking`.

@@ -10,8 +10,7 @@
 //! without it the table has kvrun's rows only and one line says why.
 
 use crate::backend::Backend;
-use crate::cmd::args::{resolve_model, resolve_threads, KvArgs, ModelArgs};
-use crate::cmd::load_model_any_device;
+use crate::cmd::args::{loader_for, resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::error::{Error, Result};
 use crate::generate::Session;
 use crate::model::llama::Logits;
@@ -231,7 +230,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         // each model's peak RSS is its own
         reset_peak_rss();
         let first = out.notes.len();
-        bench_one(&one, &policies, &mut out)?;
+        bench_one(&one, &policies, &mmaps, &mut out)?;
         if models.len() > 1 {
             // several models: say whose each note is
             let name = resolve_model(m)?.display().to_string();
@@ -262,12 +261,12 @@ fn mmap_label(mmaps: &[bool], i: usize) -> String {
     }
 }
 
-/// Bench one model (`a.model.model`), appending its rows and notes.
-fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()> {
+/// Bench one model (`a.model.model`) with each `--mmap` setting of
+/// `mmaps`, appending its rows and notes.
+fn bench_one(a: &BenchArgs, policies: &[&str], mmaps: &[bool], out: &mut BenchOut) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     let device = crate::cmd::resolve_device(&a.model, None)?;
-    let mmaps = a.model.mmap_list()?;
     if mmaps.len() > 1 && device != crate::backend::Device::Cpu {
         return Err(Error::arg(
             "--mmap",
@@ -290,22 +289,15 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     }
     // one model per --mmap setting, all loaded at once (their sessions
     // take turns, as the policies do)
-    let loaded: Vec<crate::load::Loaded> = if mmaps.len() > 1 {
-        device.check()?;
-        mmaps
-            .iter()
-            .map(|&on| {
-                let pages = if on {
-                    crate::backend::cpu::WeightPages::Mapped
-                } else {
-                    crate::backend::cpu::WeightPages::Huge
-                };
-                crate::load::Loaded::open_with(&path, &crate::backend::cpu::Loader { pages })
-            })
-            .collect::<Result<_>>()?
-    } else {
-        vec![load_model_any_device(&a.model, device)?]
-    };
+    device.check()?;
+    let loaded: Vec<crate::load::Loaded> = mmaps
+        .iter()
+        .map(|&on| crate::load::Loaded::open_with(&path, &loader_for(on, device)))
+        .collect::<Result<_>>()?;
+    // sessions: per --mmap setting (an index into `loaded`), per policy
+    let sessions: Vec<(usize, &str)> = (0..loaded.len())
+        .flat_map(|vi| policies.iter().map(move |p| (vi, *p)))
+        .collect();
     let model = &loaded[0];
     let w = model.weights();
     let c = &w.config;
@@ -331,7 +323,8 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
     let side = KvrunSide {
         a,
         path: &path,
-        policies,
+        sessions: &sessions,
+        mmaps,
         tests: &tests,
         n_ctx,
         ctx_toks,
@@ -409,10 +402,6 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
         read_bps,
         device_gbs,
     };
-    // sessions: per --mmap setting, per policy
-    let sessions: Vec<(usize, &str)> = (0..loaded.len())
-        .flat_map(|vi| policies.iter().map(move |p| (vi, *p)))
-        .collect();
     for (i, (t, _)) in tests.iter().enumerate() {
         let first = mean_sd(&ours[i][0]).0;
         for (si, &(vi, p)) in sessions.iter().enumerate() {
@@ -423,7 +412,7 @@ fn bench_one(a: &BenchArgs, policies: &[&str], out: &mut BenchOut) -> Result<()>
                     "kvrun".to_owned()
                 } else {
                     format!("kvrun {p}")
-                } + &mmap_label(&mmaps, vi);
+                } + &mmap_label(mmaps, vi);
             let (rb, bps) = roof(t, m, kv_peak[si]);
             out.rows.push(row(
                 format!(
@@ -676,7 +665,10 @@ fn llama_side(
 struct KvrunSide<'r> {
     a: &'r BenchArgs,
     path: &'r std::path::Path,
-    policies: &'r [&'r str],
+    /// (index into the weights `run` gets, policy), one per session
+    sessions: &'r [(usize, &'r str)],
+    /// the `--mmap` setting of each of those weights
+    mmaps: &'r [bool],
     tests: &'r [(String, usize)],
     n_ctx: usize,
     ctx_toks: &'r [u32],
@@ -691,10 +683,10 @@ type Rates = Vec<Vec<Vec<f64>>>;
 type Measured = (Rates, Vec<String>, Vec<f64>);
 
 impl KvrunSide<'_> {
-    /// One session per weights of `ws` (the `--mmap` settings) and policy
-    /// (`--policy a,b,c`), in that order, measured interleaved (rep by rep)
-    /// so that machine noise hits them alike; the tokens/s and a KV line per
-    /// session.
+    /// One session per entry of `sessions` (weights of `ws`, the `--mmap`
+    /// settings, by policy of `--policy a,b,c`), measured interleaved (rep
+    /// by rep) so that machine noise hits them alike; the tokens/s and a KV
+    /// line per session.
     fn run<'w, B: Backend>(
         &self,
         ws: &[&'w Weights<'w, B>],
@@ -704,21 +696,19 @@ impl KvrunSide<'_> {
         let KvrunSide {
             a,
             path,
-            policies,
+            sessions: list,
+            mmaps,
             tests,
             n_ctx,
             ctx_toks,
             toks,
         } = *self;
         let n_ctx_ours = n_ctx + a.n_gen * (a.reps + 1);
-        let mmaps = a.model.mmap_list()?;
         let mut sessions = Vec::new();
-        let mut labels = Vec::new();
-        for (vi, p) in (0..ws.len()).flat_map(|vi| policies.iter().map(move |p| (vi, p))) {
+        for &(vi, p) in list {
             let w = ws[vi];
-            labels.push((*p, mmap_label(&mmaps, vi)));
             let kv = KvArgs {
-                policy: (*p).to_owned(),
+                policy: p.to_owned(),
                 // a budget beyond the context holds the context
                 kv_budget: a.kv.kv_budget.map(|b| b.min(n_ctx_ours)),
                 ..a.kv.clone()
@@ -783,10 +773,11 @@ impl KvrunSide<'_> {
             }
             ours.push(res);
         }
-        let kv_lines: Vec<String> = labels
+        let kv_lines: Vec<String> = list
             .iter()
             .zip(&sessions)
-            .map(|((p, setting), sess)| {
+            .map(|(&(vi, p), sess)| {
+                let setting = mmap_label(mmaps, vi);
                 format!(
                     "kvrun KV{setting}: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
                     a.kv.kv_budget

@@ -65,8 +65,12 @@ impl Drop for Mapped {
 /// Whether `bytes` lie inside the live map of a file (not an anonymous
 /// map, not the heap).
 pub fn in_file_map(bytes: &[u8]) -> bool {
+    within(&FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner()), bytes)
+}
+
+/// Whether `bytes` lie inside one of the maps `maps`.
+fn within(maps: &[(usize, usize)], bytes: &[u8]) -> bool {
     let (a, n) = (bytes.as_ptr() as usize, bytes.len());
-    let maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
     maps.iter().any(|&(s, len)| a >= s && a + n <= s + len)
 }
 
@@ -79,7 +83,7 @@ pub fn in_file_map(bytes: &[u8]) -> bool {
 pub fn release(bytes: &[u8]) -> usize {
     let (a, n) = (bytes.as_ptr() as usize, bytes.len());
     let maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
-    if !maps.iter().any(|&(s, len)| a >= s && a + n <= s + len) {
+    if !within(&maps, bytes) {
         return 0;
     }
     // SAFETY: sysconf has no preconditions.

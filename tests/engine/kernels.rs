@@ -1428,6 +1428,16 @@ fn cpu_loader_copies_mapped_matrices_into_huge_pages_when_asked() {
         let h = huge
             .matrix(dt, n_in, n_out, std::borrow::Cow::Borrowed(bytes))
             .unwrap();
+        // the copy read every page of the map and released them: at most
+        // the matrix's partial edge pages and their fault-around stay
+        #[cfg(target_os = "linux")]
+        if w.len() > 1 << 20 {
+            let rss = map_rss_kib(map.bytes().as_ptr());
+            assert!(
+                rss <= 256,
+                "{dt}: {rss} KiB of the map resident after the copy"
+            );
+        }
         let m = mapped
             .matrix(dt, n_in, n_out, std::borrow::Cow::Borrowed(bytes))
             .unwrap();
@@ -1450,6 +1460,18 @@ fn cpu_loader_copies_mapped_matrices_into_huge_pages_when_asked() {
             .unwrap();
         assert_eq!(t.is_borrowed(), !t.is_repacked(), "{dt}");
     }
+}
+
+/// Resident KiB of this process's mapping that starts at `start`
+/// (/proc/self/smaps).
+#[cfg(target_os = "linux")]
+fn map_rss_kib(start: *const u8) -> usize {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let head = format!("{:x}-", start as usize);
+    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+    assert!(lines.next().is_some(), "no mapping at {head}");
+    let rss = lines.find(|l| l.starts_with("Rss:")).unwrap();
+    rss.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 /// The f16 GEMV of the retention gates at every SIMD level this CPU runs

@@ -108,8 +108,8 @@ impl<'a> QMat<'a> {
         let mut v: Vec<u8> = super::mem::huge_capacity(b.len());
         // 2 MiB at a time, each part's map pages released once copied, so
         // the weights are resident about once even during the copy (an
-        // output matrix can be half a GiB); the pages the parts' edges
-        // share go with the last release
+        // output matrix can be half a GiB); parts end on 2 MiB addresses,
+        // so only the matrix's own first and last partial pages stay
         const PART: usize = 2 << 20;
         let mut i = 0;
         while i < b.len() {
@@ -119,7 +119,6 @@ impl<'a> QMat<'a> {
             crate::format::mmap::release(&b[i..end]);
             i = end;
         }
-        crate::format::mmap::release(b);
         QMat {
             bytes: Cow::Owned(v),
             ..self
