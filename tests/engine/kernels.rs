@@ -536,7 +536,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                 }
             }
             for level in simd_levels() {
-                // the packed-row-block kernel (VNNI): packed once, same bits
+                // the packed-row-block kernel (AVX2 and up): packed once, same bits
                 if let Some((pack, kernel)) = packed_for(dt, level) {
                     let mut p = vec![0u8; nb * PACKED_BYTES];
                     pack(nb, &rows, &mut p);
@@ -589,12 +589,13 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                 "no {dt} rows-in-lanes kernel ran on an AVX2 CPU"
             );
         }
-        if kvrun::backend::cpu::isa::detected().vnni() {
-            assert!(
-                packed_checked > 0,
-                "no packed {dt} kernel ran on a VNNI CPU"
-            );
-        }
+        // a packed kernel at every level this CPU runs (VNNI's, or the
+        // `maddubs` one below it), for each of the 4 widths
+        assert_eq!(
+            packed_checked,
+            4 * simd_levels().len(),
+            "{dt}: a level without its packed kernel"
+        );
     }
 }
 

@@ -332,8 +332,8 @@ pub fn matmul_q_at(
         if n_tok == 1 {
             return matvec_k(pool, w, act, out, one);
         }
-        // with VNNI the rows are unpacked once per row block (sized for L2)
-        // instead of once per token tile
+        // the rows unpacked once per row block (sized for L2) instead of
+        // once per token tile
         if let Some(packed) = qgemm_lanes::packed_for(w.dtype, level) {
             return matmul_k_packed(pool, w, act, n_tok, out, packed);
         }
