@@ -916,17 +916,29 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                 superblock_end::<F>(y[t], isum[t], xd, xm, &off, &mut acc[t], &mut acc_m[t]);
             }
         }
-        let mut out = [[0f32; N]; ROWS];
-        for t in 0..N {
-            let mut v = [0f32; ROWS];
-            // SAFETY: v holds 8 floats.
-            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
-            for r in 0..ROWS {
-                out[r][t] = v[r];
-            }
-        }
-        out
+        lanes_out(&acc, &acc_m)
     }
+}
+
+/// A call's result: per token, the 8 rows' `acc + acc_m` (lane r = row r)
+/// as `out[r][t]`.
+///
+/// # Safety
+/// AVX enabled where this is inlined.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn lanes_out<const N: usize>(acc: &[__m256; N], acc_m: &[__m256; N]) -> [[f32; N]; ROWS] {
+    use std::arch::x86_64::*;
+    let mut out = [[0f32; N]; ROWS];
+    for t in 0..N {
+        let mut v = [0f32; ROWS];
+        // SAFETY: v holds 8 floats; AVX is the caller's contract.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t])) };
+        for r in 0..ROWS {
+            out[r][t] = v[r];
+        }
+    }
+    out
 }
 
 /// The end of one superblock for one token (8 rows in the lanes): the
@@ -1128,6 +1140,32 @@ fn lanes_packed<F: Format, const VNNI: bool>(
     }
 }
 
+/// Superblock `b` of a packed micro tile: its start, the tokens' Q8_K
+/// blocks, and the rows' `d`, `dmin` and offset factors.
+///
+/// # Safety
+/// AVX enabled where this is inlined; `p` holds more than `b` packed
+/// superblocks and every token row more than `b` Q8_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+unsafe fn packed_block(
+    p: &[u8],
+    ap: &[*const u8; TOKS],
+    b: usize,
+) -> (*const u8, [*const u8; TOKS], __m256, __m256, [__m256i; 8]) {
+    use std::arch::x86_64::*;
+    // SAFETY (all pointer arithmetic and loads): the caller's contract.
+    unsafe {
+        let o = p.as_ptr().add(b * PACKED_BYTES);
+        let y: [*const u8; TOKS] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
+        let (xd, xm) = (_mm256_loadu_ps(o.cast()), _mm256_loadu_ps(o.add(32).cast()));
+        let off: [__m256i; 8] =
+            std::array::from_fn(|i| _mm256_loadu_si256(o.add(PACKED_OFF + 32 * i).cast()));
+        (o, y, xd, xm, off)
+    }
+}
+
 /// `lanes_body`'s VNNI path over a packed micro tile (the same integer
 /// sums in the same order, the same float steps).
 #[cfg(target_arch = "x86_64")]
@@ -1145,11 +1183,7 @@ unsafe fn lanes_packed_vnni<F: Format>(
         let mut acc_m = [_mm256_setzero_ps(); TOKS];
         let per = F::SCALE_LEN / 4;
         for b in 0..nb {
-            let o = p.as_ptr().add(b * PACKED_BYTES);
-            let y: [*const u8; TOKS] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
-            let (xd, xm) = (_mm256_loadu_ps(o.cast()), _mm256_loadu_ps(o.add(32).cast()));
-            let off: [__m256i; 8] =
-                std::array::from_fn(|i| _mm256_loadu_si256(o.add(PACKED_OFF + 32 * i).cast()));
+            let (o, y, xd, xm, off) = packed_block(p, &ap, b);
             let mut isum = [_mm256_setzero_si256(); TOKS];
             for s in 0..8 {
                 for j in 0..8 / per {
@@ -1176,15 +1210,7 @@ unsafe fn lanes_packed_vnni<F: Format>(
                 superblock_end::<F>(y[t], isum[t], xd, xm, &off, &mut acc[t], &mut acc_m[t]);
             }
         }
-        let mut out = [[0f32; TOKS]; ROWS];
-        for t in 0..TOKS {
-            let mut v = [0f32; ROWS];
-            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
-            for r in 0..ROWS {
-                out[r][t] = v[r];
-            }
-        }
-        out
+        lanes_out(&acc, &acc_m)
     }
 }
 
@@ -1215,11 +1241,7 @@ unsafe fn lanes_packed_avx2<F: Format>(
             12, 13, 12, 13,
         );
         for b in 0..nb {
-            let o = p.as_ptr().add(b * PACKED_BYTES);
-            let y: [*const u8; TOKS] = std::array::from_fn(|t| ap[t].add(b * Q8_K_BYTES));
-            let (xd, xm) = (_mm256_loadu_ps(o.cast()), _mm256_loadu_ps(o.add(32).cast()));
-            let off: [__m256i; 8] =
-                std::array::from_fn(|i| _mm256_loadu_si256(o.add(PACKED_OFF + 32 * i).cast()));
+            let (o, y, xd, xm, off) = packed_block(p, &ap, b);
             for t0 in (0..TOKS).step_by(T4) {
                 let mut isum = [_mm256_setzero_si256(); T4];
                 for s in 0..8 {
@@ -1248,15 +1270,7 @@ unsafe fn lanes_packed_avx2<F: Format>(
                 }
             }
         }
-        let mut out = [[0f32; TOKS]; ROWS];
-        for t in 0..TOKS {
-            let mut v = [0f32; ROWS];
-            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
-            for r in 0..ROWS {
-                out[r][t] = v[r];
-            }
-        }
-        out
+        lanes_out(&acc, &acc_m)
     }
 }
 
@@ -1419,15 +1433,6 @@ unsafe fn rows_body<const N: usize, F: Format>(
                 acc[t] = float_step(yd, xd, sum_rows(h[t]), acc[t]);
             }
         }
-        let mut out = [[0f32; N]; ROWS];
-        for t in 0..N {
-            let mut v = [0f32; ROWS];
-            // SAFETY: v holds 8 floats.
-            _mm256_storeu_ps(v.as_mut_ptr(), _mm256_add_ps(acc[t], acc_m[t]));
-            for r in 0..ROWS {
-                out[r][t] = v[r];
-            }
-        }
-        out
+        lanes_out(&acc, &acc_m)
     }
 }
