@@ -58,7 +58,7 @@
 //! tiles past them with the same integer sums and float steps, so it equals
 //! the unpacked kernel bit for bit while paying the unpacking once per
 //! block instead of once per token tile. At AVX2 that also keeps the inner
-//! loop in 16 registers (the unpacked kernel holds a unit's runs, 8–32
+//! loop in 16 registers (the unpacked kernel holds a unit's runs, 16–32
 //! registers, and spills where AVX-512's 32 are missing): on a Zen 4 build
 //! for x86-64-v3, the 7B's prefill went from 1.34× to 1.85× llama.cpp's
 //! AVX2 build, the 1.5B Q5_K_M's from 1.16× to 1.82× (README, Speed).
