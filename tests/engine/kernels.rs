@@ -1248,6 +1248,9 @@ fn qgemm_speed() {
     }
 }
 
+/// Q4_K×8: every row unpacks to its GGUF bytes, the scalar model of a row
+/// block equals `dot_scalar` on the rows, and the repacked kernel at every
+/// level this CPU runs equals the model bit for bit (fresh random data).
 #[test]
 fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
     use kvrun::backend::cpu::q4k_x8::{decode_for, decode_scalar, Q4kX8};

@@ -1021,19 +1021,23 @@ pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<(PackFn, Pac
         return None;
     }
     #[cfg(target_arch = "x86_64")]
-    {
-        let vnni = level.vnni();
-        match dtype {
-            DType::Q4K if vnni => return Some((pack_rows::<Q4k, true>, lanes_packed::<Q4k, true>)),
-            DType::Q5K if vnni => return Some((pack_rows::<Q5k, true>, lanes_packed::<Q5k, true>)),
-            DType::Q6K if vnni => return Some((pack_rows::<Q6k, true>, lanes_packed::<Q6k, true>)),
-            DType::Q4K => return Some((pack_rows::<Q4k, false>, lanes_packed::<Q4k, false>)),
-            DType::Q5K => return Some((pack_rows::<Q5k, false>, lanes_packed::<Q5k, false>)),
-            DType::Q6K => return Some((pack_rows::<Q6k, false>, lanes_packed::<Q6k, false>)),
-            _ => {}
-        }
+    match dtype {
+        DType::Q4K => return Some(packed_pair::<Q4k>(level.vnni())),
+        DType::Q5K => return Some(packed_pair::<Q5k>(level.vnni())),
+        DType::Q6K => return Some(packed_pair::<Q6k>(level.vnni())),
+        _ => {}
     }
     None
+}
+
+/// Format `F`'s packing and packed kernel, with `vpdpbusd` or without.
+#[cfg(target_arch = "x86_64")]
+fn packed_pair<F: Format>(vnni: bool) -> (PackFn, PackedFn) {
+    if vnni {
+        (pack_rows::<F, true>, lanes_packed::<F, true>)
+    } else {
+        (pack_rows::<F, false>, lanes_packed::<F, false>)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
