@@ -419,30 +419,31 @@ fn tile_matches_ggml(
     eprintln!("{dt}: scalar model and {simd_seen} SIMD level(s) checked");
 }
 
-/// Q8_0 at the VNNI level (`qgemm_q8_0_vnni`): the prefill tile (tokens in
-/// the lanes, over packed activations and side data) and the decoding
-/// kernel equal their scalar model bit for bit on fresh random data; the
+/// Q8_0 with the tokens in the lanes (`qgemm_q8_0_tokens`, AVX2 and VNNI):
+/// at every SIMD level this CPU runs, the prefill tile (over its packed
+/// activations and side data) and the decoding kernel equal their scalar
+/// model bit for bit on fresh random data (weights −128 included); the
 /// model is within float rounding (1e-4 relative) of an f64 dot product of
 /// the same quantized data and of ggml's `vec_dot`.
 #[test]
-fn q8_0_vnni_kernels_match_their_scalar_model() {
-    use kvrun::backend::cpu::qgemm_q8_0_vnni::{
-        decode_for, dot_scalar, pack_acts, pack_side, tile_for, PACKED_ACT_BYTES, ROWS, SIDE_BYTES,
-        TOKS,
+fn q8_0_tokens_kernels_match_their_scalar_model() {
+    use kvrun::backend::cpu::qgemm_q8_0_tokens::{
+        decode_for, dot_scalar, pack_side, prefill_for, ROWS, SIDE_BYTES, TOKS,
     };
     let seed = 0x5eed_0808 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     let dt = DType::Q8_0;
     let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
-    let kernels = (tile_for(Level::Avx512Vnni), decode_for(Level::Avx512Vnni));
-    if kernels.0.is_none() {
-        eprintln!("skipping the avx512vnni Q8_0 kernels: this CPU lacks them");
-    }
+    let (levels, mut checked) = (simd_levels(), 0);
     for n_in in [32usize, 64, 640, 3584, 8960] {
         let nb = n_in / 32;
         let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
-        let (w, act) = quant_problem(dt, &mut r, ROWS, n_in, TOKS);
+        let (mut w, act) = quant_problem(dt, &mut r, ROWS, n_in, TOKS);
+        // the extreme weight ggml's quantizer never writes, but a file may
+        for k in 0..ROWS {
+            w[k * rb + 2 + (k * 7) % 32] = 0x80;
+        }
         let rows: [&[u8]; ROWS] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
         let toks: [&[u8]; TOKS] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
         let model: Vec<Vec<f32>> = (0..ROWS)
@@ -465,33 +466,38 @@ fn q8_0_vnni_kernels_match_their_scalar_model() {
                 }
             }
         }
-        let (Some(tile), Some(decode)) = kernels else {
-            continue;
-        };
-        let mut packed = vec![0u8; nb * PACKED_ACT_BYTES];
-        let mut side = vec![0u8; nb * SIDE_BYTES];
-        pack_acts(nb, &toks, &mut packed);
-        pack_side(nb, &rows, &mut side);
-        let v = tile(nb, &rows, &side, &packed);
-        for t in 0..TOKS {
-            let one = decode(nb, &rows, &[toks[t]]);
-            for i in 0..ROWS {
-                let m = model[i][t];
-                assert_eq!(
-                    v[i][t].to_bits(),
-                    m.to_bits(),
-                    "n_in {n_in} ({i},{t}): tile {} vs model {m}",
-                    v[i][t]
-                );
-                assert_eq!(
-                    one[i][0].to_bits(),
-                    m.to_bits(),
-                    "n_in {n_in} ({i},{t}): decode {} vs model {m}",
-                    one[i][0]
-                );
+        for &level in &levels {
+            let (Some(prefill), Some(decode)) = (prefill_for(level), decode_for(level)) else {
+                panic!("{level}: no Q8_0 tokens-in-lanes kernels");
+            };
+            let mut packed = vec![0u8; nb * prefill.act_bytes];
+            let mut side = vec![0u8; nb * SIDE_BYTES];
+            (prefill.pack)(nb, &toks, &mut packed);
+            pack_side(nb, &rows, &mut side);
+            let v = (prefill.tile)(nb, &rows, &side, &packed);
+            for t in 0..TOKS {
+                let one = decode(nb, &rows, &[toks[t]]);
+                for i in 0..ROWS {
+                    let m = model[i][t];
+                    assert_eq!(
+                        v[i][t].to_bits(),
+                        m.to_bits(),
+                        "{level} n_in {n_in} ({i},{t}): tile {} vs model {m}",
+                        v[i][t]
+                    );
+                    assert_eq!(
+                        one[i][0].to_bits(),
+                        m.to_bits(),
+                        "{level} n_in {n_in} ({i},{t}): decode {} vs model {m}",
+                        one[i][0]
+                    );
+                }
             }
+            checked += 1;
         }
     }
+    assert_eq!(checked, 5 * levels.len());
+    eprintln!("Q8_0: {} SIMD level(s) checked", levels.len());
 }
 
 /// The rows-in-lanes K-quant kernels (Q4_K, Q5_K, Q6_K; AVX2, AVX-512
@@ -713,17 +719,17 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             let mat = if repacked { &m8 } else { &m };
             matmul_q_at(&pool, mat, &act, n_tok, &mut out, level);
             // K-quants on AVX2 follow the rows-in-lanes arithmetic, Q8_0
-            // with VNNI its own, not ggml's
+            // from AVX2 up the tokens-in-lanes one, not ggml's
             let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
             let q8_vnni = dt == DType::Q8_0
-                && kvrun::backend::cpu::qgemm_q8_0_vnni::tile_for(level).is_some();
+                && kvrun::backend::cpu::qgemm_q8_0_tokens::prefill_for(level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
                     let a = &act[t * ab..(t + 1) * ab];
                     let g = if lanes {
                         kvrun::backend::cpu::qgemm_lanes::dot_scalar(dt, n_in / 256, &m.row(i), a)
                     } else if q8_vnni {
-                        kvrun::backend::cpu::qgemm_q8_0_vnni::dot_scalar(n_in / 32, &m.row(i), a)
+                        kvrun::backend::cpu::qgemm_q8_0_tokens::dot_scalar(n_in / 32, &m.row(i), a)
                     } else {
                         tr.dot(n_in, &m.row(i), a)
                     };

@@ -12,7 +12,7 @@ use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
 use super::q4k_x8::{self, Q4kX8};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
 use super::qgemm_x86::{self, MR, NT};
-use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_vnni};
+use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_tokens};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -339,20 +339,20 @@ pub fn matmul_q_at(
         }
         return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Lanes(tile));
     }
-    // Q8_0 with VNNI: tokens in the lanes (prefill) and its own decoding,
-    // one arithmetic for every token count
+    // Q8_0 from AVX2 up: tokens in the lanes (prefill) and its own
+    // decoding, one arithmetic for every token count and level
     if w.dtype == DType::Q8_0 {
         if n_tok >= 2 && level >= Level::Amx && level <= isa::detected() {
             return matmul_q8_0_amx(pool, w, act, n_tok, out);
         }
-        if let (Some(tile), Some(one)) = (
-            qgemm_q8_0_vnni::tile_for(level),
-            qgemm_q8_0_vnni::decode_for(level),
+        if let (Some(prefill), Some(one)) = (
+            qgemm_q8_0_tokens::prefill_for(level),
+            qgemm_q8_0_tokens::decode_for(level),
         ) {
             return if n_tok == 1 {
                 matvec_k(pool, w, act, out, one)
             } else {
-                matmul_q8_0_vnni(pool, w, act, n_tok, out, tile)
+                matmul_q8_0_tokens(pool, w, act, n_tok, out, prefill)
             };
         }
     }
@@ -407,20 +407,25 @@ pub fn matmul_q_at(
     });
 }
 
-/// Q8_0 × Q8_0 (`n_tok` ≥ 2) with `qgemm_q8_0_vnni`'s prefill tile: the
-/// token tiles are packed once (threads split them; the last one padded
+/// Q8_0 × Q8_0 (`n_tok` ≥ 2) with a `qgemm_q8_0_tokens` prefill tile: the
+/// token tiles are packed once (as that tile reads them) (threads split them; the last one padded
 /// with its last token), then the threads take `LANES_ROW_TILE`-row
 /// blocks as they come free, pack its micro tiles' side data (scales, corrections) and
 /// stream every packed token tile (in L1) past them (weights from L2).
-fn matmul_q8_0_vnni(
+fn matmul_q8_0_tokens(
     pool: &ThreadPool,
     w: &QMat<'_>,
     act: &[u8],
     n_tok: usize,
     out: &mut [f32],
-    tile: qgemm_q8_0_vnni::TileFn,
+    prefill: qgemm_q8_0_tokens::Prefill,
 ) {
-    use qgemm_q8_0_vnni::{pack_acts, pack_side, PACKED_ACT_BYTES, ROWS, SIDE_BYTES, TOKS};
+    use qgemm_q8_0_tokens::{pack_side, ROWS, SIDE_BYTES, TOKS};
+    let qgemm_q8_0_tokens::Prefill {
+        pack,
+        act_bytes,
+        tile,
+    } = prefill;
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
@@ -428,8 +433,8 @@ fn matmul_q8_0_vnni(
     let nb = n_in / w.dtype.block_len();
     let nt = pool.n_threads();
     let n_tt = n_tok.div_ceil(TOKS);
-    let tile_bytes = nb * PACKED_ACT_BYTES;
-    // the packed token tiles  (n_tt, nb, PACKED_ACT_BYTES)
+    let tile_bytes = nb * act_bytes;
+    // the packed token tiles  (n_tt, nb, act_bytes)
     let mut packed = vec![0u8; n_tt * tile_bytes];
     let p = SharedMut::new(&mut packed[..]);
     pool.run(|i| {
@@ -437,7 +442,7 @@ fn matmul_q8_0_vnni(
         for tt in t0..t1 {
             let toks: [&[u8]; TOKS] = token_tile(act, ab, n_tok, TOKS, tt);
             // SAFETY: token tile tt belongs to this thread only.
-            pack_acts(nb, &toks, unsafe { p.slice(tt * tile_bytes, tile_bytes) });
+            pack(nb, &toks, unsafe { p.slice(tt * tile_bytes, tile_bytes) });
         }
     });
     let packed = &packed[..];

@@ -10,10 +10,12 @@
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
-//! - `qgemm_q8_0`: Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI,
-//!   AVX2), prefill and decode, in ggml's arithmetic lane for lane;
-//! - `qgemm_q8_0_vnni`: Q8_0 × Q8_0 at the VNNI level with the tokens in
-//!   the lanes (prefill) and its decoding kernel, one arithmetic of its own;
+//! - `qgemm_q8_0`: Q4_0 and Q5_0 (and Q8_0, no longer the engine's there)
+//!   × Q8_0 tile kernels (AVX-512 VNNI, AVX2), prefill and decode, in
+//!   ggml's arithmetic lane for lane;
+//! - `qgemm_q8_0_tokens`: Q8_0 × Q8_0 with the tokens in the lanes
+//!   (prefill; VNNI, and AVX2 over nibble planes) and its decoding
+//!   kernels, one arithmetic of its own at every level;
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
 //! - `attention`: one layer's attention step (prefill and decode paths,
 //!   in-cache positions, the probability export);
@@ -47,7 +49,7 @@ pub mod qgemm_amx;
 mod qgemm_k_decode;
 pub mod qgemm_lanes;
 pub mod qgemm_q8_0;
-pub mod qgemm_q8_0_vnni;
+pub mod qgemm_q8_0_tokens;
 pub mod qgemm_x86;
 pub mod reference;
 

@@ -50,7 +50,7 @@
 //! the level is `amx` only where that succeeded.
 
 use super::qgemm_lanes::Q8_K_BYTES;
-pub use super::qgemm_q8_0_vnni::Q8_0_BYTES;
+pub use super::qgemm_q8_0_tokens::Q8_0_BYTES;
 use crate::tensor::DType;
 
 /// Rows of a panel, tokens of a token tile.
@@ -209,7 +209,7 @@ pub fn pack_acts_q8_0(act: &[u8], ab: usize, n_tok: usize, nb: usize, tt: usize,
 
 /// One panel of 16 Q8_0 rows (row r at `w + r·rb`, GGUF's layout) against
 /// one packed token tile over `nb` blocks: `out[r][t]` is the sum over the
-/// blocks, in order, of `fma(dx·dy, isum, acc)` — `qgemm_q8_0_vnni`'s
+/// blocks, in order, of `fma(dx·dy, isum, acc)` — `qgemm_q8_0_tokens`'s
 /// arithmetic (its `dot_scalar`), bit for bit. `dx[b·16 + r]` holds row
 /// r's scale of block b as f32. The caller must have configured the tiles
 /// with [`TileScope::q8_0`].
