@@ -700,11 +700,11 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
         let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
-        // the same matrix as the VNNI level lays it out (Q4_K×8 where it
+        // the same matrix as the SIMD levels lay it out (Q4_K×8 where it
         // has 8k rows; every level must give the plain matrix's results)
         let m8 = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w))
             .unwrap()
-            .repack_for(Level::Avx512Vnni);
+            .repack_for(Level::Avx2);
         let ab = tr.act_bytes(n_in);
         // every kernel level this CPU runs, the portable one (ggml) included
         let levels = std::iter::once(Level::Portable).chain(simd_levels());
@@ -1291,7 +1291,10 @@ fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
                 assert_eq!(model[k].to_bits(), want.to_bits(), "n_in {n_in} row {i}");
             }
             for level in simd_levels() {
-                if let Some(f) = decode_for(level) {
+                // every SIMD level has a Q4_K×8 kernel (AVX2's from avx2)
+                let f = decode_for(level);
+                assert!(f.is_some(), "{level}: no Q4_K×8 kernel");
+                if let Some(f) = f {
                     let got = f(nb, x8.block(blk), y);
                     for k in 0..ROWS {
                         assert_eq!(
@@ -1311,8 +1314,9 @@ fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
     eprintln!("{checked} kernel calls checked");
 }
 
-/// One core: the row-major 512-bit decoding kernel against the repacked
-/// Q4_K×8 one, 8-row calls over a matrix in L2 and one streamed from memory.
+/// One core, at every SIMD level this CPU runs: the row-major decoding
+/// kernel against the repacked Q4_K×8 one, 8-row calls over a matrix in L2
+/// and one streamed from memory.
 #[test]
 #[ignore]
 fn q4k_x8_speed() {
@@ -1327,11 +1331,6 @@ fn q4k_x8_speed() {
     let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
         .unwrap()
         .act_bytes(n_in);
-    let Some(x8f) = decode_for(Level::Avx512Vnni) else {
-        eprintln!("no VNNI");
-        return;
-    };
-    let rowf = k_quant_kernel::<1>(dt, Level::Avx512Vnni).unwrap();
     let sizes: Vec<usize> = std::env::var("KVRUN_SPEED_ROWS")
         .map(|s| s.split(',').map(|x| x.parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![64, 18944]);
@@ -1340,32 +1339,38 @@ fn q4k_x8_speed() {
         let x8 = Q4kX8::new(&w, n_out, nb);
         let y = &act[..ab];
         let reps = (200_000_000 / (n_out * n_in)).max(3);
-        for round in 0..3 {
-            let mut sink = 0f32;
-            let t = std::time::Instant::now();
-            for _ in 0..reps {
-                for blk in 0..n_out / ROWS {
-                    let rows: [&[u8]; ROWS] = std::array::from_fn(|k| {
-                        &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]
-                    });
-                    sink += rowf(nb, &rows, &[y])[0][0];
+        for level in simd_levels() {
+            let (Some(x8f), Some(rowf)) = (decode_for(level), k_quant_kernel::<1>(dt, level))
+            else {
+                continue;
+            };
+            for round in 0..3 {
+                let mut sink = 0f32;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    for blk in 0..n_out / ROWS {
+                        let rows: [&[u8]; ROWS] = std::array::from_fn(|k| {
+                            &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]
+                        });
+                        sink += rowf(nb, &rows, &[y])[0][0];
+                    }
                 }
-            }
-            let a = t.elapsed().as_secs_f64();
-            let t = std::time::Instant::now();
-            for _ in 0..reps {
-                for blk in 0..n_out / ROWS {
-                    sink += x8f(nb, x8.block(blk), y)[0];
+                let a = t.elapsed().as_secs_f64();
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    for blk in 0..n_out / ROWS {
+                        sink += x8f(nb, x8.block(blk), y)[0];
+                    }
                 }
+                let b = t.elapsed().as_secs_f64();
+                let gb = (reps * n_out * rb) as f64 / 1e9;
+                eprintln!(
+                    "{n_out}x{n_in} {level} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
+                    gb / a,
+                    gb / b,
+                    a / b
+                );
             }
-            let b = t.elapsed().as_secs_f64();
-            let gb = (reps * n_out * rb) as f64 / 1e9;
-            eprintln!(
-                "{n_out}x{n_in} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
-                gb / a,
-                gb / b,
-                a / b
-            );
         }
     }
 }

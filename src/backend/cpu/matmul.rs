@@ -68,8 +68,8 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K with a multiple of 8 rows becomes Q4_K×8 at AVX-512
-    /// VNNI ([`Q4kX8`], the same bytes rearranged; mapped pages of the
+    /// fastest: Q4_K with a multiple of 8 rows becomes Q4_K×8 from AVX2 up
+    /// ([`Q4kX8`], the same bytes rearranged; mapped pages of the
     /// original are released, so the weights are not resident twice);
     /// anything else stays as it is. Results are the same bit for bit.
     pub fn repack_for(self, level: Level) -> QMat<'a> {

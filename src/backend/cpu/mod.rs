@@ -8,6 +8,8 @@
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
 //! - `qgemm_lanes`: Q4_K, Q5_K and Q6_K × Q8_K with 8 weight rows in the
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
+//! - `q4k_x8`: Q4_K matrices repacked 8 rows at a time at load (from AVX2
+//!   up) and their decoding kernels (AVX-512 VNNI, AVX2);
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
 //! - `qgemm_q8_0`: Q4_0 and Q5_0 (and Q8_0, no longer the engine's there)
@@ -204,7 +206,7 @@ impl crate::backend::WeightSink<Cpu> for Loader {
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
         // rearranged for this level's products where it has a layout for
-        // them (Q4_K×8 at AVX-512 VNNI), else copied into huge pages if asked
+        // them (Q4_K×8 from AVX2 up), else copied into huge pages if asked
         let m = QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level());
         Ok(match self.pages {
             WeightPages::Huge => m.into_huge_pages(),

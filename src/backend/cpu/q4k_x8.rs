@@ -1,5 +1,5 @@
-//! Q4_K repacked eight rows at a time (`Q4_K×8`), and its decoding kernel
-//! for AVX-512 VNNI: one token against 8 rows per call.
+//! Q4_K repacked eight rows at a time (`Q4_K×8`), and its decoding kernels
+//! for AVX-512 VNNI and for AVX2: one token against 8 rows per call.
 //!
 //! Why repack: the row-major decoding kernels (`qgemm_k_decode`) multiply
 //! a run of 32 weights by its activations with `maddubs` and then by the
@@ -16,6 +16,16 @@
 //! applied (one `vpdpwssd` per run per 8 rows). That is 1.25 multiplies per
 //! 64 weights, scales decoded for 8 rows at once, and no per-row reduction:
 //! the rows already sit in lanes for the float step.
+//!
+//! AVX2 ([`decode_avx2`]) reads the same layout as two 32-byte halves (rows
+//! 0..4, 4..8): `maddubs` of a half's nibbles with the 8 activations
+//! broadcast gives 4 pair sums per row in i16, the 4 loads of a run add up
+//! in i16 (|sum| ≤ 4·2·15·128 = 15360), then one `madd` per run and half
+//! applies the run's scale. Against the row-major AVX2 kernel
+//! (`qgemm_lanes::rows`: per row and superblock its own scale decoding,
+//! a `madd` per 32 weights and a reduction of its lanes) that is about a
+//! quarter fewer vector operations per weight, which is what decoding at
+//! AVX2 is bound by on a core that reads memory faster than it multiplies.
 //!
 //! # Layout
 //! Rows `8R..8R + 8`, superblock `b`: a group of [`GROUP_BYTES`] = 8 × 144
@@ -192,26 +202,39 @@ pub fn decode_scalar(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
     })
 }
 
-/// The AVX-512 VNNI kernel where this CPU runs it at kernel level `level`.
+/// The kernel where this CPU runs it at kernel level `level`: VNNI's from
+/// avx512vnni, AVX2's at avx2 and avx512.
 pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
-    use super::isa::detected;
+    use super::isa::{detected, Level};
     #[cfg(target_arch = "x86_64")]
-    if level.vnni() && level <= detected() {
-        return Some(decode);
+    if level <= detected() {
+        if level.vnni() {
+            return Some(decode::<true>);
+        }
+        if level >= Level::Avx2 {
+            return Some(decode::<false>);
+        }
     }
-    let _ = (level, detected);
+    let _ = (level, detected, Level::Avx2);
     None
 }
 
 #[cfg(target_arch = "x86_64")]
-fn decode(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+fn decode<const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
     assert!(
         groups.len() >= nb * GROUP_BYTES && y.len() >= nb * Q8_K_BYTES,
         "Q4_K×8 decode: short operands"
     );
-    // SAFETY: handed out by `decode_for` only where the CPU has AVX-512
-    // F/BW/VL and VNNI; the lengths (checked above) bound every load.
-    unsafe { decode_vnni(nb, groups.as_ptr(), y.as_ptr()) }
+    // SAFETY: handed out by `decode_for` only where the CPU has AVX2, FMA
+    // and F16C, and with VNNI only where it has AVX-512 F/BW/VL and VNNI;
+    // the lengths (checked above) bound every load.
+    unsafe {
+        if VNNI {
+            decode_vnni(nb, groups.as_ptr(), y.as_ptr())
+        } else {
+            decode_avx2(nb, groups.as_ptr(), y.as_ptr())
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -255,6 +278,155 @@ static SC_LOW: [u8; 64] = {
     }
     t
 };
+
+/// For run s, a half of a group (4 rows; AVX2): the i16 lanes of row
+/// 2L + m (64-bit lane m of 128-bit lane L) all get the scale of run s of
+/// that row, unpacked in place as in `decode_vnni` (byte 4m + s for s < 4,
+/// 8 + 4m + s − 4 above), zero-extended.
+#[cfg(target_arch = "x86_64")]
+static RUN_SCALE16: [[u8; 32]; 8] = {
+    let mut t = [[0x80u8; 32]; 8];
+    let mut s = 0;
+    while s < 8 {
+        let mut i = 0;
+        while i < 32 {
+            let m = (i % 16) / 8;
+            if i % 2 == 0 {
+                t[s][i] = if s < 4 {
+                    (4 * m + s) as u8
+                } else {
+                    (8 + 4 * m + s - 4) as u8
+                };
+            }
+            i += 1;
+        }
+        s += 1;
+    }
+    t
+};
+
+/// Two halves' integer sums (row 4k + j of half k in 32-bit lanes 2j,
+/// 2j + 1) as one sum per row, lane r = row r (exact, integer).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fold_halves(h0: __m256i, h1: __m256i) -> __m256i {
+    // SAFETY: register-only AVX2 ops (the caller's features).
+    unsafe {
+        // rows 0 1 4 5 | 2 3 6 7, then the 64-bit pairs in order
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_hadd_epi32(h0, h1))
+    }
+}
+
+/// One token against 8 repacked rows at AVX2: the same sums and float
+/// steps as [`decode_vnni`], 4 rows per 256-bit register.
+///
+/// # Safety
+/// AVX2, FMA, F16C; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+    use super::qgemm_lanes::float_step;
+    // SAFETY: the function's contract: the features are enabled, every
+    // load is inside the nb groups / blocks.
+    unsafe {
+        let nib = _mm256_set1_epi8(0x0f);
+        let sc_low = _mm256_loadu_si256(SC_LOW.as_ptr().cast());
+        let sc_high = _mm256_set1_epi8(0x30);
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_m = _mm256_setzero_ps();
+        for b in 0..nb {
+            let g = x.add(b * GROUP_BYTES);
+            let yb = y.add(b * Q8_K_BYTES);
+            // per half k (rows 4k..4k + 4): the packed scales of rows
+            // 4k + 2l, 4k + 2l + 1 in 128-bit lane l, unpacked in place
+            let ac: [__m256i; 2] =
+                std::array::from_fn(|k| _mm256_loadu_si256(g.add(G_AC + 32 * k).cast()));
+            let sc = ac.map(|a| {
+                let low = _mm256_and_si256(a, sc_low);
+                let high =
+                    _mm256_and_si256(_mm256_srli_epi16(_mm256_bslli_epi128(a, 8), 2), sc_high);
+                _mm256_or_si256(low, high)
+            });
+            // the integer sums per half, row 4k + j in lanes 2j, 2j + 1
+            let mut isum = [_mm256_setzero_si256(); 2];
+            for c in 0..4 {
+                let mut sl = [_mm256_setzero_si256(); 2];
+                let mut sh = [_mm256_setzero_si256(); 2];
+                for h in 0..4 {
+                    let ya = _mm256_set1_epi64x(
+                        yb.add(4 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
+                    );
+                    let yh = _mm256_set1_epi64x(
+                        yb.add(36 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
+                    );
+                    for k in 0..2 {
+                        let v = _mm256_loadu_si256(g.add(G_Q + 64 * (4 * c + h) + 32 * k).cast());
+                        let lo = _mm256_and_si256(v, nib);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                        sl[k] = _mm256_add_epi16(sl[k], _mm256_maddubs_epi16(lo, ya));
+                        sh[k] = _mm256_add_epi16(sh[k], _mm256_maddubs_epi16(hi, yh));
+                    }
+                }
+                let m_lo = _mm256_loadu_si256(RUN_SCALE16[2 * c].as_ptr().cast());
+                let m_hi = _mm256_loadu_si256(RUN_SCALE16[2 * c + 1].as_ptr().cast());
+                for k in 0..2 {
+                    let s_lo = _mm256_shuffle_epi8(sc[k], m_lo);
+                    let s_hi = _mm256_shuffle_epi8(sc[k], m_hi);
+                    isum[k] = _mm256_add_epi32(
+                        isum[k],
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(sl[k], s_lo),
+                            _mm256_madd_epi16(sh[k], s_hi),
+                        ),
+                    );
+                }
+            }
+            // mins: row r's 0..3 from B_r, 4..7 from C_r's high nibbles and
+            // B_r's top bits; C_r gathered from both halves (rows 0 1 4 5 |
+            // 2 3 6 7, then in order)
+            let bv = _mm256_loadu_si256(g.add(G_B).cast());
+            let cv = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_unpackhi_epi64(ac[0], ac[1]));
+            let m_lo = _mm256_and_si256(bv, _mm256_set1_epi8(0x3f));
+            let m_hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(cv, 4), _mm256_set1_epi8(0x0f)),
+                _mm256_and_si256(_mm256_srli_epi16(bv, 2), _mm256_set1_epi8(0x30)),
+            );
+            // the activation's 32-value sums: j = 0..3 and 4..7, each
+            // repeated over a row's 4 i16 lanes
+            let bs = _mm256_loadu_si256(yb.add(260).cast());
+            let b32 = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));
+            let b16 = _mm256_packs_epi32(b32, b32);
+            let p_lo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(b16));
+            let p_hi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256::<1>(b16));
+            // per half: row 4k + j's mins (4 + 4 bytes) against them
+            let msum: [__m256i; 2] = std::array::from_fn(|k| {
+                let lo = if k == 0 {
+                    _mm256_castsi256_si128(m_lo)
+                } else {
+                    _mm256_extracti128_si256::<1>(m_lo)
+                };
+                let hi = if k == 0 {
+                    _mm256_castsi256_si128(m_hi)
+                } else {
+                    _mm256_extracti128_si256::<1>(m_hi)
+                };
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(lo), p_lo),
+                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(hi), p_hi),
+                )
+            });
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(g.cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(g.add(G_DMIN).cast()));
+            let dy = yb.cast::<f32>().read_unaligned();
+            acc_m = float_step(-dy, dmin, fold_halves(msum[0], msum[1]), acc_m);
+            acc = float_step(dy, d, fold_halves(isum[0], isum[1]), acc);
+        }
+        let mut out = [0f32; ROWS];
+        // SAFETY: out holds 8 floats.
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
+    }
+}
 
 /// Sum the two 32-bit lanes of each row: lane r of the result is lanes 2r
 /// + 2r + 1 of `x` (exact, integer).

@@ -47,8 +47,8 @@
 //! sums moved into lanes for the same float steps): with one token the
 //! transposes cost more than they save, and the result is the same bit for
 //! bit, so a prompt's logits still do not depend on how it is chunked.
-//! (At the AVX-512 VNNI level Q4_K matrices are repacked at load instead,
-//! [`super::q4k_x8`], and decoded by that module's kernel with the same
+//! (Q4_K matrices are repacked at load instead, from AVX2 up,
+//! [`super::q4k_x8`], and decoded by that module's kernels with the same
 //! sums and float steps.)
 //!
 //! The engine's prefill runs over packed micro tiles instead

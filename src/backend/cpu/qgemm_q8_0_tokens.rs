@@ -157,7 +157,8 @@ pub fn pack_acts_nibbles(nb: usize, toks: &[&[u8]; TOKS], out: &mut [u8]) {
         for (t, tok) in toks.iter().enumerate() {
             let y = &tok[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
             for g in 0..8 {
-                let u = u32::from_le_bytes(y[2 + 4 * g..6 + 4 * g].try_into().unwrap()) ^ 0x8080_8080;
+                let u =
+                    u32::from_le_bytes(y[2 + 4 * g..6 + 4 * g].try_into().unwrap()) ^ 0x8080_8080;
                 let at = g * 64 + t * 4;
                 o[at..at + 4].copy_from_slice(&(u & 0x0f0f_0f0f).to_le_bytes());
                 o[at + 32..at + 36].copy_from_slice(&((u >> 4) & 0x0f0f_0f0f).to_le_bytes());
@@ -364,7 +365,11 @@ unsafe fn tile_avx2_impl(
             // isum = 16·Σ w·h + Σ w·l − 128·Σ w; acc = fma(dx·dy, f32(isum), acc)
             let dy = unsafe { _mm256_loadu_ps(a.add(512).cast()) };
             for r in 0..PR {
-                let corr = unsafe { s.add(32 + 4 * (pass * PR + r)).cast::<i32>().read_unaligned() };
+                let corr = unsafe {
+                    s.add(32 + 4 * (pass * PR + r))
+                        .cast::<i32>()
+                        .read_unaligned()
+                };
                 let isum = _mm256_add_epi32(
                     _mm256_add_epi32(
                         _mm256_madd_epi16(hi[r], sixteen),
