@@ -8,10 +8,10 @@
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
 //! - `qgemm_lanes`: Q4_K, Q5_K and Q6_K × Q8_K with 8 weight rows in the
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
-//! - `q4k_x8`: Q4_K matrices repacked 8 rows at a time at load (from AVX2
-//!   up) and their decoding kernels (AVX-512 VNNI, AVX2);
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
+//! - `q4k_x8`: Q4_K matrices repacked 8 rows at a time at load (from AVX2
+//!   up) and their decoding kernels (AVX-512 VNNI, AVX2);
 //! - `qgemm_q8_0`: Q4_0 and Q5_0 (and Q8_0, no longer the engine's there)
 //!   × Q8_0 tile kernels (AVX-512 VNNI, AVX2), prefill and decode, in
 //!   ggml's arithmetic lane for lane;
