@@ -606,18 +606,6 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
 }
 
 #[test]
-fn q8_0_tile_matches_ggml_vec_dot_bit_for_bit() {
-    use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q8_0};
-    tile_matches_ggml(
-        DType::Q8_0,
-        0x5eed_0800,
-        tile_for::<W_Q8_0, 4>,
-        tile_for::<W_Q8_0, 1>,
-        tile_scalar::<W_Q8_0, 4>,
-    );
-}
-
-#[test]
 fn q4_0_tile_matches_ggml_vec_dot_bit_for_bit() {
     use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q4_0};
     tile_matches_ggml(

@@ -10,7 +10,7 @@
 use super::isa::{self, Level};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
 use super::q4k_x8::{self, Q4kX8};
-use super::qgemm_q8_0::{W_Q4_0, W_Q5_0, W_Q8_0};
+use super::qgemm_q8_0::{W_Q4_0, W_Q5_0};
 use super::qgemm_x86::{self, MR, NT};
 use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_tokens};
 use crate::error::{Error, Result};
@@ -357,10 +357,6 @@ pub fn matmul_q_at(
         }
     }
     let (tile_n, tile_1) = match w.dtype {
-        DType::Q8_0 => (
-            qgemm_q8_0::tile_for::<W_Q8_0, NT>(level),
-            qgemm_q8_0::tile_for::<W_Q8_0, 1>(level),
-        ),
         DType::Q4_0 => (
             qgemm_q8_0::tile_for::<W_Q4_0, NT>(level),
             qgemm_q8_0::tile_for::<W_Q4_0, 1>(level),

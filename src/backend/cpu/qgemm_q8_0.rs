@@ -1,19 +1,20 @@
-//! Q8_0, Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
+//! Q4_0 and Q5_0 × Q8_0 tile kernels (AVX-512 VNNI and AVX2): `MR`
 //! weight rows × `N` tokens per call ([`TileFn`]; `N` = 4 for batched
 //! prefill, 1 for decoding), so each weight block is loaded and unpacked
 //! once for `N` tokens and each activation block (and its block sums) once
 //! for `MR` rows.
 //!
 //! The weight types are 32-weight blocks with an f16 scale `d` in front:
-//! Q8_0 holds 32 i8 weights, Q4_0 16 bytes of nibbles (weight i < 16 is
-//! the low nibble of byte i, weight i ≥ 16 the high nibble of byte i − 16),
-//! each nibble q standing for q − 8. Q5_0 holds a little-endian u32 `qh`
-//! (bit i: the 5th bit of weight i), then Q4_0's 16 bytes of nibbles; each
-//! 5-bit q stands for q − 16. Activations are Q8_0 (ggml's format for all
-//! three).
+//! Q4_0 holds 16 bytes of nibbles (weight i < 16 is the low nibble of byte
+//! i, weight i ≥ 16 the high nibble of byte i − 16), each nibble q standing
+//! for q − 8. Q5_0 holds a little-endian u32 `qh` (bit i: the 5th bit of
+//! weight i), then Q4_0's 16 bytes of nibbles; each 5-bit q stands for
+//! q − 16. Activations are Q8_0 (ggml's format for both). (Q8_0 weights
+//! have kernels of their own, `qgemm_q8_0_tokens`, since 2026-12-06 at
+//! every level; they ran here before, in ggml's arithmetic.)
 //!
 //! Per (row, token) the arithmetic is that of ggml's x86
-//! `ggml_vec_dot_q8_0_q8_0` / `_q4_0_q8_0` / `_q5_0_q8_0` (AVX2 branch) lane
+//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` (AVX2 branch) lane
 //! for lane, so results agree with it bit for bit (tests/engine/kernels.rs):
 //! per block, 8 i32 lanes, lane k = Σ of the 4 products of weights
 //! 4k..4k+3 with their activations (exact integers), then
@@ -21,17 +22,16 @@
 //! ggml's `hsum_float_8(acc)`.
 //!
 //! How the lanes are formed (any exact way gives the same integers):
-//! - VNNI: weights as unsigned bytes u = w + o (o = 128 for Q8_0, a flip of
-//!   the sign bit; o = 8 for Q4_0, the raw nibble; o = 16 for Q5_0, the raw
-//!   5-bit value, its high bits added under a byte mask), so one `vpdpbusd` of u
-//!   with the activation, started from −o·(the activation's 4-byte group
-//!   sums), is Σ w·y. The group sums are made once per token and block.
-//! - AVX2: Q8_0 by ggml's sign trick (`maddubs(|w|, sign(y, w))`, pairs
-//!   added by `madd`); Q4_0 and Q5_0 as `maddubs(u, y)` + the same −o·sums
-//!   (Q5_0's high bits spread from `qh` to bytes by a shuffle and compare).
+//! - VNNI: weights as unsigned bytes u = w + o (o = 8 for Q4_0, the raw
+//!   nibble; o = 16 for Q5_0, the raw 5-bit value, its high bits added
+//!   under a byte mask), so one `vpdpbusd` of u with the activation,
+//!   started from −o·(the activation's 4-byte group sums), is Σ w·y. The
+//!   group sums are made once per token and block.
+//! - AVX2: `maddubs(u, y)` + the same −o·sums (Q5_0's high bits spread
+//!   from `qh` to bytes by a shuffle and compare).
 //!
 //! [`tile_scalar`] is the scalar model of that arithmetic. The weight type
-//! is a const parameter, [`W_Q8_0`], [`W_Q4_0`] or [`W_Q5_0`].
+//! is a const parameter, [`W_Q4_0`] or [`W_Q5_0`].
 
 use super::isa::{detected, Level};
 use super::qgemm_x86::MR;
@@ -47,8 +47,6 @@ fn hsum8(acc: &[f32; 8]) -> f32 {
     (h[0] + h[2]) + (h[1] + h[3])
 }
 
-/// The const parameter of a Q8_0 weight matrix.
-pub const W_Q8_0: u8 = 0;
 /// The const parameter of a Q4_0 weight matrix.
 pub const W_Q4_0: u8 = 1;
 /// The const parameter of a Q5_0 weight matrix.
@@ -63,20 +61,19 @@ pub const Q5_0_BYTES: usize = 22;
 
 /// Bytes of one weight block of type `W`.
 const fn block_bytes(w: u8) -> usize {
-    match w {
-        W_Q4_0 => Q4_0_BYTES,
-        W_Q5_0 => Q5_0_BYTES,
-        _ => Q8_0_BYTES,
+    if w == W_Q5_0 {
+        Q5_0_BYTES
+    } else {
+        Q4_0_BYTES
     }
 }
 
-/// The unsigned offset o of a weight of type `W` (its stored value is w + o;
-/// 0 for Q8_0, whose bytes are the signed weights).
+/// The unsigned offset o of a weight of type `W` (its stored value is w + o).
 const fn offset(w: u8) -> i32 {
-    match w {
-        W_Q4_0 => 8,
-        W_Q5_0 => 16,
-        _ => 0,
+    if w == W_Q5_0 {
+        16
+    } else {
+        8
     }
 }
 
@@ -86,10 +83,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 fn check<const W: u8, const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]) {
-    assert!(
-        W == W_Q8_0 || W == W_Q4_0 || W == W_Q5_0,
-        "q8_0 tile: unknown weight type"
-    );
+    assert!(W == W_Q4_0 || W == W_Q5_0, "q8_0 tile: unknown weight type");
     assert!(
         w.iter().all(|r| r.len() >= nb * block_bytes(W)),
         "q8_0 tile: weight row too short"
@@ -103,9 +97,6 @@ fn check<const W: u8, const N: usize>(nb: usize, w: &[&[u8]; MR], a: &[&[u8]; N]
 /// Weight `i` (0..32) of the block `x` of type `W`, as its integer value.
 #[inline]
 fn weight<const W: u8>(x: &[u8], i: usize) -> i32 {
-    if W == W_Q8_0 {
-        return x[2 + i] as i8 as i32;
-    }
     // the nibbles follow the scale (Q4_0) or the scale and qh (Q5_0)
     let qs = if W == W_Q5_0 { 6 } else { 2 };
     let b = x[qs + i % 16];
@@ -354,44 +345,29 @@ unsafe fn tile_avx2_impl<const W: u8, const N: usize>(
     for b in 0..nb {
         // SAFETY (all loads): b < nb and each row holds nb blocks.
         let (xs, xd, yd, ys) = unsafe { block_start::<N>(w, a, nb, bw, b) };
-        // Q4_0, Q5_0: −o · the 4-byte group sums of each token's block
-        // (o = 8 or 16, a shift by 3 or 4)
+        // −o · the 4-byte group sums of each token's block (o = 8 or 16, a
+        // shift by 3 or 4)
         let corr: [__m256i; N] = std::array::from_fn(|t| {
-            if W == W_Q8_0 {
-                _mm256_setzero_si256()
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, ys[t]), ones16);
+            let os = if W == W_Q5_0 {
+                _mm256_slli_epi32(s, 4)
             } else {
-                let s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, ys[t]), ones16);
-                let os = if W == W_Q5_0 {
-                    _mm256_slli_epi32(s, 4)
-                } else {
-                    _mm256_slli_epi32(s, 3)
-                };
-                _mm256_sub_epi32(_mm256_setzero_si256(), os)
-            }
+                _mm256_slli_epi32(s, 3)
+            };
+            _mm256_sub_epi32(_mm256_setzero_si256(), os)
         });
         for r in 0..MR {
             let x = xs[r];
-            // Q4_0, Q5_0: the unsigned weights; Q8_0: the weights and their
-            // absolute values
-            let (q, ax) = if W == W_Q4_0 {
-                let u = unsafe { nibbles(x.add(2)) };
-                (u, u)
-            } else if W == W_Q5_0 {
+            // the unsigned weights
+            let q = if W == W_Q5_0 {
                 // SAFETY: x is a whole Q5_0 block (as for all loads above).
-                let u = unsafe { q5_0_avx2(x) };
-                (u, u)
+                unsafe { q5_0_avx2(x) }
             } else {
-                let q = unsafe { _mm256_loadu_si256(x.add(2).cast()) };
-                (q, _mm256_sign_epi8(q, q))
+                unsafe { nibbles(x.add(2)) }
             };
             for t in 0..N {
-                let lanes = if W != W_Q8_0 {
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ys[t]), ones16);
-                    _mm256_add_epi32(p, corr[t])
-                } else {
-                    let sy = _mm256_sign_epi8(ys[t], q);
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones16)
-                };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, ys[t]), ones16);
+                let lanes = _mm256_add_epi32(p, corr[t]);
                 let d = _mm256_set1_ps(xd[r] * yd[t]);
                 acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[r][t]);
             }
@@ -413,7 +389,7 @@ unsafe fn tile_vnni_impl<const W: u8, const N: usize>(
     use std::arch::x86_64::*;
     let bw = block_bytes(W);
     // o: the unsigned offset of a weight byte (as a u8 for vpdpbusd)
-    let off = _mm256_set1_epi8(if W == W_Q8_0 { -128 } else { offset(W) as i8 });
+    let off = _mm256_set1_epi8(offset(W) as i8);
     let sixteen = _mm256_set1_epi8(16);
     let mut acc = [[_mm256_setzero_ps(); N]; MR];
     for b in 0..nb {
@@ -426,15 +402,13 @@ unsafe fn tile_vnni_impl<const W: u8, const N: usize>(
         });
         for r in 0..MR {
             let x = xs[r];
-            let u = if W == W_Q4_0 {
-                unsafe { nibbles(x.add(2)) }
-            } else if W == W_Q5_0 {
+            let u = if W == W_Q5_0 {
                 // 16 added to the nibbles whose bit in qh is set
                 // SAFETY: x is a whole Q5_0 block (as for all loads above).
                 let (lo, qh) = unsafe { (nibbles(x.add(6)), q5_0_high(x)) };
                 _mm256_mask_add_epi8(lo, qh, lo, sixteen)
             } else {
-                _mm256_xor_si256(unsafe { _mm256_loadu_si256(x.add(2).cast()) }, off)
+                unsafe { nibbles(x.add(2)) }
             };
             for t in 0..N {
                 let lanes = _mm256_dpbusd_epi32(corr[t], u, ys[t]);
