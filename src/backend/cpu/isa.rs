@@ -78,6 +78,17 @@ pub fn detected() -> Level {
     *DETECTED.get_or_init(detect)
 }
 
+/// A kernel of a family with an AVX-512 VNNI and an AVX2 version, for
+/// kernel level `level` where this CPU runs it: `vnni` from avx512vnni,
+/// `avx2` at avx2 and avx512, `None` at portable and at levels above what
+/// the CPU runs.
+pub fn vnni_or_avx2<T>(level: Level, vnni: T, avx2: T) -> Option<T> {
+    if level < Level::Avx2 || level > detected() {
+        return None;
+    }
+    Some(if level.vnni() { vnni } else { avx2 })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect() -> Level {
     use std::arch::is_x86_feature_detected as has;

@@ -205,18 +205,13 @@ pub fn decode_scalar(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
 /// The kernel where this CPU runs it at kernel level `level`: VNNI's from
 /// avx512vnni, AVX2's at avx2 and avx512.
 pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
-    use super::isa::{detected, Level};
     #[cfg(target_arch = "x86_64")]
-    if level <= detected() {
-        if level.vnni() {
-            return Some(decode::<true>);
-        }
-        if level >= Level::Avx2 {
-            return Some(decode::<false>);
-        }
+    return super::isa::vnni_or_avx2(level, decode::<true>, decode::<false>);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        None
     }
-    let _ = (level, detected, Level::Avx2);
-    None
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -240,23 +235,24 @@ fn decode<const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Byte-shuffle masks: for run s, 32-bit lane k of a 128-bit lane L gets
-/// the scale of run s of row 2L + k / 2 (unpacked in place, see
-/// `decode_vnni`) in its low byte and zeros above.
+/// Byte-shuffle masks that spread the scales (unpacked in place, see
+/// `decode_vnni`): for run s, every `elem`-byte lane of the 8 bytes of row
+/// 2L + m (bytes 8m..8m + 8 of 128-bit lane L) gets the scale of run s of
+/// that row (byte 4m + s for s < 4, 8 + 4m + s − 4 above) in its low byte,
+/// zeros above.
 #[cfg(target_arch = "x86_64")]
-static RUN_SCALE: [[u8; 64]; 8] = {
-    let mut t = [[0x80u8; 64]; 8];
+const fn run_scales<const N: usize>(elem: usize) -> [[u8; N]; 8] {
+    let mut t = [[0x80u8; N]; 8];
     let mut s = 0;
     while s < 8 {
         let mut i = 0;
-        while i < 64 {
-            let k = (i % 16) / 4;
-            if i % 4 == 0 {
-                let ro = k / 2;
+        while i < N {
+            let m = (i % 16) / 8;
+            if i % elem == 0 {
                 t[s][i] = if s < 4 {
-                    (4 * ro + s) as u8
+                    (4 * m + s) as u8
                 } else {
-                    (8 + 4 * ro + s - 4) as u8
+                    (8 + 4 * m + s - 4) as u8
                 };
             }
             i += 1;
@@ -264,7 +260,15 @@ static RUN_SCALE: [[u8; 64]; 8] = {
         s += 1;
     }
     t
-};
+}
+
+/// VNNI: each 32-bit lane (a row's `vpdpbusd` sums) gets its scale.
+#[cfg(target_arch = "x86_64")]
+static RUN_SCALE: [[u8; 64]; 8] = run_scales::<64>(4);
+
+/// AVX2: each i16 lane (a row's `maddubs` pair sums) gets its scale.
+#[cfg(target_arch = "x86_64")]
+static RUN_SCALE16: [[u8; 32]; 8] = run_scales::<32>(2);
 
 /// Per 128-bit lane: bytes 0..8 keep 6 bits (scales 0..3), bytes 8..16 keep
 /// 4 (the low bits of scales 4..7).
@@ -279,31 +283,36 @@ static SC_LOW: [u8; 64] = {
     t
 };
 
-/// For run s, a half of a group (4 rows; AVX2): the i16 lanes of row
-/// 2L + m (64-bit lane m of 128-bit lane L) all get the scale of run s of
-/// that row, unpacked in place as in `decode_vnni` (byte 4m + s for s < 4,
-/// 8 + 4m + s − 4 above), zero-extended.
+/// A group's mins and the activation's 32-value sums, for both kernels:
+/// the 8 rows' mins as bytes (dword r = row r; mins 0..3 from B_r, 4..7
+/// from C_r's high nibbles and B_r's top bits), `cv` holding C_r in dword
+/// r; the sums j = 0..3 and 4..7 as i16, each twice in its 128 bits.
+///
+/// # Safety
+/// AVX2; `g` is a whole group, `yb` a whole Q8_K block.
 #[cfg(target_arch = "x86_64")]
-static RUN_SCALE16: [[u8; 32]; 8] = {
-    let mut t = [[0x80u8; 32]; 8];
-    let mut s = 0;
-    while s < 8 {
-        let mut i = 0;
-        while i < 32 {
-            let m = (i % 16) / 8;
-            if i % 2 == 0 {
-                t[s][i] = if s < 4 {
-                    (4 * m + s) as u8
-                } else {
-                    (8 + 4 * m + s - 4) as u8
-                };
-            }
-            i += 1;
-        }
-        s += 1;
+#[inline(always)]
+unsafe fn mins_and_sums(g: *const u8, cv: __m256i, yb: *const u8) -> ([__m256i; 2], [__m128i; 2]) {
+    // SAFETY: the function's contract (B at G_B, bsums at byte 260).
+    unsafe {
+        let bv = _mm256_loadu_si256(g.add(G_B).cast());
+        let m_lo = _mm256_and_si256(bv, _mm256_set1_epi8(0x3f));
+        let m_hi = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(cv, 4), _mm256_set1_epi8(0x0f)),
+            _mm256_and_si256(_mm256_srli_epi16(bv, 2), _mm256_set1_epi8(0x30)),
+        );
+        let bs = _mm256_loadu_si256(yb.add(260).cast());
+        let b32 = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));
+        let b16 = _mm256_packs_epi32(b32, b32);
+        (
+            [m_lo, m_hi],
+            [
+                _mm256_castsi256_si128(b16),
+                _mm256_extracti128_si256::<1>(b16),
+            ],
+        )
     }
-    t
-};
+}
 
 /// Two halves' integer sums (row 4k + j of half k in 32-bit lanes 2j,
 /// 2j + 1) as one sum per row, lane r = row r (exact, integer).
@@ -384,20 +393,13 @@ unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
             // mins: row r's 0..3 from B_r, 4..7 from C_r's high nibbles and
             // B_r's top bits; C_r gathered from both halves (rows 0 1 4 5 |
             // 2 3 6 7, then in order)
-            let bv = _mm256_loadu_si256(g.add(G_B).cast());
             let cv = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_unpackhi_epi64(ac[0], ac[1]));
-            let m_lo = _mm256_and_si256(bv, _mm256_set1_epi8(0x3f));
-            let m_hi = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(cv, 4), _mm256_set1_epi8(0x0f)),
-                _mm256_and_si256(_mm256_srli_epi16(bv, 2), _mm256_set1_epi8(0x30)),
+            let ([m_lo, m_hi], [p_lo, p_hi]) = mins_and_sums(g, cv, yb);
+            // the sums repeated over a row's 4 i16 lanes
+            let (p_lo, p_hi) = (
+                _mm256_broadcastsi128_si256(p_lo),
+                _mm256_broadcastsi128_si256(p_hi),
             );
-            // the activation's 32-value sums: j = 0..3 and 4..7, each
-            // repeated over a row's 4 i16 lanes
-            let bs = _mm256_loadu_si256(yb.add(260).cast());
-            let b32 = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));
-            let b16 = _mm256_packs_epi32(b32, b32);
-            let p_lo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(b16));
-            let p_hi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256::<1>(b16));
             // per half: row 4k + j's mins (4 + 4 bytes) against them
             let msum: [__m256i; 2] = std::array::from_fn(|k| {
                 let lo = if k == 0 {
@@ -493,21 +495,12 @@ unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
             }
             // mins: row r's 0..3 from B_r, 4..7 from C_r's high nibbles and
             // B_r's top bits; against the activation's 32-value sums
-            let bv = _mm256_loadu_si256(g.add(G_B).cast());
             let cv = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
                 _mm512_castsi256_si512(c_rows),
                 ac,
             ));
-            let m_lo = _mm256_and_si256(bv, _mm256_set1_epi8(0x3f));
-            let m_hi = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(cv, 4), _mm256_set1_epi8(0x0f)),
-                _mm256_and_si256(_mm256_srli_epi16(bv, 2), _mm256_set1_epi8(0x30)),
-            );
-            let bs = _mm256_loadu_si256(yb.add(260).cast());
-            let b32 = _mm256_madd_epi16(bs, _mm256_set1_epi16(1));
-            let b16 = _mm256_packs_epi32(b32, b32);
-            let p_lo = _mm512_broadcast_i32x4(_mm256_castsi256_si128(b16));
-            let p_hi = _mm512_broadcast_i32x4(_mm256_extracti128_si256::<1>(b16));
+            let ([m_lo, m_hi], [p_lo, p_hi]) = mins_and_sums(g, cv, yb);
+            let (p_lo, p_hi) = (_mm512_broadcast_i32x4(p_lo), _mm512_broadcast_i32x4(p_hi));
             let msum = _mm512_madd_epi16(_mm512_cvtepu8_epi16(m_lo), p_lo);
             let msum = _mm512_dpwssd_epi32(msum, _mm512_cvtepu8_epi16(m_hi), p_hi);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g.cast()));

@@ -45,7 +45,7 @@
 //! 2·128·127 < 2¹⁵ since the activations lie in ±127), the 8 rows' partial
 //! sums reduced into one register (lane = row) for the same float steps.
 
-use super::isa::{detected, Level};
+use super::isa::{vnni_or_avx2, Level};
 use half::f16;
 
 /// Weight rows per call (both kernels).
@@ -193,40 +193,36 @@ pub fn pack_side(nb: usize, rows: &[&[u8]; ROWS], out: &mut [u8]) {
 /// avx512vnni).
 pub fn prefill_for(level: Level) -> Option<Prefill> {
     #[cfg(target_arch = "x86_64")]
-    if level <= detected() {
-        if level.vnni() {
-            return Some(Prefill {
-                pack: pack_acts,
-                act_bytes: PACKED_ACT_BYTES,
-                tile,
-            });
-        }
-        if level >= Level::Avx2 {
-            return Some(Prefill {
-                pack: pack_acts_nibbles,
-                act_bytes: NIBBLE_ACT_BYTES,
-                tile: tile_avx2,
-            });
-        }
+    return vnni_or_avx2(
+        level,
+        Prefill {
+            pack: pack_acts,
+            act_bytes: PACKED_ACT_BYTES,
+            tile,
+        },
+        Prefill {
+            pack: pack_acts_nibbles,
+            act_bytes: NIBBLE_ACT_BYTES,
+            tile: tile_avx2,
+        },
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        None
     }
-    let _ = level;
-    None
 }
 
 /// The decoding kernel where the CPU runs it (levels avx2 and up; VNNI's
 /// from avx512vnni).
 pub fn decode_for(level: Level) -> Option<DecodeFn> {
     #[cfg(target_arch = "x86_64")]
-    if level <= detected() {
-        if level.vnni() {
-            return Some(decode::<true>);
-        }
-        if level >= Level::Avx2 {
-            return Some(decode::<false>);
-        }
+    return vnni_or_avx2(level, decode::<true>, decode::<false>);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        None
     }
-    let _ = level;
-    None
 }
 
 #[cfg(target_arch = "x86_64")]
