@@ -404,10 +404,11 @@ pub fn matmul_q_at(
 }
 
 /// Q8_0 × Q8_0 (`n_tok` ≥ 2) with a `qgemm_q8_0_tokens` prefill tile: the
-/// token tiles are packed once (as that tile reads them) (threads split them; the last one padded
-/// with its last token), then the threads take `LANES_ROW_TILE`-row
-/// blocks as they come free, pack its micro tiles' side data (scales, corrections) and
-/// stream every packed token tile (in L1) past them (weights from L2).
+/// token tiles are packed once, in the form that tile reads (threads split
+/// them; the last one padded with its last token), then the threads take
+/// `LANES_ROW_TILE`-row blocks as they come free, pack their micro tiles'
+/// side data (scales, corrections) and stream every packed token tile past
+/// them (weights from L2).
 fn matmul_q8_0_tokens(
     pool: &ThreadPool,
     w: &QMat<'_>,

@@ -236,7 +236,7 @@ fn tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8]) -> [[f32; TOK
         acts.len() >= nb * PACKED_ACT_BYTES,
         "q8_0: packed tile too short"
     );
-    // SAFETY: handed out (tile_for) only where the CPU has AVX-512
+    // SAFETY: handed out (prefill_for) only where the CPU has AVX-512
     // F/BW/VL/VNNI (and AVX2, FMA); every buffer holds nb blocks (checked
     // just above), which bounds all loads.
     unsafe { tile_impl(nb, rows, side, acts) }
