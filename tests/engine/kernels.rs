@@ -435,7 +435,8 @@ fn q8_0_tokens_kernels_match_their_scalar_model() {
     let mut r = Rng::new(seed);
     let dt = DType::Q8_0;
     let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
-    let (levels, mut checked) = (simd_levels(), 0);
+    // a level without its kernels panics below
+    let levels = simd_levels();
     for n_in in [32usize, 64, 640, 3584, 8960] {
         let nb = n_in / 32;
         let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
@@ -493,10 +494,8 @@ fn q8_0_tokens_kernels_match_their_scalar_model() {
                     );
                 }
             }
-            checked += 1;
         }
     }
-    assert_eq!(checked, 5 * levels.len());
     eprintln!("Q8_0: {} SIMD level(s) checked", levels.len());
 }
 
@@ -1280,22 +1279,19 @@ fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
             }
             for level in simd_levels() {
                 // every SIMD level has a Q4_K×8 kernel (AVX2's from avx2)
-                let f = decode_for(level);
-                assert!(f.is_some(), "{level}: no Q4_K×8 kernel");
-                if let Some(f) = f {
-                    let got = f(nb, x8.block(blk), y);
-                    for k in 0..ROWS {
-                        assert_eq!(
-                            got[k].to_bits(),
-                            model[k].to_bits(),
-                            "{level:?} n_in {n_in} row {}: {} vs {}",
-                            blk * ROWS + k,
-                            got[k],
-                            model[k]
-                        );
-                    }
-                    checked += 1;
+                let f = decode_for(level).unwrap_or_else(|| panic!("{level}: no Q4_K×8 kernel"));
+                let got = f(nb, x8.block(blk), y);
+                for k in 0..ROWS {
+                    assert_eq!(
+                        got[k].to_bits(),
+                        model[k].to_bits(),
+                        "{level:?} n_in {n_in} row {}: {} vs {}",
+                        blk * ROWS + k,
+                        got[k],
+                        model[k]
+                    );
                 }
+                checked += 1;
             }
         }
     }

@@ -26,9 +26,10 @@
 //! a `madd` per 32 weights and a reduction of its lanes) that is, by
 //! count, about a quarter fewer vector operations per weight, which is
 //! what decoding at AVX2 is bound by on a core that reads memory faster
-//! than it multiplies (one Zen 4 core from L2, 64 × 3584:
-//! 19.0 against 13.3 GB/s; the 7B's tg64 in an x86-64-v3 build went from
-//! 0.96–1.06× to 1.30× llama.cpp's, README, Speed).
+//! than it multiplies (one Zen 4 core, `kernels::q4k_x8_speed` at avx2:
+//! 29.6–33.1 against 14.2–16.8 GB/s from L2, 27.8–31.1 against 16.3–16.6
+//! streamed; the 7B's tg64 in an x86-64-v3 build went from 0.96–1.06× to
+//! 1.30× llama.cpp's, README, Speed).
 //!
 //! # Layout
 //! Rows `8R..8R + 8`, superblock `b`: a group of [`GROUP_BYTES`] = 8 × 144
@@ -404,20 +405,18 @@ unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
                 _mm256_broadcastsi128_si256(p_hi),
             );
             // per half: row 4k + j's mins (4 + 4 bytes) against them
+            let half = |v: __m256i, k: usize| {
+                let v = if k == 0 {
+                    _mm256_castsi256_si128(v)
+                } else {
+                    _mm256_extracti128_si256::<1>(v)
+                };
+                _mm256_cvtepu8_epi16(v)
+            };
             let msum: [__m256i; 2] = std::array::from_fn(|k| {
-                let lo = if k == 0 {
-                    _mm256_castsi256_si128(m_lo)
-                } else {
-                    _mm256_extracti128_si256::<1>(m_lo)
-                };
-                let hi = if k == 0 {
-                    _mm256_castsi256_si128(m_hi)
-                } else {
-                    _mm256_extracti128_si256::<1>(m_hi)
-                };
                 _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(lo), p_lo),
-                    _mm256_madd_epi16(_mm256_cvtepu8_epi16(hi), p_hi),
+                    _mm256_madd_epi16(half(m_lo, k), p_lo),
+                    _mm256_madd_epi16(half(m_hi, k), p_hi),
                 )
             });
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g.cast()));

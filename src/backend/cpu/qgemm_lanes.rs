@@ -1016,17 +1016,15 @@ pub type PackedFn = fn(usize, &[u8], &[&[u8]; TOKS]) -> [[f32; TOKS]; ROWS];
 /// runs it: `vpdpbusd` at avx512vnni, `maddubs` + `madd` at avx2 and
 /// avx512 (one packed layout for both); `None` for other types and levels.
 pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<(PackFn, PackedFn)> {
-    use super::isa::{detected, Level};
-    if level > detected() || level < Level::Avx2 {
-        return None;
-    }
+    let vnni = super::isa::vnni_or_avx2(level, true, false)?;
     #[cfg(target_arch = "x86_64")]
     match dtype {
-        DType::Q4K => return Some(packed_pair::<Q4k>(level.vnni())),
-        DType::Q5K => return Some(packed_pair::<Q5k>(level.vnni())),
-        DType::Q6K => return Some(packed_pair::<Q6k>(level.vnni())),
+        DType::Q4K => return Some(packed_pair::<Q4k>(vnni)),
+        DType::Q5K => return Some(packed_pair::<Q5k>(vnni)),
+        DType::Q6K => return Some(packed_pair::<Q6k>(vnni)),
         _ => {}
     }
+    let _ = (dtype, vnni);
     None
 }
 
