@@ -666,6 +666,9 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q6K, 18, 256, 7),
         (DType::Q6K, 37, 768, 5),
         (DType::Q6K, 9, 512, 1),
+        // Q6_K×8 (8k rows): decoding, and prefill gathered from it
+        (DType::Q6K, 64, 768, 1),
+        (DType::Q6K, 24, 3584, 2),
         (DType::Q8_0, 18, 64, 7),
         (DType::Q8_0, 37, 640, 5),
         (DType::Q8_0, 9, 96, 1),
@@ -687,8 +690,8 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
         let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
-        // the same matrix as the SIMD levels lay it out (Q4_K×8 where it
-        // has 8k rows; every level must give the plain matrix's results)
+        // the same matrix as the SIMD levels lay it out (Q4_K×8 and Q6_K×8
+        // where it has 8k rows; every level must give the plain matrix's results)
         let m8 = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w))
             .unwrap()
             .repack_for(Level::Avx2);
@@ -1241,57 +1244,69 @@ fn qgemm_speed() {
     }
 }
 
-/// Q4_K×8: every row unpacks to its GGUF bytes, the scalar model of a row
-/// block equals `dot_scalar` on the rows, and the repacked kernel at every
-/// level this CPU runs equals the model bit for bit (fresh random data).
+/// Q4_K×8 and Q6_K×8: every row unpacks to its GGUF bytes (whole, and a
+/// slice of superblocks), the scalar model of a row block equals
+/// `dot_scalar` on the rows, and the repacked kernel at every level this
+/// CPU runs equals the model bit for bit (fresh random data).
 #[test]
-fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
-    use kvrun::backend::cpu::q4k_x8::{decode_for, decode_scalar, Q4kX8};
+fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
     use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, ROWS};
+    use kvrun::backend::cpu::x8::{decode_for, decode_scalar, X8};
     let seed = 0x5eed_0418 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
-    let dt = DType::Q4K;
-    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
     let mut checked = 0;
-    for n_in in [256usize, 768, 3584, 18944] {
-        let nb = n_in / 256;
-        let n_out = 3 * ROWS;
-        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
-        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
-        let x8 = Q4kX8::new(&w, n_out, nb);
-        let mut row = vec![0u8; rb];
-        for i in 0..n_out {
-            x8.row_into(i, &mut row);
-            assert_eq!(
-                row,
-                w[i * rb..(i + 1) * rb],
-                "n_in {n_in}: row {i} round trip"
-            );
-        }
-        let y = &act[..ab];
-        for blk in 0..n_out / ROWS {
-            let model = decode_scalar(nb, x8.block(blk), y);
-            for k in 0..ROWS {
-                let i = blk * ROWS + k;
-                let want = dot_scalar(dt, nb, &w[i * rb..(i + 1) * rb], y);
-                assert_eq!(model[k].to_bits(), want.to_bits(), "n_in {n_in} row {i}");
+    for dt in [DType::Q4K, DType::Q6K] {
+        let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+        for n_in in [256usize, 768, 3584, 18944] {
+            let nb = n_in / 256;
+            let n_out = 3 * ROWS;
+            let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+            let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
+            let x8 = X8::new(dt, &w, n_out, nb);
+            let mut row = vec![0u8; rb];
+            let sb = dt.block_bytes();
+            for i in 0..n_out {
+                x8.row_into(i, &mut row);
+                assert_eq!(
+                    row,
+                    w[i * rb..(i + 1) * rb],
+                    "{dt} n_in {n_in}: row {i} round trip"
+                );
+                // the last superblocks alone
+                let (s0, k) = (nb / 2, nb - nb / 2);
+                x8.superblocks_into(i, s0, k, &mut row[..k * sb]);
+                assert_eq!(row[..k * sb], w[i * rb + s0 * sb..(i + 1) * rb]);
             }
-            for level in simd_levels() {
-                // every SIMD level has a Q4_K×8 kernel (AVX2's from avx2)
-                let f = decode_for(level).unwrap_or_else(|| panic!("{level}: no Q4_K×8 kernel"));
-                let got = f(nb, x8.block(blk), y);
+            let y = &act[..ab];
+            for blk in 0..n_out / ROWS {
+                let model = decode_scalar(dt, nb, x8.block(blk), y);
                 for k in 0..ROWS {
+                    let i = blk * ROWS + k;
+                    let want = dot_scalar(dt, nb, &w[i * rb..(i + 1) * rb], y);
                     assert_eq!(
-                        got[k].to_bits(),
                         model[k].to_bits(),
-                        "{level:?} n_in {n_in} row {}: {} vs {}",
-                        blk * ROWS + k,
-                        got[k],
-                        model[k]
+                        want.to_bits(),
+                        "{dt} n_in {n_in} row {i}"
                     );
                 }
-                checked += 1;
+                for level in simd_levels() {
+                    // every SIMD level has the kernels (AVX2's from avx2)
+                    let f = decode_for(dt, level)
+                        .unwrap_or_else(|| panic!("{level}: no {dt}×8 kernel"));
+                    let got = f(nb, x8.block(blk), y);
+                    for k in 0..ROWS {
+                        assert_eq!(
+                            got[k].to_bits(),
+                            model[k].to_bits(),
+                            "{dt} {level:?} n_in {n_in} row {}: {} vs {}",
+                            blk * ROWS + k,
+                            got[k],
+                            model[k]
+                        );
+                    }
+                    checked += 1;
+                }
             }
         }
     }
@@ -1299,100 +1314,110 @@ fn q4k_x8_repack_round_trips_and_its_kernel_matches_the_scalar_model() {
 }
 
 /// One core, at every SIMD level this CPU runs: the row-major decoding
-/// kernel against the repacked Q4_K×8 one, 8-row calls over a matrix in L2
-/// and one streamed from memory.
+/// kernels against the repacked Q4_K×8 and Q6_K×8 ones, 8-row calls over
+/// a matrix in L2 and one streamed from memory (`KVRUN_SPEED_ROWS`, rows
+/// per size, comma-separated).
 #[test]
 #[ignore]
-fn q4k_x8_speed() {
+fn x8_speed() {
     use kvrun::backend::cpu::matmul::k_quant_kernel;
-    use kvrun::backend::cpu::q4k_x8::{decode_for, Q4kX8};
     use kvrun::backend::cpu::qgemm_lanes::ROWS;
-    let dt = DType::Q4K;
+    use kvrun::backend::cpu::x8::{decode_for, X8};
     let mut r = Rng::new(5);
     let n_in = 3584;
     let nb = n_in / 256;
-    let rb = dt.row_bytes(n_in);
-    let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
-        .unwrap()
-        .act_bytes(n_in);
     let sizes: Vec<usize> = std::env::var("KVRUN_SPEED_ROWS")
         .map(|s| s.split(',').map(|x| x.parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![64, 18944]);
-    for n_out in sizes {
-        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
-        let x8 = Q4kX8::new(&w, n_out, nb);
-        let y = &act[..ab];
-        let reps = (200_000_000 / (n_out * n_in)).max(3);
-        for level in simd_levels() {
-            let (Some(x8f), Some(rowf)) = (decode_for(level), k_quant_kernel::<1>(dt, level))
-            else {
-                continue;
-            };
-            for round in 0..3 {
-                let mut sink = 0f32;
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    for blk in 0..n_out / ROWS {
-                        let rows: [&[u8]; ROWS] = std::array::from_fn(|k| {
-                            &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]
-                        });
-                        sink += rowf(nb, &rows, &[y])[0][0];
+    for dt in [DType::Q4K, DType::Q6K] {
+        let rb = dt.row_bytes(n_in);
+        let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
+            .unwrap()
+            .act_bytes(n_in);
+        for &n_out in &sizes {
+            let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
+            let x8 = X8::new(dt, &w, n_out, nb);
+            let y = &act[..ab];
+            let reps = (200_000_000 / (n_out * n_in)).max(3);
+            for level in simd_levels() {
+                let (Some(x8f), Some(rowf)) =
+                    (decode_for(dt, level), k_quant_kernel::<1>(dt, level))
+                else {
+                    continue;
+                };
+                for round in 0..3 {
+                    let mut sink = 0f32;
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        for blk in 0..n_out / ROWS {
+                            let rows: [&[u8]; ROWS] = std::array::from_fn(|k| {
+                                &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]
+                            });
+                            sink += rowf(nb, &rows, &[y])[0][0];
+                        }
                     }
-                }
-                let a = t.elapsed().as_secs_f64();
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    for blk in 0..n_out / ROWS {
-                        sink += x8f(nb, x8.block(blk), y)[0];
+                    let a = t.elapsed().as_secs_f64();
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        for blk in 0..n_out / ROWS {
+                            sink += x8f(nb, x8.block(blk), y)[0];
+                        }
                     }
+                    let b = t.elapsed().as_secs_f64();
+                    let gb = (reps * n_out * rb) as f64 / 1e9;
+                    eprintln!(
+                        "{dt} {n_out}x{n_in} {level} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
+                        gb / a,
+                        gb / b,
+                        a / b
+                    );
                 }
-                let b = t.elapsed().as_secs_f64();
-                let gb = (reps * n_out * rb) as f64 / 1e9;
-                eprintln!(
-                    "{n_out}x{n_in} {level} round {round}: row-major {:.1} GB/s, x8 {:.1} GB/s ({:.2}x) {sink}",
-                    gb / a,
-                    gb / b,
-                    a / b
-                );
             }
         }
     }
 }
 
-/// The CPU loader repacks Q4_K matrices (8k rows) exactly where the
-/// process's kernel level has the Q4_K×8 kernel, and never an embedding
-/// table; a repacked matrix still hands out its rows as GGUF stores them.
+/// The CPU loader repacks Q4_K and Q6_K matrices (8k rows) exactly where
+/// the process's kernel level has their repacked kernels, and never an
+/// embedding table; a repacked matrix still hands out its rows as GGUF
+/// stores them.
 #[test]
-fn cpu_loader_repacks_q4_k_where_the_level_has_the_kernel() {
+fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
     use kvrun::backend::WeightSink;
-    let dt = DType::Q4K;
     let mut r = Rng::new(3);
-    let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
     let loader = kvrun::backend::HOST_LOADER;
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
-    let want = kvrun::backend::cpu::q4k_x8::decode_for(level).is_some();
-    let m = sink
-        .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
-        .unwrap();
-    assert_eq!(m.is_repacked(), want, "{level}");
-    let t = sink
-        .table(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
-        .unwrap();
-    assert!(!t.is_repacked() && t.is_borrowed());
-    let rb = dt.row_bytes(512);
-    let (mut a, mut b) = (vec![0f32; 512], vec![0f32; 512]);
-    for i in 0..16 {
-        assert_eq!(&m.row(i)[..], &w[i * rb..(i + 1) * rb]);
-        m.dequantize_row(i, &mut a);
-        t.dequantize_row(i, &mut b);
-        assert_eq!(a, b);
+    for dt in [DType::Q4K, DType::Q6K, DType::Q5K] {
+        let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
+        let want = kvrun::backend::cpu::x8::decode_for(dt, level).is_some();
+        assert_eq!(
+            want,
+            dt != DType::Q5K && level >= Level::Avx2,
+            "{dt} {level}"
+        );
+        let m = sink
+            .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
+            .unwrap();
+        assert_eq!(m.is_repacked(), want, "{dt} {level}");
+        let t = sink
+            .table(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
+            .unwrap();
+        assert!(!t.is_repacked() && t.is_borrowed());
+        let rb = dt.row_bytes(512);
+        let (mut a, mut b) = (vec![0f32; 512], vec![0f32; 512]);
+        for i in 0..16 {
+            assert_eq!(&m.row(i)[..], &w[i * rb..(i + 1) * rb]);
+            m.dequantize_row(i, &mut a);
+            t.dequantize_row(i, &mut b);
+            assert_eq!(a, b);
+        }
+        // rows that do not fill row blocks of 8 stay as they are
+        let odd = sink
+            .matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb]))
+            .unwrap();
+        assert!(!odd.is_repacked());
     }
-    // rows that do not fill row blocks of 8 stay as they are
-    let odd = sink
-        .matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb]))
-        .unwrap();
-    assert!(!odd.is_repacked());
 }
 
 /// A matrix read in place from a file's map is copied into huge pages

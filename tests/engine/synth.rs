@@ -8,12 +8,14 @@
 use crate::util;
 use crate::util::{rel_err, top2_margin};
 
+use kvrun::backend::cpu::x8;
 use kvrun::format::gguf::Gguf;
 use kvrun::format::synth::{self, Mix, Recipe, Spec};
 use kvrun::generate::Session;
 use kvrun::model::llama::Logits;
 use kvrun::model::Weights;
 use kvrun::sample::argmax;
+use kvrun::tensor::DType;
 use std::path::{Path, PathBuf};
 
 fn header() -> PathBuf {
@@ -130,13 +132,37 @@ fn logits_match(mix: Mix) {
     let w = Weights::from_gguf(&g).unwrap();
     // Q4_K_M's Q4_K matrices run repacked (Q4_K×8) wherever the level has
     // that kernel, so this test holds it to llama.cpp too
+    // (and Q4_K_M's and Q5_K_M's Q6_K FFN down projections, Q6_K×8)
     let level = kvrun::backend::cpu::isa::level();
     let repacked = w.layers.iter().filter(|l| l.wq.is_repacked()).count();
-    if mix == Mix::Q4KM && kvrun::backend::cpu::q4k_x8::decode_for(level).is_some() {
+    if mix == Mix::Q4KM && x8::decode_for(DType::Q4K, level).is_some() {
         assert_eq!(repacked, w.layers.len(), "{level}: Q4_K wq not repacked");
     } else if mix != Mix::Q4KM {
         assert_eq!(repacked, 0);
     }
+    let downs: Vec<_> = w
+        .layers
+        .iter()
+        .filter_map(|l| l.ffn.dense())
+        .map(|f| f.2)
+        .collect();
+    let q6k = downs.iter().filter(|m| m.dtype == DType::Q6K).count();
+    let q6k_repacked = downs
+        .iter()
+        .filter(|m| m.dtype == DType::Q6K && m.is_repacked())
+        .count();
+    if matches!(mix, Mix::Q4KM | Mix::Q5KM) {
+        assert!(q6k > 0, "{mix:?}: no Q6_K FFN down projection");
+    }
+    let want = if x8::decode_for(DType::Q6K, level).is_some() {
+        q6k
+    } else {
+        0
+    };
+    assert_eq!(
+        q6k_repacked, want,
+        "{level}: Q6_K down projections repacked"
+    );
     let lm = ggml_sys::LlamaModel::load_plain(f.0.to_str().unwrap()).unwrap();
     let vocab = w.config.vocab;
     let text = util::wikitext(3000);

@@ -1,6 +1,6 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
-//! GGUF storage type, usually borrowed from the memory map; Q4_K repacked
-//! as [`Q4kX8`] at the AVX-512 VNNI level) and the
+//! GGUF storage type, usually borrowed from the memory map; Q4_K and Q6_K
+//! repacked 8 rows at a time from AVX2 up, [`X8`]) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
 //! `ggml-sys`, with cache blocking for batched prefill, and our own tile
 //! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K
@@ -9,9 +9,9 @@
 
 use super::isa::{self, Level};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
-use super::q4k_x8::{self, Q4kX8};
 use super::qgemm_q8_0::{W_Q4_0, W_Q5_0};
 use super::qgemm_x86::{self, MR, NT};
+use super::x8::{self, X8};
 use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_tokens};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
@@ -29,7 +29,7 @@ pub struct QMat<'a> {
     /// empty once repacked.
     bytes: Cow<'a, [u8]>,
     /// The same rows repacked for this machine's kernels (`repack_for`).
-    x8: Option<Q4kX8>,
+    x8: Option<X8>,
     traits: CpuTraits,
 }
 
@@ -68,20 +68,19 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K with a multiple of 8 rows becomes Q4_K×8 from AVX2 up
-    /// ([`Q4kX8`], the same bytes rearranged; mapped pages of the
+    /// fastest: Q4_K and Q6_K with a multiple of 8 rows become Q4_K×8 and
+    /// Q6_K×8 from AVX2 up ([`X8`], the same bytes rearranged; mapped pages of the
     /// original are released, so the weights are not resident twice);
     /// anything else stays as it is. Results are the same bit for bit.
     pub fn repack_for(self, level: Level) -> QMat<'a> {
-        if self.dtype != DType::Q4K
-            || !self.n_out.is_multiple_of(qgemm_lanes::ROWS)
-            || q4k_x8::decode_for(level).is_none()
+        if !self.n_out.is_multiple_of(qgemm_lanes::ROWS)
+            || x8::decode_for(self.dtype, level).is_none()
             || self.x8.is_some()
         {
             return self;
         }
         let nb = self.n_in / self.dtype.block_len();
-        let x8 = Q4kX8::new(&self.bytes, self.n_out, nb);
+        let x8 = X8::new(self.dtype, &self.bytes, self.n_out, nb);
         if let Cow::Borrowed(b) = self.bytes {
             crate::format::mmap::release(b);
         }
@@ -299,9 +298,10 @@ pub fn matmul_q_at(
         return matmul_k_amx(pool, w, act, n_tok, out);
     }
     if let Some(x8) = &w.x8 {
-        // Q4_K×8: its own decoding kernel; prefill packs micro tiles from it
+        // Q4_K×8, Q6_K×8: their own decoding kernels; prefill packs micro
+        // tiles from them
         if let (Some(one), Some(packed)) = (
-            q4k_x8::decode_for(level),
+            x8::decode_for(w.dtype, level),
             qgemm_lanes::packed_for(w.dtype, level),
         ) {
             if n_tok == 1 {
@@ -516,7 +516,7 @@ fn matmul_k_packed(
         let pb = nb * PACKED_BYTES;
         // this thread's packed micro tiles  (micro, nb, PACKED_BYTES)
         let mut packed = vec![0u8; micro * pb];
-        // a micro tile's rows gathered from Q4_K×8  (ROWS, row bytes)
+        // a micro tile's rows gathered from a repacked matrix  (ROWS, row bytes)
         let rb = w.dtype.row_bytes(n_in);
         let mut gathered = vec![0u8; if w.x8.is_some() { ROWS * rb } else { 0 }];
         while let Some(blk) = blocks.next() {
@@ -613,7 +613,6 @@ fn pack_token_tiles(
 /// bit.
 fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
     use qgemm_amx::{ACT_SB, A_SB, SIDE_SB, TILE};
-    use qgemm_lanes::Q4_K_BYTES;
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
@@ -640,11 +639,11 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
         // the block's accumulators  (AMX_PANELS, n_tt, 16 rows, 16 tokens)
         let mut acc = vec![0f32; AMX_PANELS * n_tt * TILE * TILE];
         let mut acc_m = vec![0f32; acc.len()];
-        // a panel's slice of rows gathered from Q4_K×8  (TILE, kb superblocks)
+        // a panel's slice of rows gathered from a repacked matrix  (TILE, kb superblocks)
         let mut gathered = vec![
             0u8;
             if w.x8.is_some() {
-                TILE * kb * Q4_K_BYTES
+                TILE * kb * sb_bytes
             } else {
                 0
             }
@@ -662,12 +661,9 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
                     let pick = |j: usize| (r0 + pn * TILE + j).min(r1 - 1);
                     let rows: [&[u8]; TILE] = match &w.x8 {
                         Some(x8) => {
-                            let len = k * Q4_K_BYTES;
+                            let len = k * sb_bytes;
                             for (j, row) in gathered.chunks_exact_mut(len).enumerate() {
-                                let r = pick(j);
-                                let groups =
-                                    &x8.block(r / qgemm_lanes::ROWS)[s0 * q4k_x8::GROUP_BYTES..];
-                                q4k_x8::unpack_row(groups, k, r % qgemm_lanes::ROWS, row);
+                                x8.superblocks_into(pick(j), s0, k, row);
                             }
                             std::array::from_fn(|j| &gathered[j * len..(j + 1) * len])
                         }
@@ -1042,16 +1038,16 @@ fn matvec_k<const R: usize>(
     });
 }
 
-/// One token through a Q4_K×8 matrix: the row blocks split between
+/// One token through a repacked matrix ([`X8`]): the row blocks split between
 /// threads as in [`matvec_k`] (a run each, stolen from by threads that are
 /// done), each block one call of the repacked kernel.
 fn matvec_x8(
     pool: &ThreadPool,
     w: &QMat<'_>,
-    x8: &Q4kX8,
+    x8: &X8,
     act: &[u8],
     out: &mut [f32],
-    kernel: q4k_x8::X8Fn,
+    kernel: x8::X8Fn,
 ) {
     use qgemm_lanes::ROWS;
     let n_out = w.n_out;

@@ -10,8 +10,10 @@
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
-//! - `q4k_x8`: Q4_K matrices repacked 8 rows at a time at load (from AVX2
-//!   up) and their decoding kernels (AVX-512 VNNI, AVX2);
+//! - `x8`: K-quant matrices repacked 8 rows at a time at load (from AVX2
+//!   up): the container and the choice of kernel; `q4k_x8` and `q6k_x8`:
+//!   the Q4_K and Q6_K layouts and their decoding kernels (AVX-512 VNNI,
+//!   AVX2);
 //! - `qgemm_q8_0`: Q4_0 and Q5_0 (and Q8_0, no longer the engine's there)
 //!   × Q8_0 tile kernels (AVX-512 VNNI, AVX2), prefill and decode, in
 //!   ggml's arithmetic lane for lane;
@@ -46,6 +48,7 @@ pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
 pub mod q4k_x8;
+pub mod q6k_x8;
 pub mod qgemm_amx;
 #[cfg(target_arch = "x86_64")]
 mod qgemm_k_decode;
@@ -54,6 +57,7 @@ pub mod qgemm_q8_0;
 pub mod qgemm_q8_0_tokens;
 pub mod qgemm_x86;
 pub mod reference;
+pub mod x8;
 
 pub use matmul::QMat;
 
@@ -206,7 +210,7 @@ impl crate::backend::WeightSink<Cpu> for Loader {
         bytes: Cow<'w, [u8]>,
     ) -> Result<QMat<'w>> {
         // rearranged for this level's products where it has a layout for
-        // them (Q4_K×8 from AVX2 up), else copied into huge pages if asked
+        // them (Q4_K×8 and Q6_K×8 from AVX2 up), else copied into huge pages if asked
         let m = QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level());
         Ok(match self.pages {
             WeightPages::Huge => m.into_huge_pages(),

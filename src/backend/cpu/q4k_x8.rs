@@ -26,7 +26,7 @@
 //! a `madd` per 32 weights and a reduction of its lanes) that is, by
 //! count, about a quarter fewer vector operations per weight, which is
 //! what decoding at AVX2 is bound by on a core that reads memory faster
-//! than it multiplies (one Zen 4 core, `kernels::q4k_x8_speed` at avx2:
+//! than it multiplies (one Zen 4 core, `kernels::x8_speed` at avx2:
 //! 29.6–33.1 against 14.2–16.8 GB/s from L2, 27.8–31.1 against 16.3–16.6
 //! streamed; the 7B's tg64 in an x86-64-v3 build went from 0.96–1.06× to
 //! 1.30× llama.cpp's, README, Speed).
@@ -58,6 +58,7 @@
 //! sign-extended upper half is multiplied by 0).
 
 use super::qgemm_lanes::{Q4_K_BYTES, Q8_K_BYTES, ROWS};
+use super::x8::X8Fn;
 
 /// Bytes of one group (8 rows × one superblock).
 pub const GROUP_BYTES: usize = ROWS * Q4_K_BYTES;
@@ -68,96 +69,10 @@ const G_AC: usize = 32;
 const G_B: usize = 96;
 const G_Q: usize = 128;
 
-/// A Q4_K matrix of `n_out` rows (a multiple of 8) × `nb` superblocks,
-/// repacked: `n_out / 8` row blocks of `nb` groups, 64-byte aligned.
-pub struct Q4kX8 {
-    buf: Vec<u8>,
-    off: usize,
-    /// Superblocks per row.
-    pub nb: usize,
-    /// Rows.
-    pub n_out: usize,
-}
-
-impl std::fmt::Debug for Q4kX8 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Q4kX8({}x{} superblocks)", self.n_out, self.nb)
-    }
-}
-
-impl Q4kX8 {
-    /// Repack `src`, `n_out` rows of `nb` Q4_K superblocks each (row-major,
-    /// as GGUF stores them); `n_out` must be a multiple of 8.
-    pub fn new(src: &[u8], n_out: usize, nb: usize) -> Q4kX8 {
-        assert!(n_out.is_multiple_of(ROWS), "Q4_K×8: {n_out} rows");
-        let rb = nb * Q4_K_BYTES;
-        assert_eq!(src.len(), n_out * rb, "Q4_K×8: matrix bytes");
-        let len = src.len();
-        // untouched zero pages (calloc), asked to come as transparent huge
-        // pages: a 7B's load went from 7.3 to 5.7 s on a VM, where faulting
-        // the new memory in dominates
-        let mut buf = vec![0u8; len + 63];
-        super::mem::advise_huge(buf.as_ptr() as usize, buf.len());
-        let off = buf.as_ptr().align_offset(64).min(63);
-        let dst = &mut buf[off..off + len];
-        let block = ROWS * rb;
-        let pack_blocks = |first: usize, out: &mut [u8]| {
-            for (i, out) in out.chunks_exact_mut(block).enumerate() {
-                let r0 = (first + i) * ROWS;
-                for (b, g) in out.chunks_exact_mut(GROUP_BYTES).enumerate() {
-                    let x: [&[u8]; ROWS] = std::array::from_fn(|r| {
-                        let at = (r0 + r) * rb + b * Q4_K_BYTES;
-                        &src[at..at + Q4_K_BYTES]
-                    });
-                    pack_group(&x, g);
-                }
-            }
-        };
-        // the page faults of the new memory dominate: spread them over the
-        // cores for a large matrix
-        let n_blocks = n_out / ROWS;
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(8);
-        if threads > 1 && len >= 8 << 20 {
-            let per = n_blocks.div_ceil(threads);
-            std::thread::scope(|s| {
-                for (t, part) in dst.chunks_mut(per * block).enumerate() {
-                    s.spawn(move || pack_blocks(t * per, part));
-                }
-            });
-        } else {
-            pack_blocks(0, dst);
-        }
-        Q4kX8 {
-            buf,
-            off,
-            nb,
-            n_out,
-        }
-    }
-
-    /// All groups, `(n_out / 8, nb, GROUP_BYTES)`.
-    pub fn bytes(&self) -> &[u8] {
-        &self.buf[self.off..self.off + self.n_out * self.nb * Q4_K_BYTES]
-    }
-
-    /// The `nb` groups of row block `blk` (rows 8·blk..8·blk + 8).
-    pub fn block(&self, blk: usize) -> &[u8] {
-        let bb = self.nb * GROUP_BYTES;
-        &self.bytes()[blk * bb..(blk + 1) * bb]
-    }
-
-    /// Row `r` as GGUF stores it (`nb` superblocks) into `out`.
-    pub fn row_into(&self, r: usize, out: &mut [u8]) {
-        unpack_row(self.block(r / ROWS), self.nb, r % ROWS, out);
-    }
-}
-
 /// Where row `r`'s bytes of one superblock lie in its group (see the
 /// module doc): `(offset in the superblock, offset in the group, length)`.
 /// Packing and unpacking both copy along this one list.
-fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+pub(super) fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     // packed scales: A (bytes 0..4) and C (8..12) in 128-bit lane r / 2
     let ac = G_AC + 16 * (r / 2) + 4 * (r % 2);
     let heads = [
@@ -170,40 +85,6 @@ fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     // quants: 8 bytes of chunk c at 8h, in load 4c + h
     let quants = (0..16).map(move |i| (16 + 8 * i, G_Q + 64 * i + 8 * r, 8));
     heads.into_iter().chain(quants)
-}
-
-/// One group from the 8 rows' superblocks `x`.
-fn pack_group(x: &[&[u8]; ROWS], g: &mut [u8]) {
-    for (r, x) in x.iter().enumerate() {
-        for (at, to, n) in segments(r) {
-            g[to..to + n].copy_from_slice(&x[at..at + n]);
-        }
-    }
-}
-
-/// Row `r` (< 8) of a row block's `nb` groups, as GGUF stores it.
-pub fn unpack_row(groups: &[u8], nb: usize, r: usize, out: &mut [u8]) {
-    assert!(groups.len() >= nb * GROUP_BYTES && out.len() >= nb * Q4_K_BYTES && r < ROWS);
-    for b in 0..nb {
-        let g = &groups[b * GROUP_BYTES..(b + 1) * GROUP_BYTES];
-        let x = &mut out[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
-        for (at, from, n) in segments(r) {
-            x[at..at + n].copy_from_slice(&g[from..from + n]);
-        }
-    }
-}
-
-/// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
-/// row) -> the 8 rows' dot products`.
-pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
-
-/// Scalar model: each row unpacked and run through `qgemm_lanes::dot_scalar`.
-pub fn decode_scalar(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
-    let mut row = vec![0u8; nb * Q4_K_BYTES];
-    std::array::from_fn(|r| {
-        unpack_row(groups, nb, r, &mut row);
-        super::qgemm_lanes::dot_scalar(crate::tensor::DType::Q4K, nb, &row, y)
-    })
 }
 
 /// The kernel where this CPU runs it at kernel level `level`: VNNI's from
@@ -322,7 +203,7 @@ unsafe fn mins_and_sums(g: *const u8, cv: __m256i, yb: *const u8) -> ([__m256i; 
 /// 2j + 1) as one sum per row, lane r = row r (exact, integer).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn fold_halves(h0: __m256i, h1: __m256i) -> __m256i {
+pub(super) unsafe fn fold_halves(h0: __m256i, h1: __m256i) -> __m256i {
     // SAFETY: register-only AVX2 ops (the caller's features).
     unsafe {
         // rows 0 1 4 5 | 2 3 6 7, then the 64-bit pairs in order
@@ -436,7 +317,7 @@ unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
 /// + 2r + 1 of `x` (exact, integer).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn fold_pairs(x: __m512i) -> __m256i {
+pub(super) unsafe fn fold_pairs(x: __m512i) -> __m256i {
     // SAFETY: register-only AVX-512 F ops (the caller's features).
     unsafe { _mm512_cvtepi64_epi32(_mm512_add_epi32(x, _mm512_srli_epi64(x, 32))) }
 }

@@ -124,7 +124,7 @@ pub const TOKS: usize = 8;
 pub type LanesFn<const N: usize> = fn(usize, &[&[u8]; ROWS], &[&[u8]; N]) -> [[f32; N]; ROWS];
 
 /// Bytes of one superblock of `dtype`, for the formats this module runs.
-fn block_bytes(dtype: DType) -> usize {
+pub(super) fn block_bytes(dtype: DType) -> usize {
     match dtype {
         DType::Q4K => Q4_K_BYTES,
         DType::Q5K => Q5_K_BYTES,

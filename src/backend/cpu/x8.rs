@@ -1,0 +1,190 @@
+//! K-quant matrices repacked eight rows at a time at load ([`X8`]): the
+//! container, the copy in and out of GGUF's row layout, and the choice of
+//! a decoding kernel. The layouts and their kernels are per type:
+//! [`super::q4k_x8`] (Q4_K×8) and [`super::q6k_x8`] (Q6_K×8).
+//!
+//! A row block (8 rows) is stored as `nb` groups, one per superblock, each
+//! holding exactly the bytes of the 8 rows' superblocks, rearranged so
+//! that one 64-byte load holds 8 quants of every row (rows in the SIMD
+//! lanes): a decoding kernel then sums a whole run for 8 rows with no
+//! transpose, applies the scales to 8 rows at once and never reduces a
+//! row's lanes. Each layout is described by one list of copies per row
+//! (`segments`), which packing and unpacking both follow, so a row always
+//! comes back as GGUF stores it (tests/engine/kernels.rs).
+//!
+//! The decoding kernels reproduce `qgemm_lanes::dot_scalar` bit for bit,
+//! so a matrix gives the same logits repacked or not, at every level.
+
+use super::qgemm_lanes::{block_bytes, ROWS};
+use super::{q4k_x8, q6k_x8};
+use crate::tensor::DType;
+
+/// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
+/// row) -> the 8 rows' dot products`.
+pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
+
+/// Whether `dtype` has a repacked layout (Q4_K, Q6_K).
+pub fn has_layout(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4K | DType::Q6K)
+}
+
+/// Bytes of one group (8 rows × one superblock) of `dtype`.
+pub fn group_bytes(dtype: DType) -> usize {
+    ROWS * block_bytes(dtype)
+}
+
+/// Row `r`'s copies between one superblock and its group: `(offset in
+/// the superblock, offset in the group, length)`.
+fn segments(dtype: DType, r: usize) -> Vec<(usize, usize, usize)> {
+    match dtype {
+        DType::Q4K => q4k_x8::segments(r).collect(),
+        DType::Q6K => q6k_x8::segments(r).collect(),
+        other => panic!("x8: no repacked layout for {other}"),
+    }
+}
+
+/// The decoding kernel of `dtype`'s layout at kernel level `level`, where
+/// this CPU runs it (from AVX2 up; see each layout's `decode_for` for the
+/// levels it covers).
+pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
+    match dtype {
+        DType::Q4K => q4k_x8::decode_for(level),
+        DType::Q6K => q6k_x8::decode_for(level),
+        _ => None,
+    }
+}
+
+/// A K-quant matrix of `n_out` rows (a multiple of 8) × `nb` superblocks,
+/// repacked: `n_out / 8` row blocks of `nb` groups, 64-byte aligned.
+pub struct X8 {
+    buf: Vec<u8>,
+    off: usize,
+    /// Q4_K or Q6_K.
+    pub dtype: DType,
+    /// Superblocks per row.
+    pub nb: usize,
+    /// Rows.
+    pub n_out: usize,
+}
+
+impl std::fmt::Debug for X8 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}×8({}x{} superblocks)",
+            self.dtype, self.n_out, self.nb
+        )
+    }
+}
+
+impl X8 {
+    /// Repack `src`, `n_out` rows of `nb` superblocks of `dtype` each
+    /// (row-major, as GGUF stores them); `n_out` must be a multiple of 8.
+    pub fn new(dtype: DType, src: &[u8], n_out: usize, nb: usize) -> X8 {
+        assert!(has_layout(dtype), "x8: no repacked layout for {dtype}");
+        assert!(n_out.is_multiple_of(ROWS), "{dtype}×8: {n_out} rows");
+        let sb = block_bytes(dtype);
+        let rb = nb * sb;
+        assert_eq!(src.len(), n_out * rb, "{dtype}×8: matrix bytes");
+        let len = src.len();
+        // untouched zero pages (calloc), asked to come as transparent huge
+        // pages: a 7B's load went from 7.3 to 5.7 s on a VM, where faulting
+        // the new memory in dominates
+        let mut buf = vec![0u8; len + 63];
+        super::mem::advise_huge(buf.as_ptr() as usize, buf.len());
+        let off = buf.as_ptr().align_offset(64).min(63);
+        let dst = &mut buf[off..off + len];
+        let (gb, block) = (group_bytes(dtype), ROWS * rb);
+        let segs: [Vec<_>; ROWS] = std::array::from_fn(|r| segments(dtype, r));
+        let pack_blocks = |first: usize, out: &mut [u8]| {
+            for (i, out) in out.chunks_exact_mut(block).enumerate() {
+                let r0 = (first + i) * ROWS;
+                for (b, g) in out.chunks_exact_mut(gb).enumerate() {
+                    for (r, segs) in segs.iter().enumerate() {
+                        let x = &src[(r0 + r) * rb + b * sb..][..sb];
+                        for &(at, to, n) in segs {
+                            g[to..to + n].copy_from_slice(&x[at..at + n]);
+                        }
+                    }
+                }
+            }
+        };
+        // the page faults of the new memory dominate: spread them over the
+        // cores for a large matrix
+        let n_blocks = n_out / ROWS;
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8);
+        if threads > 1 && len >= 8 << 20 {
+            let per = n_blocks.div_ceil(threads);
+            std::thread::scope(|s| {
+                for (t, part) in dst.chunks_mut(per * block).enumerate() {
+                    let pack_blocks = &pack_blocks;
+                    s.spawn(move || pack_blocks(t * per, part));
+                }
+            });
+        } else {
+            pack_blocks(0, dst);
+        }
+        X8 {
+            buf,
+            off,
+            dtype,
+            nb,
+            n_out,
+        }
+    }
+
+    /// All groups, `(n_out / 8, nb, group bytes)`.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.n_out * self.nb * block_bytes(self.dtype)]
+    }
+
+    /// The `nb` groups of row block `blk` (rows 8·blk..8·blk + 8).
+    pub fn block(&self, blk: usize) -> &[u8] {
+        let bb = self.nb * group_bytes(self.dtype);
+        &self.bytes()[blk * bb..(blk + 1) * bb]
+    }
+
+    /// Row `r` as GGUF stores it (`nb` superblocks) into `out`.
+    pub fn row_into(&self, r: usize, out: &mut [u8]) {
+        self.superblocks_into(r, 0, self.nb, out);
+    }
+
+    /// Superblocks `s0..s0 + k` of row `r` as GGUF stores them into `out`.
+    pub fn superblocks_into(&self, r: usize, s0: usize, k: usize, out: &mut [u8]) {
+        assert!(r < self.n_out && s0 + k <= self.nb);
+        let groups = &self.block(r / ROWS)[s0 * group_bytes(self.dtype)..];
+        unpack(self.dtype, groups, r % ROWS, k, out);
+    }
+}
+
+/// Row `r` (< 8) of the first `k` groups of `groups` into `out`, `k`
+/// superblocks as GGUF stores them.
+fn unpack(dtype: DType, groups: &[u8], r: usize, k: usize, out: &mut [u8]) {
+    let (sb, gb) = (block_bytes(dtype), group_bytes(dtype));
+    assert!(
+        groups.len() >= k * gb && out.len() >= k * sb,
+        "x8: short unpack"
+    );
+    let segs = segments(dtype, r);
+    for (g, x) in groups
+        .chunks_exact(gb)
+        .zip(out.chunks_exact_mut(sb))
+        .take(k)
+    {
+        for &(at, from, n) in &segs {
+            x[at..at + n].copy_from_slice(&g[from..from + n]);
+        }
+    }
+}
+
+/// Scalar model of a decoding call: each of the row block's 8 rows
+/// unpacked and run through `qgemm_lanes::dot_scalar`.
+pub fn decode_scalar(dtype: DType, nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+    let mut row = vec![0u8; nb * block_bytes(dtype)];
+    std::array::from_fn(|r| {
+        unpack(dtype, groups, r, nb, &mut row);
+        super::qgemm_lanes::dot_scalar(dtype, nb, &row, y)
+    })
+}
