@@ -40,6 +40,7 @@ pub type HostLoader = cpu::Loader;
 /// the file's map (see [`cpu::WeightPages`]).
 pub const HOST_LOADER: HostLoader = cpu::Loader {
     pages: cpu::WeightPages::Mapped,
+    repack: cpu::Repack::ALL,
 };
 
 /// Most query heads sharing one KV head that the attention kernels handle.

@@ -18,14 +18,18 @@ pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The host loader of one `--mmap` setting (`mapped`: on) for `device`:
 /// a GPU always reads the map, since it uploads the weights and never
 /// decodes from the host's copy.
-pub fn loader_for(mapped: bool, device: crate::backend::Device) -> crate::backend::HostLoader {
+pub fn loader_for(
+    mapped: bool,
+    repack: crate::backend::cpu::Repack,
+    device: crate::backend::Device,
+) -> crate::backend::HostLoader {
     use crate::backend::cpu::WeightPages;
     let pages = if mapped || device != crate::backend::Device::Cpu {
         WeightPages::Mapped
     } else {
         WeightPages::Huge
     };
-    crate::backend::cpu::Loader { pages }
+    crate::backend::cpu::Loader { pages, repack }
 }
 
 /// Model selection shared by every command.
@@ -68,6 +72,14 @@ pub struct ModelArgs {
     /// each in turn. A GPU run reads the map to upload it.
     #[arg(long = "mmap", default_value = "on", value_name = "on|off")]
     pub mmap: String,
+    /// Which weight matrices the CPU rearranges at load for its decoding
+    /// kernels (as llama.cpp's --no-repack turns off): on (every type with
+    /// a repacked layout: Q4_K and Q6_K, 8 rows at a time, from AVX2 up),
+    /// off (all read as the file stores them; quicker to load, slower to
+    /// decode), or the types joined with + (Q4_K+Q6_K). Results are the
+    /// same bit for bit. `kvrun bench` takes a list (--repack on,off).
+    #[arg(long = "repack", default_value = "on", value_name = "on|off|TYPES")]
+    pub repack: String,
 }
 
 impl ModelArgs {
@@ -86,17 +98,31 @@ impl ModelArgs {
             .collect()
     }
 
-    /// How the host takes the weights for `device`: `--mmap` (one
-    /// setting; see [`loader_for`]).
+    /// `--repack` as a list of settings.
+    pub fn repack_list(&self) -> Result<Vec<crate::backend::cpu::Repack>> {
+        self.repack
+            .split(',')
+            .map(|v| crate::backend::cpu::Repack::parse(v).map_err(|e| Error::arg("--repack", e)))
+            .collect()
+    }
+
+    /// How the host takes the weights for `device`: `--mmap` and
+    /// `--repack` (one setting each; see [`loader_for`]).
     pub fn loader(&self, device: crate::backend::Device) -> Result<crate::backend::HostLoader> {
-        let list = self.mmap_list()?;
-        let [mapped] = list[..] else {
-            return Err(Error::arg(
-                "--mmap",
-                "takes one setting here (a list is for `kvrun bench`)",
-            ));
+        let one = |flag: &str, n: usize| {
+            Error::arg(
+                flag,
+                format!("takes one setting here, not {n} (a list is for `kvrun bench`)"),
+            )
         };
-        Ok(loader_for(mapped, device))
+        let (mmaps, repacks) = (self.mmap_list()?, self.repack_list()?);
+        let [mapped] = mmaps[..] else {
+            return Err(one("--mmap", mmaps.len()));
+        };
+        let [repack] = repacks[..] else {
+            return Err(one("--repack", repacks.len()));
+        };
+        Ok(loader_for(mapped, repack, device))
     }
 
     /// `--reasoning` as a template's `enable_thinking`.

@@ -222,7 +222,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         resolve_model(m)?;
     }
     let policies: Vec<&str> = a.kv.policy.split(',').map(str::trim).collect();
-    let mmaps = a.model.mmap_list()?;
+    let settings = LoadSettings::of(&a.model)?;
     let mut out = BenchOut::default();
     for m in &models {
         let mut one = a.clone();
@@ -230,7 +230,7 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
         // each model's peak RSS is its own
         reset_peak_rss();
         let first = out.notes.len();
-        bench_one(&one, &policies, &mmaps, &mut out)?;
+        bench_one(&one, &policies, &settings, &mut out)?;
         if models.len() > 1 {
             // several models: say whose each note is
             let name = resolve_model(m)?.display().to_string();
@@ -244,34 +244,74 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     }
     println!(
         "| model | size | threads | engine | test | t/s | vs llama.cpp | vs {} | read/token | roofline |",
-        policies[0].to_owned() + &mmap_label(&mmaps, 0)
+        policies[0].to_owned() + &settings.label(0)
     );
     println!("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |");
     out.print();
     Ok(())
 }
 
-/// What tells the `--mmap` settings apart in an engine's name: nothing
-/// when there is one.
-fn mmap_label(mmaps: &[bool], i: usize) -> String {
-    if mmaps.len() > 1 {
-        format!(" mmap={}", mmaps[i] as u8)
-    } else {
-        String::new()
+/// The ways of loading the weights a bench compares: every pair of a
+/// `--mmap` and a `--repack` setting, each loaded once, their sessions
+/// taking turns.
+struct LoadSettings {
+    /// (read in place from the map, which matrices are repacked)
+    list: Vec<(bool, crate::backend::cpu::Repack)>,
+    /// whether several `--mmap` / `--repack` settings were given
+    several: (bool, bool),
+}
+
+impl LoadSettings {
+    fn of(m: &ModelArgs) -> Result<LoadSettings> {
+        let (mmaps, repacks) = (m.mmap_list()?, m.repack_list()?);
+        Ok(LoadSettings {
+            list: mmaps
+                .iter()
+                .flat_map(|&on| repacks.iter().map(move |&r| (on, r)))
+                .collect(),
+            several: (mmaps.len() > 1, repacks.len() > 1),
+        })
+    }
+
+    /// What tells setting `i` apart in an engine's name: nothing when
+    /// there is one.
+    fn label(&self, i: usize) -> String {
+        let (mapped, repack) = self.list[i];
+        let mut l = String::new();
+        if self.several.0 {
+            l += &format!(" mmap={}", mapped as u8);
+        }
+        if self.several.1 {
+            l += &format!(" repack={repack}");
+        }
+        l
     }
 }
 
 /// Bench one model (`a.model.model`) with each `--mmap` setting of
-/// `mmaps`, appending its rows and notes.
-fn bench_one(a: &BenchArgs, policies: &[&str], mmaps: &[bool], out: &mut BenchOut) -> Result<()> {
+/// `settings`, appending its rows and notes.
+fn bench_one(
+    a: &BenchArgs,
+    policies: &[&str],
+    settings: &LoadSettings,
+    out: &mut BenchOut,
+) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
     let n_threads = resolve_threads(a.model.threads)?;
     let device = crate::cmd::resolve_device(&a.model, None)?;
-    if mmaps.len() > 1 && device != crate::backend::Device::Cpu {
-        return Err(Error::arg(
-            "--mmap",
-            "a list of settings is for CPU runs (a GPU reads the map once to upload it)",
-        ));
+    if device != crate::backend::Device::Cpu {
+        if settings.several.0 {
+            return Err(Error::arg(
+                "--mmap",
+                "a list of settings is for CPU runs (a GPU reads the map once to upload it)",
+            ));
+        }
+        if settings.several.1 {
+            return Err(Error::arg(
+                "--repack",
+                "a list of settings is for CPU runs (a GPU keeps its own layout)",
+            ));
+        }
     }
     // a CPU model's bandwidth is probed before it loads and again after its
     // runs (the machine may be busier at one of them)
@@ -287,14 +327,15 @@ fn bench_one(a: &BenchArgs, policies: &[&str], mmaps: &[bool], out: &mut BenchOu
     if device == crate::backend::Device::Cpu {
         probe();
     }
-    // one model per --mmap setting, all loaded at once (their sessions
+    // one model per --mmap and --repack setting, all loaded at once (their sessions
     // take turns, as the policies do)
     device.check()?;
-    let loaded: Vec<crate::load::Loaded> = mmaps
+    let loaded: Vec<crate::load::Loaded> = settings
+        .list
         .iter()
-        .map(|&on| crate::load::Loaded::open_with(&path, &loader_for(on, device)))
+        .map(|&(on, r)| crate::load::Loaded::open_with(&path, &loader_for(on, r, device)))
         .collect::<Result<_>>()?;
-    // sessions: per --mmap setting (an index into `loaded`), per policy
+    // sessions: per load setting (an index into `loaded`), per policy
     let sessions: Vec<(usize, &str)> = (0..loaded.len())
         .flat_map(|vi| policies.iter().map(move |p| (vi, *p)))
         .collect();
@@ -324,7 +365,7 @@ fn bench_one(a: &BenchArgs, policies: &[&str], mmaps: &[bool], out: &mut BenchOu
         a,
         path: &path,
         sessions: &sessions,
-        mmaps,
+        settings,
         tests: &tests,
         n_ctx,
         ctx_toks,
@@ -412,7 +453,7 @@ fn bench_one(a: &BenchArgs, policies: &[&str], mmaps: &[bool], out: &mut BenchOu
                     "kvrun".to_owned()
                 } else {
                     format!("kvrun {p}")
-                } + &mmap_label(mmaps, vi);
+                } + &settings.label(vi);
             let (rb, bps) = roof(t, m, kv_peak[si]);
             out.rows.push(row(
                 format!(
@@ -468,7 +509,7 @@ fn bench_one(a: &BenchArgs, policies: &[&str], mmaps: &[bool], out: &mut BenchOu
         });
     }
     let both = if loaded.len() > 1 {
-        " (every --mmap setting's weights loaded at once)"
+        " (every --mmap and --repack setting's weights loaded at once)"
     } else {
         ""
     };
@@ -667,8 +708,8 @@ struct KvrunSide<'r> {
     path: &'r std::path::Path,
     /// (index into the weights `run` gets, policy), one per session
     sessions: &'r [(usize, &'r str)],
-    /// the `--mmap` setting of each of those weights
-    mmaps: &'r [bool],
+    /// the `--mmap` and `--repack` settings of each of those weights
+    settings: &'r LoadSettings,
     tests: &'r [(String, usize)],
     n_ctx: usize,
     ctx_toks: &'r [u32],
@@ -697,7 +738,7 @@ impl KvrunSide<'_> {
             a,
             path,
             sessions: list,
-            mmaps,
+            settings,
             tests,
             n_ctx,
             ctx_toks,
@@ -777,7 +818,7 @@ impl KvrunSide<'_> {
             .iter()
             .zip(&sessions)
             .map(|(&(vi, p), sess)| {
-                let setting = mmap_label(mmaps, vi);
+                let setting = settings.label(vi);
                 format!(
                     "kvrun KV{setting}: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
                     a.kv.kv_budget

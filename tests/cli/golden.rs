@@ -314,7 +314,7 @@ fn bench_measures_each_mmap_setting() {
         );
     }
     assert!(
-        out.contains("every --mmap setting's weights loaded at once"),
+        out.contains("every --mmap and --repack setting's weights loaded at once"),
         "{out}"
     );
     for bad in [
@@ -331,6 +331,49 @@ fn bench_measures_each_mmap_setting() {
     assert!(ok, "{err}");
     assert!(
         out.contains("| kvrun | tg4 |") && !out.contains("mmap="),
+        "{out}"
+    );
+}
+
+/// `kvrun bench --repack on,off,q6_k` loads the model once per setting
+/// (crossed with `--mmap`'s) and labels each row; bad settings, or a list
+/// where one run takes one setting, are one-line errors.
+#[test]
+fn bench_measures_each_repack_setting() {
+    let (out, err, ok) = small_bench(&[
+        "-r",
+        "1",
+        "--no-llama",
+        "-n",
+        "0",
+        "--repack",
+        "on,off,Q6_K",
+        "--mmap",
+        "0,1",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("| vs full mmap=0 repack=on |"), "{out}");
+    for mmap in ["mmap=0", "mmap=1"] {
+        for repack in ["repack=on", "repack=off", "repack=Q6_K"] {
+            let engine = format!("| kvrun {mmap} {repack} | pp8 |");
+            assert!(out.contains(&engine), "no {engine} in {out}");
+        }
+    }
+    assert_eq!(out.matches("| pp8 |").count(), 6, "{out}");
+    for bad in [
+        &["bench", "--repack", "q5_k", "-p", "8", "-n", "0"][..],
+        &["bench", "--repack", "on,", "-p", "8", "-n", "0"][..],
+        &["-p", "hi", "-n", "1", "--repack", "on,off"][..],
+    ] {
+        let (_, err, ok) = kvrun(bad);
+        assert!(!ok, "{bad:?}");
+        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
+        assert!(err.contains("--repack"), "{bad:?}: {err}");
+    }
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "-n", "0", "--repack", "off"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("| kvrun | pp8 |") && !out.contains("repack="),
         "{out}"
     );
 }

@@ -1379,10 +1379,11 @@ fn x8_speed() {
 
 /// The CPU loader repacks Q4_K and Q6_K matrices (8k rows) exactly where
 /// the process's kernel level has their repacked kernels, and never an
-/// embedding table; a repacked matrix still hands out its rows as GGUF
-/// stores them.
+/// embedding table, nor a type `--repack` leaves out; a repacked matrix
+/// still hands out its rows as GGUF stores them.
 #[test]
 fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
+    use kvrun::backend::cpu::Repack;
     use kvrun::backend::WeightSink;
     let mut r = Rng::new(3);
     let loader = kvrun::backend::HOST_LOADER;
@@ -1417,6 +1418,38 @@ fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
             .matrix(dt, 512, 12, std::borrow::Cow::Borrowed(&w[..12 * rb]))
             .unwrap();
         assert!(!odd.is_repacked());
+        // --repack: off, or a list without this type, keeps it as it is
+        for (setting, allowed) in [
+            ("off", false),
+            ("on", true),
+            ("q4_K", dt == DType::Q4K),
+            ("Q6_k", dt == DType::Q6K),
+            ("q4_k+q6_k", true),
+        ] {
+            let repack = Repack::parse(setting).unwrap();
+            let loader = kvrun::backend::cpu::Loader { repack, ..loader };
+            let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
+            let m = sink
+                .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
+                .unwrap();
+            assert_eq!(m.is_repacked(), want && allowed, "{dt} {setting}");
+            assert_eq!(&m.row(5)[..], &w[5 * rb..6 * rb]);
+        }
+    }
+    for (setting, shown) in [
+        ("1", "on"),
+        ("false", "off"),
+        ("Q6_K+q4_k", "on"),
+        ("q6_k", "Q6_K"),
+    ] {
+        assert_eq!(Repack::parse(setting).unwrap().to_string(), shown);
+    }
+    for bad in ["q5_k", "", "on+q4_k", "q4_k+"] {
+        let e = Repack::parse(bad).unwrap_err();
+        assert!(
+            e.contains("not on, off or a repacked type (Q4_K, Q6_K)"),
+            "{bad}: {e}"
+        );
     }
 }
 

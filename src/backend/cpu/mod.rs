@@ -193,12 +193,76 @@ pub enum WeightPages {
     Huge,
 }
 
+/// Which matrices the CPU loader may repack for its kernels (`--repack`):
+/// one flag per repacked layout ([`x8::LAYOUTS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Repack([bool; x8::LAYOUTS.len()]);
+
+impl Repack {
+    /// Every layout the kernel level has a kernel for (the default).
+    pub const ALL: Repack = Repack([true; x8::LAYOUTS.len()]);
+    /// None: every matrix is read as GGUF stores it.
+    pub const NONE: Repack = Repack([false; x8::LAYOUTS.len()]);
+
+    /// Whether matrices of `dtype` may be repacked.
+    pub fn allows(self, dtype: DType) -> bool {
+        x8::LAYOUTS
+            .iter()
+            .position(|&d| d == dtype)
+            .is_some_and(|i| self.0[i])
+    }
+
+    /// `on`, `off`, or the types to repack joined with `+` (`q4_k`,
+    /// `q4_k+q6_k`; any case).
+    pub fn parse(s: &str) -> std::result::Result<Repack, String> {
+        match s.trim() {
+            "on" | "1" | "true" => return Ok(Repack::ALL),
+            "off" | "0" | "false" => return Ok(Repack::NONE),
+            _ => {}
+        }
+        let mut r = Repack::NONE;
+        for name in s.split('+').map(str::trim) {
+            let i = x8::LAYOUTS
+                .iter()
+                .position(|d| d.to_string().eq_ignore_ascii_case(name))
+                .ok_or_else(|| {
+                    let names: Vec<String> = x8::LAYOUTS.iter().map(|d| d.to_string()).collect();
+                    format!(
+                        "'{name}' is not on, off or a repacked type ({})",
+                        names.join(", ")
+                    )
+                })?;
+            r.0[i] = true;
+        }
+        Ok(r)
+    }
+}
+
+impl std::fmt::Display for Repack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == Repack::ALL {
+            return f.write_str("on");
+        }
+        if *self == Repack::NONE {
+            return f.write_str("off");
+        }
+        let on: Vec<String> = x8::LAYOUTS
+            .iter()
+            .filter(|&&d| self.allows(d))
+            .map(|d| d.to_string())
+            .collect();
+        f.write_str(&on.join("+"))
+    }
+}
+
 /// Takes weights for the CPU without a running backend: matrices are
-/// repacked where the kernel level has a layout for them
-/// ([`QMat::repack_for`]), and the others are read where `pages` says.
+/// repacked where the kernel level has a layout for them and `repack`
+/// allows it ([`QMat::repack_for`]), and the others are read where
+/// `pages` says.
 #[derive(Debug, Clone, Copy)]
 pub struct Loader {
     pub pages: WeightPages,
+    pub repack: Repack,
 }
 
 impl crate::backend::WeightSink<Cpu> for Loader {
@@ -211,7 +275,12 @@ impl crate::backend::WeightSink<Cpu> for Loader {
     ) -> Result<QMat<'w>> {
         // rearranged for this level's products where it has a layout for
         // them (Q4_K×8 and Q6_K×8 from AVX2 up), else copied into huge pages if asked
-        let m = QMat::new(dtype, n_in, n_out, bytes)?.repack_for(isa::level());
+        let m = QMat::new(dtype, n_in, n_out, bytes)?;
+        let m = if self.repack.allows(dtype) {
+            m.repack_for(isa::level())
+        } else {
+            m
+        };
         Ok(match self.pages {
             WeightPages::Huge => m.into_huge_pages(),
             WeightPages::Mapped => m,

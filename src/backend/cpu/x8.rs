@@ -23,9 +23,12 @@ use crate::tensor::DType;
 /// row) -> the 8 rows' dot products`.
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
+/// The types with a repacked layout.
+pub const LAYOUTS: [DType; 2] = [DType::Q4K, DType::Q6K];
+
 /// Whether `dtype` has a repacked layout (Q4_K, Q6_K).
 pub fn has_layout(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4K | DType::Q6K)
+    LAYOUTS.contains(&dtype)
 }
 
 /// Bytes of one group (8 rows × one superblock) of `dtype`.
