@@ -344,8 +344,6 @@ fn bench_measures_each_repack_setting() {
         "-r",
         "1",
         "--no-llama",
-        "-n",
-        "0",
         "--repack",
         "on,off,Q6_K",
         "--mmap",
@@ -370,7 +368,7 @@ fn bench_measures_each_repack_setting() {
         assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
         assert!(err.contains("--repack"), "{bad:?}: {err}");
     }
-    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "-n", "0", "--repack", "off"]);
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--repack", "off"]);
     assert!(ok, "{err}");
     assert!(
         out.contains("| kvrun | pp8 |") && !out.contains("repack="),

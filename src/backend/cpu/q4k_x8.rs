@@ -1,5 +1,6 @@
-//! Q4_K repacked eight rows at a time (`Q4_K×8`), and its decoding kernels
-//! for AVX-512 VNNI and for AVX2: one token against 8 rows per call.
+//! Q4_K repacked eight rows at a time (`Q4_K×8`, stored in an
+//! [`super::x8::X8`]), and its decoding kernels for AVX-512 VNNI and for
+//! AVX2: one token against 8 rows per call.
 //!
 //! Why repack: the row-major decoding kernels (`qgemm_k_decode`) multiply
 //! a run of 32 weights by its activations with `maddubs` and then by the
@@ -57,8 +58,7 @@
 //! |sum| ≤ 16·15·128 = 30720, which `vpdpwssd` reads as an exact i16 (the
 //! sign-extended upper half is multiplied by 0).
 
-use super::qgemm_lanes::{Q4_K_BYTES, Q8_K_BYTES, ROWS};
-use super::x8::X8Fn;
+use super::qgemm_lanes::{X8Fn, Q4_K_BYTES, Q8_K_BYTES, ROWS};
 
 /// Bytes of one group (8 rows × one superblock).
 pub const GROUP_BYTES: usize = ROWS * Q4_K_BYTES;

@@ -43,8 +43,7 @@
 //! per-row integer sum and the float step (`fma(dy·d, isum, acc)`) are
 //! `qgemm_lanes::dot_scalar`'s, bit for bit, as every Q6_K kernel is.
 
-use super::qgemm_lanes::{Q6_K_BYTES, Q8_K_BYTES, ROWS};
-use super::x8::X8Fn;
+use super::qgemm_lanes::{X8Fn, Q6_K_BYTES, Q8_K_BYTES, ROWS};
 
 /// Bytes of one group (8 rows × one superblock).
 pub const GROUP_BYTES: usize = ROWS * Q6_K_BYTES;

@@ -19,9 +19,7 @@ use super::qgemm_lanes::{block_bytes, ROWS};
 use super::{q4k_x8, q6k_x8};
 use crate::tensor::DType;
 
-/// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
-/// row) -> the 8 rows' dot products`.
-pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
+pub use super::qgemm_lanes::X8Fn;
 
 /// The types with a repacked layout.
 pub const LAYOUTS: [DType; 2] = [DType::Q4K, DType::Q6K];
