@@ -9,7 +9,16 @@
 //! 16-weight scale, the −32 offset, and the reduction of the row's lanes
 //! at the end of every superblock. In a perf profile of the 7B's decoding
 //! in an x86-64-v3 build, the row-major AVX2 kernel read Q6_K at about
-//! two thirds of the speed per byte of the Q4_K×8 kernel.
+//! two thirds of the speed per byte of the Q4_K×8 kernel. Measured on a
+//! Zen 4 VM (README, Speed): one core from L2, 32.7–33.6 against 25.7–28.0
+//! GB/s at AVX2 and 46.2–52.7 against 31.6–33.0 at AVX-512 VNNI; the 7B
+//! Q4_K_M's decoding with 2 threads 5.6% (AVX2) and 9.6% (VNNI) faster
+//! than with Q4_K×8 alone, in one process (`kvrun bench --repack
+//! on,q4_k`).
+//!
+//! A first layout stored all `ql` chunks, then all `qh` chunks: a group
+//! was read in three places at once and streamed from memory at half the
+//! row-major kernel's speed. The kernels now read a group front to back.
 //!
 //! # Layout
 //! Rows `8R..8R + 8`, superblock `b`: a group of [`GROUP_BYTES`] = 8 × 210
