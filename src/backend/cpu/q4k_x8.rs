@@ -58,7 +58,7 @@
 //! |sum| ≤ 16·15·128 = 30720, which `vpdpwssd` reads as an exact i16 (the
 //! sign-extended upper half is multiplied by 0).
 
-use super::qgemm_lanes::{X8Fn, Q4_K_BYTES, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Q4_K_BYTES, Q8_K_BYTES, ROWS};
 
 /// Bytes of one group (8 rows × one superblock).
 pub const GROUP_BYTES: usize = ROWS * Q4_K_BYTES;
@@ -85,36 +85,6 @@ pub(super) fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> 
     // quants: 8 bytes of chunk c at 8h, in load 4c + h
     let quants = (0..16).map(move |i| (16 + 8 * i, G_Q + 64 * i + 8 * r, 8));
     heads.into_iter().chain(quants)
-}
-
-/// The kernel where this CPU runs it at kernel level `level`: VNNI's from
-/// avx512vnni, AVX2's at avx2 and avx512.
-pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
-    #[cfg(target_arch = "x86_64")]
-    return super::isa::vnni_or_avx2(level, decode::<true>, decode::<false>);
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = level;
-        None
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn decode<const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
-    assert!(
-        groups.len() >= nb * GROUP_BYTES && y.len() >= nb * Q8_K_BYTES,
-        "Q4_K×8 decode: short operands"
-    );
-    // SAFETY: handed out by `decode_for` only where the CPU has AVX2, FMA
-    // and F16C, and with VNNI only where it has AVX-512 F/BW/VL and VNNI;
-    // the lengths (checked above) bound every load.
-    unsafe {
-        if VNNI {
-            decode_vnni(nb, groups.as_ptr(), y.as_ptr())
-        } else {
-            decode_avx2(nb, groups.as_ptr(), y.as_ptr())
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -218,7 +188,7 @@ pub(super) unsafe fn fold_halves(h0: __m256i, h1: __m256i) -> __m256i {
 /// AVX2, FMA, F16C; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+pub(super) unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every
     // load is inside the nb groups / blocks.
@@ -328,7 +298,7 @@ pub(super) unsafe fn fold_pairs(x: __m512i) -> __m256i {
 /// AVX-512 F/BW/VL and VNNI; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every
     // load is inside the nb groups / blocks.

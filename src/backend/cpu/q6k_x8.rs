@@ -52,7 +52,7 @@
 //! per-row integer sum and the float step (`fma(dy·d, isum, acc)`) are
 //! `qgemm_lanes::dot_scalar`'s, bit for bit, as every Q6_K kernel is.
 
-use super::qgemm_lanes::{X8Fn, Q6_K_BYTES, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Q6_K_BYTES, Q8_K_BYTES, ROWS};
 
 /// Bytes of one group (8 rows × one superblock).
 pub const GROUP_BYTES: usize = ROWS * Q6_K_BYTES;
@@ -76,36 +76,6 @@ pub(super) fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> 
     let ql = (0..16).map(move |c| (8 * c, quants_at(c / 8, c % 4) + 64 * (c % 8 / 4) + 8 * r, 8));
     let qh = (0..8).map(move |c| (128 + 8 * c, quants_at(c / 4, c % 4) + 128 + 8 * r, 8));
     d.chain(scales).chain(ql).chain(qh)
-}
-
-/// The kernel where this CPU runs it at kernel level `level`: the
-/// 512-bit one from avx512vnni, AVX2's at avx2 and avx512.
-pub fn decode_for(level: super::isa::Level) -> Option<X8Fn> {
-    #[cfg(target_arch = "x86_64")]
-    return super::isa::vnni_or_avx2(level, decode::<true>, decode::<false>);
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = level;
-        None
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn decode<const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
-    assert!(
-        groups.len() >= nb * GROUP_BYTES && y.len() >= nb * Q8_K_BYTES,
-        "Q6_K×8 decode: short operands"
-    );
-    // SAFETY: handed out by `decode_for` only where the CPU has AVX2, FMA
-    // and F16C, and with VNNI only where it has AVX-512 F/BW/VL and VNNI;
-    // the lengths (checked above) bound every load.
-    unsafe {
-        if VNNI {
-            decode_vnni(nb, groups.as_ptr(), y.as_ptr())
-        } else {
-            decode_avx2(nb, groups.as_ptr(), y.as_ptr())
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -159,7 +129,7 @@ unsafe fn quants_avx2(ql0: __m256i, ql1: __m256i, qh: __m256i) -> [__m256i; 4] {
 /// AVX2, FMA, F16C; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+pub(super) unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     use super::q4k_x8::fold_halves;
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every
@@ -229,7 +199,7 @@ unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
 /// AVX-512 F/BW/VL and VNNI; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     use super::q4k_x8::fold_pairs;
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every

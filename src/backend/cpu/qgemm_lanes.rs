@@ -120,10 +120,6 @@ pub const ROWS: usize = 8;
 /// multiply-adds per second of 8 × 4).
 pub const TOKS: usize = 8;
 
-/// A decoding kernel of a repacked layout (`x8`): `(nb, one row block's
-/// groups, one Q8_K activation row) -> the 8 rows' dot products`.
-pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
-
 /// A kernel: `(nb, 8 weight rows, N token rows) -> out[r][t]`.
 pub type LanesFn<const N: usize> = fn(usize, &[&[u8]; ROWS], &[&[u8]; N]) -> [[f32; N]; ROWS];
 

@@ -9,17 +9,19 @@
 //! lanes): a decoding kernel then sums a whole run for 8 rows with no
 //! transpose, applies the scales to 8 rows at once and never reduces a
 //! row's lanes. Each layout is described by one list of copies per row
-//! (`segments`), which packing and unpacking both follow, so a row always
+//! (its `segments`), which packing and unpacking both follow, so a row always
 //! comes back as GGUF stores it (tests/engine/kernels.rs).
 //!
 //! The decoding kernels reproduce `qgemm_lanes::dot_scalar` bit for bit,
 //! so a matrix gives the same logits repacked or not, at every level.
 
-use super::qgemm_lanes::{block_bytes, ROWS};
+use super::qgemm_lanes::{block_bytes, Q8_K_BYTES, ROWS};
 use super::{q4k_x8, q6k_x8};
 use crate::tensor::DType;
 
-pub use super::qgemm_lanes::X8Fn;
+/// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
+/// row) -> the 8 rows' dot products`.
+pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
 pub const LAYOUTS: [DType; 2] = [DType::Q4K, DType::Q6K];
@@ -34,24 +36,96 @@ pub fn group_bytes(dtype: DType) -> usize {
     ROWS * block_bytes(dtype)
 }
 
-/// Row `r`'s copies between one superblock and its group: `(offset in
-/// the superblock, offset in the group, length)`.
-fn segments(dtype: DType, r: usize) -> Vec<(usize, usize, usize)> {
+/// Calls `copy(offset in the superblock, offset in the group, length)`
+/// for each of row `r`'s copies between one superblock and its group.
+fn each_segment(dtype: DType, r: usize, mut copy: impl FnMut(usize, usize, usize)) {
     match dtype {
-        DType::Q4K => q4k_x8::segments(r).collect(),
-        DType::Q6K => q6k_x8::segments(r).collect(),
+        DType::Q4K => q4k_x8::segments(r).for_each(|(a, g, n)| copy(a, g, n)),
+        DType::Q6K => q6k_x8::segments(r).for_each(|(a, g, n)| copy(a, g, n)),
         other => panic!("x8: no repacked layout for {other}"),
     }
 }
 
 /// The decoding kernel of `dtype`'s layout at kernel level `level`, where
-/// this CPU runs it (from AVX2 up; see each layout's `decode_for` for the
-/// levels it covers).
+/// this CPU runs it: the 512-bit one from avx512vnni, AVX2's at avx2 and
+/// avx512; none below AVX2 or for a type without a layout.
 pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
-    match dtype {
-        DType::Q4K => q4k_x8::decode_for(level),
-        DType::Q6K => q6k_x8::decode_for(level),
-        _ => None,
+    #[cfg(target_arch = "x86_64")]
+    {
+        let pick = |vnni: X8Fn, avx2: X8Fn| super::isa::vnni_or_avx2(level, vnni, avx2);
+        match dtype {
+            DType::Q4K => pick(decode::<Q4k, true>, decode::<Q4k, false>),
+            DType::Q6K => pick(decode::<Q6k, true>, decode::<Q6k, false>),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (dtype, level);
+        None
+    }
+}
+
+/// A layout's two decoding kernels, over raw pointers.
+///
+/// # Safety (of both)
+/// The CPU has AVX2, FMA and F16C, and for `vnni` AVX-512 F/BW/VL and
+/// VNNI; `x` holds `nb` groups of `GROUP_BYTES`, `y` `nb` Q8_K blocks.
+#[cfg(target_arch = "x86_64")]
+trait Kernels {
+    const GROUP_BYTES: usize;
+    unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS];
+    unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS];
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Q4k;
+#[cfg(target_arch = "x86_64")]
+struct Q6k;
+
+#[cfg(target_arch = "x86_64")]
+impl Kernels for Q4k {
+    const GROUP_BYTES: usize = q4k_x8::GROUP_BYTES;
+    unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { q4k_x8::decode_vnni(nb, x, y) }
+    }
+    unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { q4k_x8::decode_avx2(nb, x, y) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernels for Q6k {
+    const GROUP_BYTES: usize = q6k_x8::GROUP_BYTES;
+    unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { q6k_x8::decode_vnni(nb, x, y) }
+    }
+    unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { q6k_x8::decode_avx2(nb, x, y) }
+    }
+}
+
+/// The checked entry of a layout's kernels (what `decode_for` hands out).
+#[cfg(target_arch = "x86_64")]
+fn decode<K: Kernels, const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+    assert!(
+        groups.len() >= nb * K::GROUP_BYTES && y.len() >= nb * Q8_K_BYTES,
+        "x8 decode: short operands"
+    );
+    // SAFETY: handed out by `decode_for` only where `vnni_or_avx2` found
+    // the CPU has the kernel's features (AVX2, FMA, F16C; AVX-512 F/BW/VL
+    // and VNNI for the VNNI one); the lengths (checked above) bound every
+    // load.
+    unsafe {
+        if VNNI {
+            K::vnni(nb, groups.as_ptr(), y.as_ptr())
+        } else {
+            K::avx2(nb, groups.as_ptr(), y.as_ptr())
+        }
     }
 }
 
@@ -96,16 +170,15 @@ impl X8 {
         let off = buf.as_ptr().align_offset(64).min(63);
         let dst = &mut buf[off..off + len];
         let (gb, block) = (group_bytes(dtype), ROWS * rb);
-        let segs: [Vec<_>; ROWS] = std::array::from_fn(|r| segments(dtype, r));
         let pack_blocks = |first: usize, out: &mut [u8]| {
             for (i, out) in out.chunks_exact_mut(block).enumerate() {
                 let r0 = (first + i) * ROWS;
                 for (b, g) in out.chunks_exact_mut(gb).enumerate() {
-                    for (r, segs) in segs.iter().enumerate() {
+                    for r in 0..ROWS {
                         let x = &src[(r0 + r) * rb + b * sb..][..sb];
-                        for &(at, to, n) in segs {
-                            g[to..to + n].copy_from_slice(&x[at..at + n]);
-                        }
+                        each_segment(dtype, r, |at, to, n| {
+                            g[to..to + n].copy_from_slice(&x[at..at + n])
+                        });
                     }
                 }
             }
@@ -168,15 +241,14 @@ fn unpack(dtype: DType, groups: &[u8], r: usize, k: usize, out: &mut [u8]) {
         groups.len() >= k * gb && out.len() >= k * sb,
         "x8: short unpack"
     );
-    let segs = segments(dtype, r);
     for (g, x) in groups
         .chunks_exact(gb)
         .zip(out.chunks_exact_mut(sb))
         .take(k)
     {
-        for &(at, from, n) in &segs {
-            x[at..at + n].copy_from_slice(&g[from..from + n]);
-        }
+        each_segment(dtype, r, |at, from, n| {
+            x[at..at + n].copy_from_slice(&g[from..from + n])
+        });
     }
 }
 
