@@ -1244,7 +1244,7 @@ fn qgemm_speed() {
     }
 }
 
-/// Q4_K×8 and Q6_K×8: every row unpacks to its GGUF bytes (whole, and a
+/// Q4_K×8, Q5_K×8 and Q6_K×8: every row unpacks to its GGUF bytes (whole, and a
 /// slice of superblocks), the scalar model of a row block equals
 /// `dot_scalar` on the rows, and the repacked kernel at every level this
 /// CPU runs equals the model bit for bit (fresh random data).
@@ -1256,7 +1256,7 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     let mut checked = 0;
-    for dt in [DType::Q4K, DType::Q6K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         for n_in in [256usize, 768, 3584, 18944] {
             let nb = n_in / 256;
@@ -1309,12 +1309,63 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
                 }
             }
         }
+        // the extremes: every quant at its top value against activations of
+        // -128 and 127 (the bounds of the kernels' i16 lane sums), scales
+        // and mins at their largest magnitude
+        let nb = 2;
+        let sb = dt.block_bytes();
+        let mut w = vec![0u8; ROWS * nb * sb];
+        for (i, b) in w.chunks_exact_mut(sb).enumerate() {
+            let d = f16::from_f32(0.01 + i as f32 * 1e-3)
+                .to_bits()
+                .to_le_bytes();
+            b.fill(0xff);
+            if dt == DType::Q6K {
+                b[192..208].fill(0x80); // scales of -128
+                b[208..].copy_from_slice(&d);
+            } else {
+                b[..2].copy_from_slice(&d);
+                b[2..4].copy_from_slice(&f16::from_f32(0.02).to_bits().to_le_bytes());
+            }
+        }
+        let mut y = vec![0u8; nb * Q8_K_BLOCK];
+        for (k, blk) in y.chunks_exact_mut(Q8_K_BLOCK).enumerate() {
+            blk[..4].copy_from_slice(&0.5f32.to_le_bytes());
+            let v: i8 = if k == 0 { -128 } else { 127 };
+            blk[4..260].fill(v as u8);
+            for j in 0..16 {
+                blk[260 + 2 * j..262 + 2 * j].copy_from_slice(&(16 * v as i16).to_le_bytes());
+            }
+        }
+        let x8 = X8::new(dt, &w, ROWS, nb);
+        let model = decode_scalar(dt, nb, x8.block(0), &y);
+        for k in 0..ROWS {
+            let want = dot_scalar(dt, nb, &w[k * nb * sb..(k + 1) * nb * sb], &y);
+            assert_eq!(model[k].to_bits(), want.to_bits(), "{dt} extremes row {k}");
+        }
+        for level in simd_levels() {
+            let f = decode_for(dt, level).unwrap_or_else(|| panic!("{level}: no {dt}×8 kernel"));
+            let got = f(nb, x8.block(0), &y);
+            for k in 0..ROWS {
+                assert_eq!(
+                    got[k].to_bits(),
+                    model[k].to_bits(),
+                    "{dt} {level:?} extremes row {k}: {} vs {}",
+                    got[k],
+                    model[k]
+                );
+            }
+            checked += 1;
+        }
     }
     eprintln!("{checked} kernel calls checked");
 }
 
+/// Bytes of one Q8_K activation block (f32 d, 256 i8, 16 i16 sums).
+const Q8_K_BLOCK: usize = 292;
+
 /// One core, at every SIMD level this CPU runs: the row-major decoding
-/// kernels against the repacked Q4_K×8 and Q6_K×8 ones, 8-row calls over
+/// kernels against the repacked ones (Q4_K×8, Q5_K×8, Q6_K×8), 8-row calls over
 /// a matrix in L2 and one streamed from memory (`KVRUN_SPEED_ROWS`, rows
 /// per size, comma-separated).
 #[test]
@@ -1329,7 +1380,7 @@ fn x8_speed() {
     let sizes: Vec<usize> = std::env::var("KVRUN_SPEED_ROWS")
         .map(|s| s.split(',').map(|x| x.parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![64, 18944]);
-    for dt in [DType::Q4K, DType::Q6K] {
+    for dt in kvrun::backend::cpu::x8::LAYOUTS {
         let rb = dt.row_bytes(n_in);
         let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
             .unwrap()
@@ -1389,12 +1440,12 @@ fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
     let loader = kvrun::backend::HOST_LOADER;
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
-    for dt in [DType::Q4K, DType::Q6K, DType::Q5K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q8_0] {
         let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
         let want = kvrun::backend::cpu::x8::decode_for(dt, level).is_some();
         assert_eq!(
             want,
-            dt != DType::Q5K && level >= Level::Avx2,
+            dt != DType::Q8_0 && level >= Level::Avx2,
             "{dt} {level}"
         );
         let m = sink
@@ -1424,7 +1475,9 @@ fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
             ("on", true),
             ("q4_K", dt == DType::Q4K),
             ("Q6_k", dt == DType::Q6K),
-            ("q4_k+q6_k", true),
+            ("q5_k", dt == DType::Q5K),
+            ("q4_k+q6_k", dt != DType::Q5K),
+            ("q4_k+q5_k+q6_k", true),
         ] {
             let repack = Repack::parse(setting).unwrap();
             let loader = kvrun::backend::cpu::Loader { repack, ..loader };
@@ -1439,15 +1492,16 @@ fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
     for (setting, shown) in [
         ("1", "on"),
         ("false", "off"),
-        ("Q6_K+q4_k", "on"),
+        ("Q6_K+q4_k+Q5_K", "on"),
+        ("Q6_K+q4_k", "Q4_K+Q6_K"),
         ("q6_k", "Q6_K"),
     ] {
         assert_eq!(Repack::parse(setting).unwrap().to_string(), shown);
     }
-    for bad in ["q5_k", "", "on+q4_k", "q4_k+"] {
+    for bad in ["q8_0", "", "on+q4_k", "q4_k+"] {
         let e = Repack::parse(bad).unwrap_err();
         assert!(
-            e.contains("not on, off or a repacked type (Q4_K, Q6_K)"),
+            e.contains("not on, off or a repacked type (Q4_K, Q5_K, Q6_K)"),
             "{bad}: {e}"
         );
     }

@@ -130,14 +130,25 @@ fn logits_match(mix: Mix) {
     synth::write_file(&header(), &tiny(mix), &f.0, &spec).unwrap();
     let g = Gguf::open(&f.0).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    // Q4_K_M's Q4_K matrices run repacked (Q4_K×8) wherever the level has
-    // that kernel, so this test holds it to llama.cpp too
-    // (and Q4_K_M's and Q5_K_M's Q6_K FFN down projections, Q6_K×8)
+    // Q4_K_M's Q4_K and Q5_K_M's Q5_K matrices run repacked (Q4_K×8,
+    // Q5_K×8) wherever the level has that kernel, so this test holds them
+    // to llama.cpp too (and both mixes' Q6_K FFN down projections, Q6_K×8)
     let level = kvrun::backend::cpu::isa::level();
     let repacked = w.layers.iter().filter(|l| l.wq.is_repacked()).count();
-    if mix == Mix::Q4KM && x8::decode_for(DType::Q4K, level).is_some() {
-        assert_eq!(repacked, w.layers.len(), "{level}: Q4_K wq not repacked");
-    } else if mix != Mix::Q4KM {
+    let wq_type = w.layers[0].wq.dtype;
+    if matches!(mix, Mix::Q4KM | Mix::Q5KM) {
+        assert!(
+            matches!(wq_type, DType::Q4K | DType::Q5K),
+            "{mix:?}: {wq_type}"
+        );
+    }
+    if x8::decode_for(wq_type, level).is_some() {
+        assert_eq!(
+            repacked,
+            w.layers.len(),
+            "{level}: {wq_type} wq not repacked"
+        );
+    } else {
         assert_eq!(repacked, 0);
     }
     let downs: Vec<_> = w

@@ -1,6 +1,6 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
-//! GGUF storage type, usually borrowed from the memory map; Q4_K and Q6_K
-//! repacked 8 rows at a time from AVX2 up, [`X8`]) and the
+//! GGUF storage type, usually borrowed from the memory map; Q4_K, Q5_K and
+//! Q6_K repacked 8 rows at a time from AVX2 up, [`X8`]) and the
 //! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
 //! `ggml-sys`, with cache blocking for batched prefill, and our own tile
 //! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K
@@ -68,8 +68,9 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K and Q6_K with a multiple of 8 rows become Q4_K×8 and
-    /// Q6_K×8 from AVX2 up ([`X8`], the same bytes rearranged; mapped pages of the
+    /// fastest: Q4_K, Q5_K and Q6_K with a multiple of 8 rows become
+    /// Q4_K×8, Q5_K×8 and Q6_K×8 from AVX2 up ([`X8`], the same bytes
+    /// rearranged; mapped pages of the
     /// original are released, so the weights are not resident twice);
     /// anything else stays as it is. Results are the same bit for bit.
     pub fn repack_for(self, level: Level) -> QMat<'a> {

@@ -11,9 +11,9 @@
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
 //! - `x8`: K-quant matrices repacked 8 rows at a time at load (from AVX2
-//!   up): the container and the choice of kernel; `q4k_x8` and `q6k_x8`:
-//!   the Q4_K and Q6_K layouts and their decoding kernels (AVX-512 VNNI,
-//!   AVX2);
+//!   up): the container and the choice of kernel; `q4k_x8` (Q4_K and
+//!   Q5_K) and `q6k_x8` (Q6_K): the layouts and their decoding kernels
+//!   (AVX-512 VNNI, AVX2);
 //! - `qgemm_q8_0`: Q4_0 and Q5_0 (and Q8_0, no longer the engine's there)
 //!   × Q8_0 tile kernels (AVX-512 VNNI, AVX2), prefill and decode, in
 //!   ggml's arithmetic lane for lane;

@@ -1,6 +1,7 @@
-//! Q4_K repacked eight rows at a time (`Q4_K×8`, stored in an
-//! [`super::x8::X8`]), and its decoding kernels for AVX-512 VNNI and for
-//! AVX2: one token against 8 rows per call.
+//! Q4_K and Q5_K repacked eight rows at a time (`Q4_K×8`, `Q5_K×8`, stored
+//! in an [`super::x8::X8`]), and their decoding kernels for AVX-512 VNNI
+//! and for AVX2: one token against 8 rows per call. Q5_K×8 is Q4_K×8 plus
+//! the fifth bits (see Layout); the kernels take both (`Q5`).
 //!
 //! Why repack: the row-major decoding kernels (`qgemm_k_decode`) multiply
 //! a run of 32 weights by its activations with `maddubs` and then by the
@@ -33,9 +34,10 @@
 //! 1.30× llama.cpp's, README, Speed).
 //!
 //! # Layout
-//! Rows `8R..8R + 8`, superblock `b`: a group of [`GROUP_BYTES`] = 8 × 144
-//! bytes (the same bytes as the 8 rows' superblocks, rearranged; groups of
-//! a row block follow each other by superblock, row blocks by row):
+//! Rows `8R..8R + 8`, superblock `b`: a group of [`group_bytes`] = 8 × 144
+//! (Q4_K) or 8 × 176 (Q5_K) bytes (the same bytes as the 8 rows'
+//! superblocks, rearranged; groups of a row block follow each other by
+//! superblock, row blocks by row):
 //!
 //! | bytes | holds |
 //! |---|---|
@@ -43,7 +45,18 @@
 //! | 16..32 | `dmin` of rows 0..7 (f16) |
 //! | 32..96 | per 128-bit lane L: bytes 0..4 and 8..12 of the packed scales of rows 2L and 2L + 1 (`A₂L A₂L₊₁ C₂L C₂L₊₁`) |
 //! | 96..128 | bytes 4..8 of the packed scales of rows 0..7 (`B₀..B₇`) |
-//! | 128..1152 | for chunk c < 4 and h < 4, 64 bytes at 128 + 64·(4c + h): byte 8r + j is `qs[32c + 8h + j]` of row r |
+//! | 128..384 | Q5_K only: for h < 4, 64 bytes at 128 + 64·h: byte 8r + j is `qh[8h + j]` of row r |
+//! | Q (128 for Q4_K, 384 for Q5_K) .. Q + 1024 | for chunk c < 4 and h < 4, 64 bytes at Q + 64·(4c + h): byte 8r + j is `qs[32c + 8h + j]` of row r |
+//!
+//! Q5_K's fifth bits: the low nibbles of load (c, h) are weights
+//! 64c + 8h + j, whose fifth bit is bit 2c of `qh[8h + j]`, and the high
+//! nibbles weights 64c + 32 + 8h + j (bit 2c + 1), so the four `qh` loads
+//! of a group serve all 16 quant loads: a shift and a masked OR per nibble
+//! register. They lie before the quants so that a group is read front to
+//! back; a first Q5_K×8 (2026-12-06 morning) kept them after the quants,
+//! re-read them per chunk, and decoded the 1.5B Q5_K_M 11% slower than the
+//! row-major kernel, although it ran 2× as fast from L2. This layout
+//! decodes it 8–11% faster (README, Speed).
 //!
 //! So the scales of rows 2L, 2L + 1 unpack inside 128-bit lane L, where
 //! the `vpdpbusd` sums of those two rows are (row r in 32-bit lanes 2r and
@@ -56,23 +69,40 @@
 //! so a matrix gives the same logits bit for bit repacked or not, on any
 //! kernel. Overflow: a lane sums 16 products of a run (4 `vpdpbusd`),
 //! |sum| ≤ 16·15·128 = 30720, which `vpdpwssd` reads as an exact i16 (the
-//! sign-extended upper half is multiplied by 0).
+//! sign-extended upper half is multiplied by 0). Q5_K's quants reach 31,
+//! so at VNNI its lanes sum 8 products (two `vpdpbusd`), |sum| ≤ 8·31·128
+//! = 31744, before each `vpdpwssd`: two per run; at AVX2 the 4 loads of a
+//! run still add up in i16 (|sum| ≤ 4·2·31·128 = 31744). The kernels
+//! test reaches those bounds.
 
-use super::qgemm_lanes::{Q4_K_BYTES, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Q4_K_BYTES, Q5_K_BYTES, Q8_K_BYTES, ROWS};
 
-/// Bytes of one group (8 rows × one superblock).
-pub const GROUP_BYTES: usize = ROWS * Q4_K_BYTES;
+/// Bytes of one group (8 rows × one superblock) of Q4_K (`Q5`: of Q5_K).
+pub const fn group_bytes(q5: bool) -> usize {
+    ROWS * if q5 { Q5_K_BYTES } else { Q4_K_BYTES }
+}
 
 /// Offsets in a group.
 const G_DMIN: usize = 16;
 const G_AC: usize = 32;
 const G_B: usize = 96;
-const G_Q: usize = 128;
+/// Q5_K's fifth bits (after the scales, before the quants).
+const G_QH: usize = 128;
+
+/// Where the quants start: after the scales (Q4_K), after the fifth bits
+/// (Q5_K).
+const fn g_q(q5: bool) -> usize {
+    if q5 {
+        G_QH + 4 * 64
+    } else {
+        128
+    }
+}
 
 /// Where row `r`'s bytes of one superblock lie in its group (see the
-/// module doc): `(offset in the superblock, offset in the group, length)`.
-/// Packing and unpacking both copy along this one list.
-pub(super) fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+/// module doc; `q5`: Q5_K): `(offset in the superblock, offset in the
+/// group, length)`. Packing and unpacking both copy along this one list.
+pub(super) fn segments(q5: bool, r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     // packed scales: A (bytes 0..4) and C (8..12) in 128-bit lane r / 2
     let ac = G_AC + 16 * (r / 2) + 4 * (r % 2);
     let heads = [
@@ -82,9 +112,13 @@ pub(super) fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> 
         (12, ac + 8, 4),
         (8, G_B + 4 * r, 4),
     ];
+    // Q5_K's fifth bits: qh[8h..8h + 8] in load h
+    let n_qh = if q5 { 4 } else { 0 };
+    let qh = (0..n_qh).map(move |h| (16 + 8 * h, G_QH + 64 * h + 8 * r, 8));
     // quants: 8 bytes of chunk c at 8h, in load 4c + h
-    let quants = (0..16).map(move |i| (16 + 8 * i, G_Q + 64 * i + 8 * r, 8));
-    heads.into_iter().chain(quants)
+    let (qs, gq) = (if q5 { 48 } else { 16 }, g_q(q5));
+    let quants = (0..16).map(move |i| (qs + 8 * i, gq + 64 * i + 8 * r, 8));
+    heads.into_iter().chain(qh).chain(quants)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -169,6 +203,48 @@ unsafe fn mins_and_sums(g: *const u8, cv: __m256i, yb: *const u8) -> ([__m256i; 
     }
 }
 
+/// Q5_K's fifth bits of a load: bit `b` of each byte of `qh` moved to
+/// bit 4 (the other bits are left over, for the caller to mask).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn bit_to_4(qh: __m512i, b: usize) -> __m512i {
+    // SAFETY: register-only AVX-512 BW shifts (the caller's features); a
+    // word shift moves bits between the bytes of a word, but never into
+    // or out of bit 4 of either byte for these counts.
+    unsafe {
+        match b {
+            0 => _mm512_slli_epi16::<4>(qh),
+            1 => _mm512_slli_epi16::<3>(qh),
+            2 => _mm512_slli_epi16::<2>(qh),
+            3 => _mm512_slli_epi16::<1>(qh),
+            4 => qh,
+            5 => _mm512_srli_epi16::<1>(qh),
+            6 => _mm512_srli_epi16::<2>(qh),
+            _ => _mm512_srli_epi16::<3>(qh),
+        }
+    }
+}
+
+/// [`bit_to_4`] at AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn bit_to_4_avx2(qh: __m256i, b: usize) -> __m256i {
+    // SAFETY: register-only AVX2 shifts (the caller's features); as
+    // `bit_to_4`.
+    unsafe {
+        match b {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<3>(qh),
+            2 => _mm256_slli_epi16::<2>(qh),
+            3 => _mm256_slli_epi16::<1>(qh),
+            4 => qh,
+            5 => _mm256_srli_epi16::<1>(qh),
+            6 => _mm256_srli_epi16::<2>(qh),
+            _ => _mm256_srli_epi16::<3>(qh),
+        }
+    }
+}
+
 /// Two halves' integer sums (row 4k + j of half k in 32-bit lanes 2j,
 /// 2j + 1) as one sum per row, lane r = row r (exact, integer).
 #[cfg(target_arch = "x86_64")]
@@ -188,18 +264,24 @@ pub(super) unsafe fn fold_halves(h0: __m256i, h1: __m256i) -> __m256i {
 /// AVX2, FMA, F16C; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+pub(super) unsafe fn decode_avx2<const Q5: bool>(
+    nb: usize,
+    x: *const u8,
+    y: *const u8,
+) -> [f32; ROWS] {
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every
     // load is inside the nb groups / blocks.
     unsafe {
+        let (gb, gq) = (group_bytes(Q5), g_q(Q5));
+        let bit4 = _mm256_set1_epi8(0x10);
         let nib = _mm256_set1_epi8(0x0f);
         let sc_low = _mm256_loadu_si256(SC_LOW.as_ptr().cast());
         let sc_high = _mm256_set1_epi8(0x30);
         let mut acc = _mm256_setzero_ps();
         let mut acc_m = _mm256_setzero_ps();
         for b in 0..nb {
-            let g = x.add(b * GROUP_BYTES);
+            let g = x.add(b * gb);
             let yb = y.add(b * Q8_K_BYTES);
             // per half k (rows 4k..4k + 4): the packed scales of rows
             // 4k + 2l, 4k + 2l + 1 in 128-bit lane l, unpacked in place
@@ -224,9 +306,16 @@ pub(super) unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32;
                         yb.add(36 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
                     );
                     for k in 0..2 {
-                        let v = _mm256_loadu_si256(g.add(G_Q + 64 * (4 * c + h) + 32 * k).cast());
-                        let lo = _mm256_and_si256(v, nib);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                        let v = _mm256_loadu_si256(g.add(gq + 64 * (4 * c + h) + 32 * k).cast());
+                        let mut lo = _mm256_and_si256(v, nib);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                        if Q5 {
+                            // the fifth bits: bit 2c (low nibbles), 2c + 1 (high)
+                            let qh = _mm256_loadu_si256(g.add(G_QH + 64 * h + 32 * k).cast());
+                            let top = |b| _mm256_and_si256(bit_to_4_avx2(qh, b), bit4);
+                            lo = _mm256_or_si256(lo, top(2 * c));
+                            hi = _mm256_or_si256(hi, top(2 * c + 1));
+                        }
                         sl[k] = _mm256_add_epi16(sl[k], _mm256_maddubs_epi16(lo, ya));
                         sh[k] = _mm256_add_epi16(sh[k], _mm256_maddubs_epi16(hi, yh));
                     }
@@ -298,11 +387,17 @@ pub(super) unsafe fn fold_pairs(x: __m512i) -> __m256i {
 /// AVX-512 F/BW/VL and VNNI; `x` holds `nb` groups, `y` `nb` Q8_K blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+pub(super) unsafe fn decode_vnni<const Q5: bool>(
+    nb: usize,
+    x: *const u8,
+    y: *const u8,
+) -> [f32; ROWS] {
     use super::qgemm_lanes::float_step;
     // SAFETY: the function's contract: the features are enabled, every
     // load is inside the nb groups / blocks.
     unsafe {
+        let (gb, gq) = (group_bytes(Q5), g_q(Q5));
+        let bit4 = _mm512_set1_epi8(0x10);
         let nib = _mm512_set1_epi8(0x0f);
         let sc_low = _mm512_loadu_si512(SC_LOW.as_ptr().cast());
         let sc_high = _mm512_set1_epi8(0x30);
@@ -310,8 +405,16 @@ pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32;
         let mut acc = _mm256_setzero_ps();
         let mut acc_m = _mm256_setzero_ps();
         for b in 0..nb {
-            let g = x.add(b * GROUP_BYTES);
+            let g = x.add(b * gb);
             let yb = y.add(b * Q8_K_BYTES);
+            // Q5_K's fifth bits, read once per group (before the quants)
+            let qh: [__m512i; 4] = std::array::from_fn(|h| {
+                if Q5 {
+                    _mm512_loadu_si512(g.add(G_QH + 64 * h).cast())
+                } else {
+                    _mm512_setzero_si512()
+                }
+            });
             // scales of rows 2L, 2L + 1 in 128-bit lane L: bytes 0..4 and
             // 4..8 scales 0..3, bytes 8..12 and 12..16 scales 4..7 (low 4
             // bits from C, high 2 from A's top bits)
@@ -322,20 +425,31 @@ pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32;
             // the integer sums, row r in lanes 2r and 2r + 1
             let mut isum = _mm512_setzero_si512();
             for c in 0..4 {
-                let mut sl = _mm512_setzero_si512();
-                let mut sh = _mm512_setzero_si512();
+                // a run's lane sums: [0] of loads h < 2, [1] of h ≥ 2 for
+                // Q5_K (8 products a lane, within i16); Q4_K sums all four
+                // loads in [0]
+                let mut sl = [_mm512_setzero_si512(); 2];
+                let mut sh = [_mm512_setzero_si512(); 2];
                 for h in 0..4 {
-                    let v = _mm512_loadu_si512(g.add(G_Q + 64 * (4 * c + h)).cast());
-                    let lo = _mm512_and_si512(v, nib);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                    let v = _mm512_loadu_si512(g.add(gq + 64 * (4 * c + h)).cast());
+                    let mut lo = _mm512_and_si512(v, nib);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                    if Q5 {
+                        // | (bit 2c or 2c + 1 of qh, at bit 4): ternary
+                        // logic 0xF8 is a | (b & c)
+                        lo = _mm512_ternarylogic_epi32::<0xF8>(lo, bit_to_4(qh[h], 2 * c), bit4);
+                        hi =
+                            _mm512_ternarylogic_epi32::<0xF8>(hi, bit_to_4(qh[h], 2 * c + 1), bit4);
+                    }
                     let ya = _mm512_set1_epi64(
                         yb.add(4 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
                     );
                     let yh = _mm512_set1_epi64(
                         yb.add(36 + 64 * c + 8 * h).cast::<i64>().read_unaligned(),
                     );
-                    sl = _mm512_dpbusd_epi32(sl, lo, ya);
-                    sh = _mm512_dpbusd_epi32(sh, hi, yh);
+                    let k = if Q5 { h / 2 } else { 0 };
+                    sl[k] = _mm512_dpbusd_epi32(sl[k], lo, ya);
+                    sh[k] = _mm512_dpbusd_epi32(sh[k], hi, yh);
                 }
                 let s_lo =
                     _mm512_shuffle_epi8(sc, _mm512_loadu_si512(RUN_SCALE[2 * c].as_ptr().cast()));
@@ -343,8 +457,12 @@ pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32;
                     sc,
                     _mm512_loadu_si512(RUN_SCALE[2 * c + 1].as_ptr().cast()),
                 );
-                isum = _mm512_dpwssd_epi32(isum, sl, s_lo);
-                isum = _mm512_dpwssd_epi32(isum, sh, s_hi);
+                isum = _mm512_dpwssd_epi32(isum, sl[0], s_lo);
+                isum = _mm512_dpwssd_epi32(isum, sh[0], s_hi);
+                if Q5 {
+                    isum = _mm512_dpwssd_epi32(isum, sl[1], s_lo);
+                    isum = _mm512_dpwssd_epi32(isum, sh[1], s_hi);
+                }
             }
             // mins: row r's 0..3 from B_r, 4..7 from C_r's high nibbles and
             // B_r's top bits; against the activation's 32-value sums

@@ -1,7 +1,7 @@
 //! K-quant matrices repacked eight rows at a time at load ([`X8`]): the
 //! container, the copy in and out of GGUF's row layout, and the choice of
 //! a decoding kernel. The layouts and their kernels are per type:
-//! [`super::q4k_x8`] (Q4_K×8) and [`super::q6k_x8`] (Q6_K×8).
+//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8) and [`super::q6k_x8`] (Q6_K×8).
 //!
 //! A row block (8 rows) is stored as `nb` groups, one per superblock, each
 //! holding exactly the bytes of the 8 rows' superblocks, rearranged so
@@ -24,9 +24,9 @@ use crate::tensor::DType;
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
-pub const LAYOUTS: [DType; 2] = [DType::Q4K, DType::Q6K];
+pub const LAYOUTS: [DType; 3] = [DType::Q4K, DType::Q5K, DType::Q6K];
 
-/// Whether `dtype` has a repacked layout (Q4_K, Q6_K).
+/// Whether `dtype` has a repacked layout (Q4_K, Q5_K, Q6_K).
 pub fn has_layout(dtype: DType) -> bool {
     LAYOUTS.contains(&dtype)
 }
@@ -40,7 +40,8 @@ pub fn group_bytes(dtype: DType) -> usize {
 /// for each of row `r`'s copies between one superblock and its group.
 fn each_segment(dtype: DType, r: usize, mut copy: impl FnMut(usize, usize, usize)) {
     match dtype {
-        DType::Q4K => q4k_x8::segments(r).for_each(|(a, g, n)| copy(a, g, n)),
+        DType::Q4K => q4k_x8::segments(false, r).for_each(|(a, g, n)| copy(a, g, n)),
+        DType::Q5K => q4k_x8::segments(true, r).for_each(|(a, g, n)| copy(a, g, n)),
         DType::Q6K => q6k_x8::segments(r).for_each(|(a, g, n)| copy(a, g, n)),
         other => panic!("x8: no repacked layout for {other}"),
     }
@@ -55,6 +56,7 @@ pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
         let pick = |vnni: X8Fn, avx2: X8Fn| super::isa::vnni_or_avx2(level, vnni, avx2);
         match dtype {
             DType::Q4K => pick(decode::<Q4k, true>, decode::<Q4k, false>),
+            DType::Q5K => pick(decode::<Q5k, true>, decode::<Q5k, false>),
             DType::Q6K => pick(decode::<Q6k, true>, decode::<Q6k, false>),
             _ => None,
         }
@@ -81,18 +83,33 @@ trait Kernels {
 #[cfg(target_arch = "x86_64")]
 struct Q4k;
 #[cfg(target_arch = "x86_64")]
+struct Q5k;
+#[cfg(target_arch = "x86_64")]
 struct Q6k;
 
 #[cfg(target_arch = "x86_64")]
 impl Kernels for Q4k {
-    const GROUP_BYTES: usize = q4k_x8::GROUP_BYTES;
+    const GROUP_BYTES: usize = q4k_x8::group_bytes(false);
     unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
-        unsafe { q4k_x8::decode_vnni(nb, x, y) }
+        unsafe { q4k_x8::decode_vnni::<false>(nb, x, y) }
     }
     unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
-        unsafe { q4k_x8::decode_avx2(nb, x, y) }
+        unsafe { q4k_x8::decode_avx2::<false>(nb, x, y) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernels for Q5k {
+    const GROUP_BYTES: usize = q4k_x8::group_bytes(true);
+    unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { q4k_x8::decode_vnni::<true>(nb, x, y) }
+    }
+    unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { q4k_x8::decode_avx2::<true>(nb, x, y) }
     }
 }
 
@@ -134,7 +151,7 @@ fn decode<K: Kernels, const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [
 pub struct X8 {
     buf: Vec<u8>,
     off: usize,
-    /// Q4_K or Q6_K.
+    /// Q4_K, Q5_K or Q6_K.
     pub dtype: DType,
     /// Superblocks per row.
     pub nb: usize,
