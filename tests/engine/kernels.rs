@@ -669,6 +669,9 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         // Q6_K×8 (8k rows): decoding, and prefill gathered from it
         (DType::Q6K, 64, 768, 1),
         (DType::Q6K, 24, 3584, 2),
+        // Q5_K×8, the same
+        (DType::Q5K, 48, 1536, 1),
+        (DType::Q5K, 16, 768, 9),
         (DType::Q8_0, 18, 64, 7),
         (DType::Q8_0, 37, 640, 5),
         (DType::Q8_0, 9, 96, 1),
@@ -690,8 +693,8 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
         let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
-        // the same matrix as the SIMD levels lay it out (Q4_K×8 and Q6_K×8
-        // where it has 8k rows; every level must give the plain matrix's results)
+        // the same matrix as the SIMD levels lay it out (Q4_K×8, Q5_K×8 and
+        // Q6_K×8 where it has 8k rows; every level must give the plain matrix's results)
         let m8 = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w))
             .unwrap()
             .repack_for(Level::Avx2);

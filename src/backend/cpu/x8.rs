@@ -194,7 +194,7 @@ impl X8 {
                     for r in 0..ROWS {
                         let x = &src[(r0 + r) * rb + b * sb..][..sb];
                         each_segment(dtype, r, |at, to, n| {
-                            g[to..to + n].copy_from_slice(&x[at..at + n])
+                            copy_small(&mut g[to..to + n], &x[at..at + n])
                         });
                     }
                 }
@@ -264,8 +264,21 @@ fn unpack(dtype: DType, groups: &[u8], r: usize, k: usize, out: &mut [u8]) {
         .take(k)
     {
         each_segment(dtype, r, |at, from, n| {
-            x[at..at + n].copy_from_slice(&g[from..from + n])
+            copy_small(&mut x[at..at + n], &g[from..from + n])
         });
+    }
+}
+
+/// `dst.copy_from_slice(src)` with the segments' lengths (8, 4, 2 bytes)
+/// as fixed-size moves rather than calls to `memcpy`: prefill gathers
+/// every row of a repacked matrix back this way.
+#[inline(always)]
+fn copy_small(dst: &mut [u8], src: &[u8]) {
+    match src.len() {
+        8 => dst[..8].copy_from_slice(&src[..8]),
+        4 => dst[..4].copy_from_slice(&src[..4]),
+        2 => dst[..2].copy_from_slice(&src[..2]),
+        _ => dst.copy_from_slice(src),
     }
 }
 
