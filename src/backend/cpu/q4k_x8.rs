@@ -225,26 +225,6 @@ unsafe fn bit_to_4(qh: __m512i, b: usize) -> __m512i {
     }
 }
 
-/// [`bit_to_4`] at AVX2.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn bit_to_4_avx2(qh: __m256i, b: usize) -> __m256i {
-    // SAFETY: register-only AVX2 shifts (the caller's features); as
-    // `bit_to_4`.
-    unsafe {
-        match b {
-            0 => _mm256_slli_epi16::<4>(qh),
-            1 => _mm256_slli_epi16::<3>(qh),
-            2 => _mm256_slli_epi16::<2>(qh),
-            3 => _mm256_slli_epi16::<1>(qh),
-            4 => qh,
-            5 => _mm256_srli_epi16::<1>(qh),
-            6 => _mm256_srli_epi16::<2>(qh),
-            _ => _mm256_srli_epi16::<3>(qh),
-        }
-    }
-}
-
 /// Two halves' integer sums (row 4k + j of half k in 32-bit lanes 2j,
 /// 2j + 1) as one sum per row, lane r = row r (exact, integer).
 #[cfg(target_arch = "x86_64")]
@@ -296,6 +276,9 @@ pub(super) unsafe fn decode_avx2<const Q5: bool>(
             // the integer sums per half, row 4k + j in lanes 2j, 2j + 1
             let mut isum = [_mm256_setzero_si256(); 2];
             for c in 0..4 {
+                // Q5_K: bit 2c of each byte of qh moved to bit 0 by one word
+                // shift (its count in a register: no branch on c)
+                let cnt = _mm_cvtsi32_si128(2 * c as i32);
                 let mut sl = [_mm256_setzero_si256(); 2];
                 let mut sh = [_mm256_setzero_si256(); 2];
                 for h in 0..4 {
@@ -310,11 +293,21 @@ pub(super) unsafe fn decode_avx2<const Q5: bool>(
                         let mut lo = _mm256_and_si256(v, nib);
                         let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
                         if Q5 {
-                            // the fifth bits: bit 2c (low nibbles), 2c + 1 (high)
+                            // the fifth bits: bit 2c (low nibbles) and 2c + 1
+                            // (high) of each byte, at bit 0 and 1 after the
+                            // shift, then at bit 4 (a word shift by 2c ≤ 6
+                            // moves a byte's bit 2c to its own bit 0, and the
+                            // shifts by 4 and 3 put nothing else at bit 4)
                             let qh = _mm256_loadu_si256(g.add(G_QH + 64 * h + 32 * k).cast());
-                            let top = |b| _mm256_and_si256(bit_to_4_avx2(qh, b), bit4);
-                            lo = _mm256_or_si256(lo, top(2 * c));
-                            hi = _mm256_or_si256(hi, top(2 * c + 1));
+                            let t = _mm256_srl_epi16(qh, cnt);
+                            lo = _mm256_or_si256(
+                                lo,
+                                _mm256_and_si256(_mm256_slli_epi16(t, 4), bit4),
+                            );
+                            hi = _mm256_or_si256(
+                                hi,
+                                _mm256_and_si256(_mm256_slli_epi16(t, 3), bit4),
+                            );
                         }
                         sl[k] = _mm256_add_epi16(sl[k], _mm256_maddubs_epi16(lo, ya));
                         sh[k] = _mm256_add_epi16(sh[k], _mm256_maddubs_epi16(hi, yh));
