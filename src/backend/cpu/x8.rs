@@ -55,8 +55,8 @@ pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
     {
         let pick = |vnni: X8Fn, avx2: X8Fn| super::isa::vnni_or_avx2(level, vnni, avx2);
         match dtype {
-            DType::Q4K => pick(decode::<Q4k, true>, decode::<Q4k, false>),
-            DType::Q5K => pick(decode::<Q5k, true>, decode::<Q5k, false>),
+            DType::Q4K => pick(decode::<Q45k<false>, true>, decode::<Q45k<false>, false>),
+            DType::Q5K => pick(decode::<Q45k<true>, true>, decode::<Q45k<true>, false>),
             DType::Q6K => pick(decode::<Q6k, true>, decode::<Q6k, false>),
             _ => None,
         }
@@ -80,36 +80,22 @@ trait Kernels {
     unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS];
 }
 
+/// Q4_K×8 (`Q5` false) or Q5_K×8.
 #[cfg(target_arch = "x86_64")]
-struct Q4k;
-#[cfg(target_arch = "x86_64")]
-struct Q5k;
+struct Q45k<const Q5: bool>;
 #[cfg(target_arch = "x86_64")]
 struct Q6k;
 
 #[cfg(target_arch = "x86_64")]
-impl Kernels for Q4k {
-    const GROUP_BYTES: usize = q4k_x8::group_bytes(false);
+impl<const Q5: bool> Kernels for Q45k<Q5> {
+    const GROUP_BYTES: usize = q4k_x8::group_bytes(Q5);
     unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
-        unsafe { q4k_x8::decode_vnni::<false>(nb, x, y) }
+        unsafe { q4k_x8::decode_vnni::<Q5>(nb, x, y) }
     }
     unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
-        unsafe { q4k_x8::decode_avx2::<false>(nb, x, y) }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernels for Q5k {
-    const GROUP_BYTES: usize = q4k_x8::group_bytes(true);
-    unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
-        // SAFETY: the trait's contract is the kernel's.
-        unsafe { q4k_x8::decode_vnni::<true>(nb, x, y) }
-    }
-    unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
-        // SAFETY: the trait's contract is the kernel's.
-        unsafe { q4k_x8::decode_avx2::<true>(nb, x, y) }
+        unsafe { q4k_x8::decode_avx2::<Q5>(nb, x, y) }
     }
 }
 
