@@ -1253,7 +1253,7 @@ fn qgemm_speed() {
 /// CPU runs equals the model bit for bit (fresh random data).
 #[test]
 fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
-    use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, ROWS};
+    use kvrun::backend::cpu::qgemm_lanes::{dot_scalar, Q8_K_BYTES, ROWS};
     use kvrun::backend::cpu::x8::{decode_for, decode_scalar, X8};
     let seed = 0x5eed_0418 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
@@ -1331,8 +1331,8 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
                 b[2..4].copy_from_slice(&f16::from_f32(0.02).to_bits().to_le_bytes());
             }
         }
-        let mut y = vec![0u8; nb * Q8_K_BLOCK];
-        for (k, blk) in y.chunks_exact_mut(Q8_K_BLOCK).enumerate() {
+        let mut y = vec![0u8; nb * Q8_K_BYTES];
+        for (k, blk) in y.chunks_exact_mut(Q8_K_BYTES).enumerate() {
             blk[..4].copy_from_slice(&0.5f32.to_le_bytes());
             let v: i8 = if k == 0 { -128 } else { 127 };
             blk[4..260].fill(v as u8);
@@ -1363,9 +1363,6 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
     }
     eprintln!("{checked} kernel calls checked");
 }
-
-/// Bytes of one Q8_K activation block (f32 d, 256 i8, 16 i16 sums).
-const Q8_K_BLOCK: usize = 292;
 
 /// One core, at every SIMD level this CPU runs: the row-major decoding
 /// kernels against the repacked ones (Q4_K×8, Q5_K×8, Q6_K×8), 8-row calls over
