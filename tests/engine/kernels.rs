@@ -337,8 +337,6 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
     }
 }
 
-type KTile<const N: usize> = fn(usize, &[&[u8]; 4], &[&[u8]; N]) -> [[f32; N]; 4];
-
 /// The SIMD levels above the portable loops this CPU runs; the ones it
 /// lacks are named on stderr (their paths go untested here).
 fn simd_levels() -> Vec<Level> {
@@ -351,72 +349,6 @@ fn simd_levels() -> Vec<Level> {
         eprintln!("skipping the {l} kernels: this CPU lacks them");
     }
     run
-}
-
-/// A tile kernel family of the `qgemm_q8_0` call shape (4 tokens for
-/// prefill, 1 for decoding, at every SIMD level this CPU runs) and its
-/// scalar model equal ggml's `vec_dot` with the activation format of `dt`
-/// bit for bit, on fresh random data.
-fn tile_matches_ggml(
-    dt: DType,
-    seed: u64,
-    tile_for4: fn(Level) -> Option<KTile<4>>,
-    tile_for1: fn(Level) -> Option<KTile<1>>,
-    tile_scalar: KTile<4>,
-) {
-    const KMR: usize = 4;
-    let seed = seed ^ std::process::id() as u64;
-    eprintln!("{dt} seed {seed}");
-    let mut r = Rng::new(seed);
-    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
-    let bl = dt.block_len();
-    let mut simd_seen = 0;
-    for n_in in [bl, 256, 768, 3584] {
-        let nb = n_in / bl;
-        let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
-        let (w, act) = quant_problem(dt, &mut r, KMR, n_in, 4);
-        let rows: [&[u8]; KMR] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
-        let toks: [&[u8]; 4] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
-        let scalar = tile_scalar(nb, &rows, &toks);
-        let mut simd = Vec::new();
-        for level in simd_levels() {
-            if let (Some(f4), Some(f1)) = (tile_for4(level), tile_for1(level)) {
-                let one: Vec<[[f32; 1]; KMR]> = (0..4).map(|t| f1(nb, &rows, &[toks[t]])).collect();
-                simd.push((level, f4(nb, &rows, &toks), one));
-            }
-        }
-        simd_seen = simd.len();
-        for i in 0..KMR {
-            for t in 0..4 {
-                let g = tr.dot(n_in, rows[i], toks[t]);
-                let f64_ref = kvrun::quant::dot_q_ref(dt, n_in, rows[i], toks[t]);
-                let s = scalar[i][t];
-                assert!(
-                    (s - f64_ref).abs() <= 1e-4 * (1.0 + f64_ref.abs()),
-                    "{dt} n_in {n_in} ({i},{t}): scalar {s} vs f64 ref {f64_ref}"
-                );
-                assert_eq!(
-                    s.to_bits(),
-                    g.to_bits(),
-                    "{dt} n_in {n_in} ({i},{t}): scalar {s} vs ggml {g}"
-                );
-                for (level, v4, v1) in &simd {
-                    let (v, u) = (v4[i][t], v1[t][i][0]);
-                    assert_eq!(
-                        v.to_bits(),
-                        g.to_bits(),
-                        "{dt} n_in {n_in} ({i},{t}): {level} {v} vs ggml {g}"
-                    );
-                    assert_eq!(
-                        u.to_bits(),
-                        g.to_bits(),
-                        "{dt} n_in {n_in} ({i},{t}): {level} N=1 {u} vs ggml {g}"
-                    );
-                }
-            }
-        }
-    }
-    eprintln!("{dt}: scalar model and {simd_seen} SIMD level(s) checked");
 }
 
 /// Q8_0 with the tokens in the lanes (`qgemm_q8_0_tokens`, AVX2 and VNNI):
@@ -604,28 +536,123 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
     }
 }
 
+/// Q8_0×8, Q4_0×8 and Q5_0×8: every row unpacks to its GGUF bytes, the
+/// Q8_0 form of a block dequantizes to the same floats, the scalar model
+/// is the dot product (f64 reference) within float rounding, and every
+/// decoding kernel this CPU runs (repacked and row-major, at every level)
+/// equals the scalar model bit for bit, on fresh random data and at the
+/// extremes of the kernels' integer sums.
 #[test]
-fn q4_0_tile_matches_ggml_vec_dot_bit_for_bit() {
-    use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q4_0};
-    tile_matches_ggml(
-        DType::Q4_0,
-        0x5eed_0400,
-        tile_for::<W_Q4_0, 4>,
-        tile_for::<W_Q4_0, 1>,
-        tile_scalar::<W_Q4_0, 4>,
-    );
-}
-
-#[test]
-fn q5_0_tile_matches_ggml_vec_dot_bit_for_bit() {
-    use kvrun::backend::cpu::qgemm_q8_0::{tile_for, tile_scalar, W_Q5_0};
-    tile_matches_ggml(
-        DType::Q5_0,
-        0x5eed_0500,
-        tile_for::<W_Q5_0, 4>,
-        tile_for::<W_Q5_0, 1>,
-        tile_scalar::<W_Q5_0, 4>,
-    );
+fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
+    use kvrun::backend::cpu::b32_x8::{
+        block_sums, decode_for, decode_rows_for, dot_scalar, row_to_q8_0, Q8_0_BYTES, ROWS,
+    };
+    use kvrun::backend::cpu::x8::{decode_scalar, X8};
+    let seed = 0x5eed_0b32 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let mut checked = 0;
+    let check = |dt: DType, nb: usize, w: &[u8], y: &[u8], what: &str, checked: &mut usize| {
+        let n_out = w.len() / (nb * dt.block_bytes());
+        let rb = nb * dt.block_bytes();
+        let x8 = X8::new(dt, w, n_out, nb);
+        let mut ysum = vec![0i32; nb];
+        block_sums(nb, y, &mut ysum);
+        let mut row = vec![0u8; rb];
+        for i in 0..n_out {
+            x8.row_into(i, &mut row);
+            assert_eq!(
+                row,
+                w[i * rb..(i + 1) * rb],
+                "{dt} {what}: row {i} round trip"
+            );
+        }
+        for blk in 0..n_out / ROWS {
+            let model = decode_scalar(dt, nb, x8.block(blk), y);
+            let rows: [&[u8]; ROWS] =
+                std::array::from_fn(|k| &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]);
+            for k in 0..ROWS {
+                let want = dot_scalar(dt, nb, rows[k], y);
+                assert_eq!(model[k].to_bits(), want.to_bits(), "{dt} {what} row {k}");
+            }
+            for level in simd_levels() {
+                let mut got = Vec::new();
+                if let Some(f) = decode_for(dt, level) {
+                    got.push(("repacked", f(nb, x8.block(blk), y, &ysum)));
+                }
+                if let Some(f) = decode_rows_for(dt, level) {
+                    got.push(("rows", f(nb, &rows, y, &ysum)));
+                }
+                if dt == DType::Q8_0 {
+                    // the row-major Q8_0 kernel follows the same arithmetic
+                    let f = kvrun::backend::cpu::qgemm_q8_0_tokens::decode_for(level).unwrap();
+                    got.push(("q8_0 rows", f(nb, &rows, &[y]).map(|v| v[0])));
+                } else {
+                    assert!(got.len() == 2, "{dt} {level}: a kernel missing");
+                }
+                for (kind, v) in got {
+                    for k in 0..ROWS {
+                        assert_eq!(
+                            v[k].to_bits(),
+                            model[k].to_bits(),
+                            "{dt} {level:?} {kind} {what} row {}: {} vs {}",
+                            blk * ROWS + k,
+                            v[k],
+                            model[k]
+                        );
+                    }
+                    *checked += 1;
+                }
+            }
+        }
+    };
+    for dt in [DType::Q8_0, DType::Q4_0, DType::Q5_0] {
+        let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+        for n_in in [32usize, 640, 3584] {
+            let nb = n_in / 32;
+            let n_out = 3 * ROWS;
+            let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
+            let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
+            let y = &act[..ab];
+            for i in 0..n_out {
+                let row = &w[i * rb..(i + 1) * rb];
+                // the Q8_0 form is exact
+                let mut q8 = vec![0u8; nb * Q8_0_BYTES];
+                row_to_q8_0(dt, nb, row, &mut q8);
+                let (mut a, mut b) = (vec![0f32; n_in], vec![0f32; n_in]);
+                kvrun::quant::dequantize_row(dt, row, &mut a);
+                kvrun::quant::dequantize_row(DType::Q8_0, &q8, &mut b);
+                assert_eq!(a, b, "{dt} n_in {n_in} row {i}: Q8_0 form");
+                // the model is the dot product
+                let s = dot_scalar(dt, nb, row, y);
+                let f64_ref = kvrun::quant::dot_q_ref(dt, n_in, row, y);
+                assert!(
+                    (s - f64_ref).abs() <= 1e-4 * (1.0 + f64_ref.abs()),
+                    "{dt} n_in {n_in} row {i}: model {s} vs f64 ref {f64_ref}"
+                );
+            }
+            check(dt, nb, &w, y, &format!("n_in {n_in}"), &mut checked);
+        }
+        // the extremes: every quant at its top (then bottom) value against
+        // activations of -127 and 127 (ggml's Q8_0 quantizer never writes
+        // -128; the row-major Q8_0 kernel's sign trick relies on that)
+        let nb = 4;
+        let bb = dt.block_bytes();
+        for fill in [0xffu8, 0x00, 0x80, 0x7f] {
+            let mut w = vec![fill; ROWS * nb * bb];
+            for (i, b) in w.chunks_exact_mut(bb).enumerate() {
+                b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 1e-3).to_le_bytes());
+            }
+            let mut y = vec![0u8; nb * Q8_0_BYTES];
+            for (k, blk) in y.chunks_exact_mut(Q8_0_BYTES).enumerate() {
+                blk[..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+                let v: i8 = if k % 2 == 0 { -127 } else { 127 };
+                blk[2..].fill(v as u8);
+            }
+            check(dt, nb, &w, &y, &format!("extremes {fill:#x}"), &mut checked);
+        }
+    }
+    eprintln!("{checked} kernel calls checked");
 }
 
 /// `matmul_q` at every kernel level this CPU runs equals ggml's `vec_dot`
@@ -689,15 +716,26 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q5_0, 37, 640, 5),
         (DType::Q5_0, 9, 96, 1),
         (DType::Q5_0, 4, 32, 4),
+        // Q8_0×8, Q4_0×8, Q5_0×8 (8k rows): decoding, and prefill expanded
+        // from them
+        (DType::Q8_0, 64, 640, 1),
+        (DType::Q8_0, 24, 1056, 19),
+        (DType::Q4_0, 48, 3584, 1),
+        (DType::Q4_0, 72, 640, 9),
+        (DType::Q4_0, 16, 64, 2),
+        (DType::Q5_0, 40, 1536, 1),
+        (DType::Q5_0, 72, 640, 11),
+        (DType::Q5_0, 16, 96, 3),
     ] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
         let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
-        // the same matrix as the SIMD levels lay it out (Q4_K×8, Q5_K×8 and
-        // Q6_K×8 where it has 8k rows; every level must give the plain matrix's results)
+        // the same matrix as this CPU's best level lays it out (the `x8`
+        // layouts where it has 8k rows; every level must give the plain
+        // matrix's results)
         let m8 = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w))
             .unwrap()
-            .repack_for(Level::Avx2);
+            .repack_for(kvrun::backend::cpu::isa::detected());
         let ab = tr.act_bytes(n_in);
         // every kernel level this CPU runs, the portable one (ggml) included
         let levels = std::iter::once(Level::Portable).chain(simd_levels());
@@ -711,10 +749,10 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             let mut out = vec![f32::NAN; n_tok * n_out];
             let mat = if repacked { &m8 } else { &m };
             matmul_q_at(&pool, mat, &act, n_tok, &mut out, level);
-            // K-quants on AVX2 follow the rows-in-lanes arithmetic, Q8_0
-            // from AVX2 up the tokens-in-lanes one, not ggml's
+            // K-quants on AVX2 follow the rows-in-lanes arithmetic, Q8_0,
+            // Q4_0 and Q5_0 from AVX2 up the tokens-in-lanes one, not ggml's
             let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
-            let q8_vnni = dt == DType::Q8_0
+            let q8_vnni = matches!(dt, DType::Q8_0 | DType::Q4_0 | DType::Q5_0)
                 && kvrun::backend::cpu::qgemm_q8_0_tokens::prefill_for(level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
@@ -722,7 +760,7 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
                     let g = if lanes {
                         kvrun::backend::cpu::qgemm_lanes::dot_scalar(dt, n_in / 256, &m.row(i), a)
                     } else if q8_vnni {
-                        kvrun::backend::cpu::qgemm_q8_0_tokens::dot_scalar(n_in / 32, &m.row(i), a)
+                        kvrun::backend::cpu::b32_x8::dot_scalar(dt, n_in / 32, &m.row(i), a)
                     } else {
                         tr.dot(n_in, &m.row(i), a)
                     };
@@ -1202,7 +1240,8 @@ fn decode_kernel_speed() {
 /// Throughput of the quantized matmuls at R1-Distill-Qwen-7B shapes
 /// (ffn_up: 18944 × 3584, ffn_down: 3584 × 18944) for a 128-token prefill
 /// batch and one decoding token, at every level this CPU runs, in GMAC/s.
-/// `KVRUN_SPEED_TYPES=Q4_K,Q6_K` and `KVRUN_SPEED_THREADS=N` narrow it.
+/// `KVRUN_SPEED_TYPES=Q4_K,Q6_K` and `KVRUN_SPEED_THREADS=N` narrow it;
+/// `KVRUN_SPEED_SHAPES=2048x640,...` (rows × inputs) replaces the shapes.
 /// `cargo test --release --test engine kernels::qgemm_speed -- --ignored --nocapture`.
 #[test]
 #[ignore]
@@ -1221,9 +1260,20 @@ fn qgemm_speed() {
             "Q6_K" => DType::Q6K,
             "Q8_0" => DType::Q8_0,
             "Q4_0" => DType::Q4_0,
+            "Q5_0" => DType::Q5_0,
             other => panic!("KVRUN_SPEED_TYPES: {other}?"),
         };
-        for (n_out, n_in) in [(18944usize / 4, 3584usize), (3584 / 4, 18944)] {
+        let shapes: Vec<(usize, usize)> = match std::env::var("KVRUN_SPEED_SHAPES") {
+            Ok(s) => s
+                .split(',')
+                .map(|s| {
+                    let (o, i) = s.split_once('x').expect("KVRUN_SPEED_SHAPES: OUTxIN,...");
+                    (o.parse().unwrap(), i.parse().unwrap())
+                })
+                .collect(),
+            Err(_) => vec![(18944 / 4, 3584), (3584 / 4, 18944)],
+        };
+        for (n_out, n_in) in shapes {
             let n_tok = 128;
             let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
             let m = QMat::new(dt, n_in, n_out, std::borrow::Cow::Borrowed(&w)).unwrap();
@@ -1433,21 +1483,31 @@ fn x8_speed() {
 /// embedding table, nor a type `--repack` leaves out; a repacked matrix
 /// still hands out its rows as GGUF stores them.
 #[test]
-fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
+fn cpu_loader_repacks_where_the_level_has_the_kernel() {
     use kvrun::backend::cpu::Repack;
     use kvrun::backend::WeightSink;
     let mut r = Rng::new(3);
     let loader = kvrun::backend::HOST_LOADER;
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q8_0] {
+    let all = [
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q5_0,
+    ];
+    for dt in all.into_iter().chain([DType::Q4_1]) {
         let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
-        let want = kvrun::backend::cpu::x8::decode_for(dt, level).is_some();
-        assert_eq!(
-            want,
-            dt != DType::Q8_0 && level >= Level::Avx2,
-            "{dt} {level}"
-        );
+        let want = kvrun::backend::cpu::x8::has_kernel(dt, level);
+        // Q8_0×8 has a VNNI kernel only; Q4_1 has no layout
+        let min = if dt == DType::Q8_0 {
+            Level::Avx512Vnni
+        } else {
+            Level::Avx2
+        };
+        assert_eq!(want, dt != DType::Q4_1 && level >= min, "{dt} {level}");
         let m = sink
             .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
             .unwrap();
@@ -1476,8 +1536,14 @@ fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
             ("q4_K", dt == DType::Q4K),
             ("Q6_k", dt == DType::Q6K),
             ("q5_k", dt == DType::Q5K),
-            ("q4_k+q6_k", dt != DType::Q5K),
-            ("q4_k+q5_k+q6_k", true),
+            ("q4_k+q6_k", matches!(dt, DType::Q4K | DType::Q6K)),
+            (
+                "q4_k+q5_k+q6_k",
+                matches!(dt, DType::Q4K | DType::Q5K | DType::Q6K),
+            ),
+            ("q8_0+Q4_0", matches!(dt, DType::Q8_0 | DType::Q4_0)),
+            ("q5_0", dt == DType::Q5_0),
+            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0", true),
         ] {
             let repack = Repack::parse(setting).unwrap();
             let loader = kvrun::backend::cpu::Loader { repack, ..loader };
@@ -1492,16 +1558,17 @@ fn cpu_loader_repacks_k_quants_where_the_level_has_the_kernel() {
     for (setting, shown) in [
         ("1", "on"),
         ("false", "off"),
-        ("Q6_K+q4_k+Q5_K", "on"),
+        ("Q6_K+q4_k+Q5_K", "Q4_K+Q5_K+Q6_K"),
+        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0", "on"),
         ("Q6_K+q4_k", "Q4_K+Q6_K"),
         ("q6_k", "Q6_K"),
     ] {
         assert_eq!(Repack::parse(setting).unwrap().to_string(), shown);
     }
-    for bad in ["q8_0", "", "on+q4_k", "q4_k+"] {
+    for bad in ["q4_1", "", "on+q4_k", "q4_k+"] {
         let e = Repack::parse(bad).unwrap_err();
         assert!(
-            e.contains("not on, off or a repacked type (Q4_K, Q5_K, Q6_K)"),
+            e.contains("not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0)"),
             "{bad}: {e}"
         );
     }

@@ -130,9 +130,10 @@ fn logits_match(mix: Mix) {
     synth::write_file(&header(), &tiny(mix), &f.0, &spec).unwrap();
     let g = Gguf::open(&f.0).unwrap();
     let w = Weights::from_gguf(&g).unwrap();
-    // Q4_K_M's Q4_K and Q5_K_M's Q5_K matrices run repacked (Q4_K×8,
-    // Q5_K×8) wherever the level has that kernel, so this test holds them
-    // to llama.cpp too (and both mixes' Q6_K FFN down projections, Q6_K×8)
+    // Q4_K_M's Q4_K, Q5_K_M's Q5_K and the Q8_0 and Q4_0 mixes' matrices
+    // run repacked (Q4_K×8, Q5_K×8, Q8_0×8, Q4_0×8) wherever the level has
+    // that kernel, so this test holds them to llama.cpp too (and both
+    // K-quant mixes' Q6_K FFN down projections, Q6_K×8)
     let level = kvrun::backend::cpu::isa::level();
     let repacked = w.layers.iter().filter(|l| l.wq.is_repacked()).count();
     let wq_type = w.layers[0].wq.dtype;
@@ -142,7 +143,7 @@ fn logits_match(mix: Mix) {
             "{mix:?}: {wq_type}"
         );
     }
-    if x8::decode_for(wq_type, level).is_some() {
+    if x8::has_kernel(wq_type, level) {
         assert_eq!(
             repacked,
             w.layers.len(),

@@ -1,18 +1,18 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
-//! GGUF storage type, usually borrowed from the memory map; Q4_K, Q5_K and
-//! Q6_K repacked 8 rows at a time from AVX2 up, [`X8`]) and the
-//! row-parallel products that run ggml's per-type `vec_dot` (SIMD) through
-//! `ggml-sys`, with cache blocking for batched prefill, and our own tile
-//! kernels where the CPU has them: Q4_1 (`qgemm_x86`, prefill), Q4_K, Q5_K
-//! and Q6_K (`qgemm_lanes`, prefill and decode), Q8_0, Q4_0 and Q5_0
-//! (`qgemm_q8_0`, prefill and decode).
+//! GGUF storage type, usually borrowed from the memory map; Q4_K, Q5_K,
+//! Q6_K, Q4_0 and Q5_0 repacked 8 rows at a time from AVX2 up, Q8_0 from
+//! AVX-512 VNNI up, [`X8`]) and the row-parallel products that run ggml's
+//! per-type `vec_dot` (SIMD) through `ggml-sys`, with cache blocking for
+//! batched prefill, and our own tile kernels where the CPU has them: Q4_1
+//! (`qgemm_x86`), Q4_K, Q5_K and Q6_K (`qgemm_lanes`, the `x8` layouts),
+//! Q8_0, Q4_0 and Q5_0 (`qgemm_q8_0_tokens` for prefill, on rows expanded
+//! to Q8_0; `b32_x8` for decoding).
 
 use super::isa::{self, Level};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
-use super::qgemm_q8_0::{W_Q4_0, W_Q5_0};
 use super::qgemm_x86::{self, MR, NT};
 use super::x8::{self, X8};
-use super::{qgemm_amx, qgemm_lanes, qgemm_q8_0, qgemm_q8_0_tokens};
+use super::{b32_x8, qgemm_amx, qgemm_lanes, qgemm_q8_0_tokens};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -68,14 +68,14 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K, Q5_K and Q6_K with a multiple of 8 rows become
-    /// Q4_K×8, Q5_K×8 and Q6_K×8 from AVX2 up ([`X8`], the same bytes
-    /// rearranged; mapped pages of the
-    /// original are released, so the weights are not resident twice);
-    /// anything else stays as it is. Results are the same bit for bit.
+    /// fastest: Q4_K, Q5_K, Q6_K, Q4_0 and Q5_0 with a multiple of 8 rows
+    /// are repacked 8 rows at a time from AVX2 up, Q8_0 from AVX-512 VNNI
+    /// up ([`X8`], the same bytes rearranged; mapped pages of the original
+    /// are released, so the weights are not resident twice); anything else
+    /// stays as it is. Results are the same bit for bit.
     pub fn repack_for(self, level: Level) -> QMat<'a> {
         if !self.n_out.is_multiple_of(qgemm_lanes::ROWS)
-            || x8::decode_for(self.dtype, level).is_none()
+            || !x8::has_kernel(self.dtype, level)
             || self.x8.is_some()
         {
             return self;
@@ -299,6 +299,23 @@ pub fn matmul_q_at(
         return matmul_k_amx(pool, w, act, n_tok, out);
     }
     if let Some(x8) = &w.x8 {
+        if b32_x8::is_b32(w.dtype) {
+            // Q8_0×8, Q4_0×8, Q5_0×8: their own decoding kernels; prefill
+            // expands each row block to Q8_0 rows
+            if let (Some(one), Some(prefill)) = (
+                b32_x8::decode_for(w.dtype, level),
+                qgemm_q8_0_tokens::prefill_for(level),
+            ) {
+                if n_tok == 1 {
+                    return matvec_b32(pool, w, act, out, B32Kernel::Packed(one));
+                }
+                if w.dtype == DType::Q8_0 && level >= Level::Amx && level <= isa::detected() {
+                    return matmul_q8_0_amx(pool, w, act, n_tok, out);
+                }
+                return matmul_q8_0_tokens(pool, w, act, n_tok, out, prefill);
+            }
+            return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
+        }
         // Q4_K×8, Q6_K×8: their own decoding kernels; prefill packs micro
         // tiles from them
         if let (Some(one), Some(packed)) = (
@@ -357,22 +374,19 @@ pub fn matmul_q_at(
             };
         }
     }
-    let (tile_n, tile_1) = match w.dtype {
-        DType::Q4_0 => (
-            qgemm_q8_0::tile_for::<W_Q4_0, NT>(level),
-            qgemm_q8_0::tile_for::<W_Q4_0, 1>(level),
-        ),
-        DType::Q5_0 => (
-            qgemm_q8_0::tile_for::<W_Q5_0, NT>(level),
-            qgemm_q8_0::tile_for::<W_Q5_0, 1>(level),
-        ),
-        _ => (None, None),
-    };
-    if let (true, Some(tile)) = (n_tok >= NT, tile_n) {
-        return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Rows(tile));
-    }
-    if let (1, Some(tile)) = (n_tok, tile_1) {
-        return matvec_k(pool, w, act, out, tile);
+    // Q4_0 and Q5_0 (not repacked) from AVX2 up: Q8_0's arithmetic on
+    // their exact Q8_0 form, prefill through Q8_0's tiles
+    if matches!(w.dtype, DType::Q4_0 | DType::Q5_0) {
+        if let (Some(one), Some(prefill)) = (
+            b32_x8::decode_rows_for(w.dtype, level),
+            qgemm_q8_0_tokens::prefill_for(level),
+        ) {
+            return if n_tok == 1 {
+                matvec_b32(pool, w, act, out, B32Kernel::Rows(one))
+            } else {
+                matmul_q8_0_tokens(pool, w, act, n_tok, out, prefill)
+            };
+        }
     }
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
@@ -409,7 +423,8 @@ pub fn matmul_q_at(
 /// them; the last one padded with its last token), then the threads take
 /// `LANES_ROW_TILE`-row blocks as they come free, pack their micro tiles'
 /// side data (scales, corrections) and stream every packed token tile past
-/// them (weights from L2).
+/// them (weights from L2). Q4_0 and Q5_0 rows, and repacked rows, are
+/// first expanded (gathered) into Q8_0 rows, once per row block.
 fn matmul_q8_0_tokens(
     pool: &ThreadPool,
     w: &QMat<'_>,
@@ -446,18 +461,44 @@ fn matmul_q8_0_tokens(
     let packed = &packed[..];
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
     let blocks = Chunks::new(n_out.div_ceil(LANES_ROW_TILE));
+    let in_place = w.dtype == DType::Q8_0 && w.x8.is_none();
+    let qrb = nb * b32_x8::Q8_0_BYTES;
     pool.run(|_| {
         let side_bytes = nb * SIDE_BYTES;
         // the side data of a block's micro tiles  (LANES_ROW_TILE / ROWS, nb, SIDE_BYTES)
         let mut side = vec![0u8; LANES_ROW_TILE / ROWS * side_bytes];
+        // a block's rows as Q8_0 where they are not in place  (LANES_ROW_TILE, qrb)
+        let mut q8 = vec![0u8; if in_place { 0 } else { LANES_ROW_TILE * qrb }];
+        // one row as GGUF stores it (a repacked Q4_0 or Q5_0 row)
+        let mut gguf = vec![0u8; if in_place { 0 } else { w.dtype.row_bytes(n_in) }];
         while let Some(blk) = blocks.next() {
             let r0 = blk * LANES_ROW_TILE;
             let r1 = (r0 + LANES_ROW_TILE).min(n_out);
             let n_micro = (r1 - r0).div_ceil(ROWS);
+            if !in_place {
+                for (r, dst) in (r0..r1).zip(q8.chunks_exact_mut(qrb)) {
+                    match (&w.x8, w.dtype) {
+                        (Some(x8), DType::Q8_0) => x8.row_into(r, dst),
+                        (Some(x8), dt) => {
+                            x8.row_into(r, &mut gguf);
+                            b32_x8::row_to_q8_0(dt, nb, &gguf, dst);
+                        }
+                        (None, dt) => b32_x8::row_to_q8_0(dt, nb, w.plain_row(r), dst),
+                    }
+                }
+            }
+            let q8 = &q8[..];
+            let row = |r: usize| -> &[u8] {
+                if in_place {
+                    w.plain_row(r)
+                } else {
+                    &q8[(r - r0) * qrb..(r - r0 + 1) * qrb]
+                }
+            };
             // micro tile m: rows r0 + m·ROWS .. (the last row repeated)
             let mut rows = [[&[] as &[u8]; ROWS]; LANES_ROW_TILE / ROWS];
             for m in 0..n_micro {
-                rows[m] = std::array::from_fn(|k| w.plain_row((r0 + m * ROWS + k).min(r1 - 1)));
+                rows[m] = std::array::from_fn(|k| row((r0 + m * ROWS + k).min(r1 - 1)));
                 pack_side(
                     nb,
                     &rows[m],
@@ -843,9 +884,6 @@ unsafe fn store_tile(
 enum Tile {
     /// Q4_1 × Q8_1, with the block scales gathered per tile beforehand.
     Q4_1(qgemm_x86::TileFn),
-    /// The `qgemm_q8_0` call shape (Q8_0, Q4_0, Q5_0 × Q8_0):
-    /// block scales read inside the kernel.
-    Rows(qgemm_q8_0::TileFn<NT>),
     /// K-quant × Q8_K with 8 rows in the SIMD lanes (`qgemm_lanes`).
     Lanes(qgemm_lanes::LanesFn<{ qgemm_lanes::TOKS }>),
 }
@@ -855,7 +893,7 @@ impl Tile {
     fn rows(self) -> usize {
         match self {
             Tile::Lanes(_) => qgemm_lanes::ROWS,
-            Tile::Q4_1(_) | Tile::Rows(_) => MR,
+            Tile::Q4_1(_) => MR,
         }
     }
 
@@ -865,7 +903,7 @@ impl Tile {
     fn row_tile(self) -> usize {
         match self {
             Tile::Lanes(_) => LANES_ROW_TILE,
-            Tile::Q4_1(_) | Tile::Rows(_) => ROW_TILE,
+            Tile::Q4_1(_) => ROW_TILE,
         }
     }
 
@@ -873,7 +911,7 @@ impl Tile {
     fn toks(self) -> usize {
         match self {
             Tile::Lanes(_) => qgemm_lanes::TOKS,
-            Tile::Q4_1(_) | Tile::Rows(_) => NT,
+            Tile::Q4_1(_) => NT,
         }
     }
 }
@@ -942,7 +980,6 @@ fn matmul_q_tiled(
                         Tile::Q4_1(f) => {
                             f(nb, first_mr(&rows[m]), &w_sc[m], first_nt(&a), &a_sc[tt])
                         }
-                        Tile::Rows(f) => f(nb, first_mr(&rows[m]), first_nt(&a)),
                         Tile::Lanes(f) => {
                             res = f(nb, &rows[m], &a);
                             [[0f32; NT]; MR]
@@ -1002,8 +1039,8 @@ fn token_tile<const K: usize>(
     })
 }
 
-/// One token through a matrix with an `R`-row kernel of the `qgemm_q8_0`
-/// call shape (the 4-row tiles, or the 8-row `qgemm_lanes`): the rows
+/// One token through a matrix with an `R`-row kernel of the 1-token tile
+/// call shape (Q4_1's 4-row tile, the 8-row `qgemm_lanes` and Q8_0 ones): the rows
 /// split between threads in blocks of `R`, the activation shared by all.
 /// Each thread streams one run of rows ([`Runs`], not [`Chunks`]: the
 /// kernels' prefetch of the tiles ahead relies on consecutive rows); one
@@ -1061,6 +1098,47 @@ fn matvec_x8(
             let res = kernel(x8.nb, x8.block(blk), a);
             // SAFETY: `runs` hands row block blk to one thread only.
             unsafe { o.slice(blk * ROWS, ROWS) }.copy_from_slice(&res);
+        }
+    });
+}
+
+/// The decoding kernel `matvec_b32` runs: over a repacked matrix's row
+/// blocks, or over rows as GGUF stores them.
+#[derive(Clone, Copy)]
+enum B32Kernel {
+    Packed(b32_x8::B32Fn),
+    Rows(b32_x8::RowsFn),
+}
+
+/// One token through a Q8_0, Q4_0 or Q5_0 matrix with a `b32_x8` decoding
+/// kernel: the token's block sums made once, the row blocks split between
+/// threads as in [`matvec_k`] (the last rows repeated to fill a block).
+fn matvec_b32(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], out: &mut [f32], kernel: B32Kernel) {
+    use b32_x8::ROWS;
+    let n_out = w.n_out;
+    let nb = w.n_in / w.dtype.block_len();
+    let a = &act[..w.act_bytes()];
+    let mut ysum = vec![0i32; nb];
+    b32_x8::block_sums(nb, a, &mut ysum);
+    let ysum = &ysum[..];
+    let nt = pool.n_threads();
+    let o = SharedMut::new(&mut out[..n_out]);
+    let runs = Runs::new(n_out.div_ceil(ROWS), nt);
+    pool.run(|i| {
+        while let Some(blk) = runs.next(i) {
+            let r0 = blk * ROWS;
+            let res = match (kernel, &w.x8) {
+                (B32Kernel::Packed(f), Some(x8)) => f(nb, x8.block(blk), a, ysum),
+                (B32Kernel::Rows(f), None) => {
+                    let rows: [&[u8]; ROWS] =
+                        std::array::from_fn(|k| w.plain_row((r0 + k).min(n_out - 1)));
+                    f(nb, &rows, a, ysum)
+                }
+                _ => unreachable!("matvec_b32: the kernel does not read this layout"),
+            };
+            let n_r = ROWS.min(n_out - r0);
+            // SAFETY: `runs` hands row block blk (rows r0..r0 + n_r) to one thread only.
+            unsafe { o.slice(r0, n_r) }.copy_from_slice(&res[..n_r]);
         }
     });
 }

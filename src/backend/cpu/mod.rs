@@ -10,16 +10,14 @@
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
-//! - `x8`: K-quant matrices repacked 8 rows at a time at load (from AVX2
-//!   up): the container and the choice of kernel; `q4k_x8` (Q4_K and
-//!   Q5_K) and `q6k_x8` (Q6_K): the layouts and their decoding kernels
+//! - `x8`: matrices repacked 8 rows at a time at load: the container and
+//!   the choice of kernel; `q4k_x8` (Q4_K and Q5_K), `q6k_x8` (Q6_K) and
+//!   `b32_x8` (Q8_0, Q4_0, Q5_0): the layouts and their decoding kernels
 //!   (AVX-512 VNNI, AVX2);
-//! - `qgemm_q8_0`: Q4_0 and Q5_0 (and Q8_0, no longer the engine's there)
-//!   × Q8_0 tile kernels (AVX-512 VNNI, AVX2), prefill and decode, in
-//!   ggml's arithmetic lane for lane;
 //! - `qgemm_q8_0_tokens`: Q8_0 × Q8_0 with the tokens in the lanes
 //!   (prefill; VNNI, and AVX2 over nibble planes) and its decoding
-//!   kernels, one arithmetic of its own at every level;
+//!   kernels, one arithmetic of its own at every level, which Q4_0 and
+//!   Q5_0 share through their exact Q8_0 form (`b32_x8`);
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
 //! - `attention`: one layer's attention step (prefill and decode paths,
 //!   in-cache positions, the probability export);
@@ -34,6 +32,7 @@
 //! rows whose arithmetic does not depend on the split.
 
 pub mod attention;
+pub mod b32_x8;
 pub mod decode_attn;
 pub mod decode_avx2;
 pub mod decode_avx512;
@@ -53,7 +52,6 @@ pub mod qgemm_amx;
 #[cfg(target_arch = "x86_64")]
 mod qgemm_k_decode;
 pub mod qgemm_lanes;
-pub mod qgemm_q8_0;
 pub mod qgemm_q8_0_tokens;
 pub mod qgemm_x86;
 pub mod reference;

@@ -1,9 +1,11 @@
-//! K-quant matrices repacked eight rows at a time at load ([`X8`]): the
+//! Quantized matrices repacked eight rows at a time at load ([`X8`]): the
 //! container, the copy in and out of GGUF's row layout, and the choice of
-//! a decoding kernel. The layouts and their kernels are per type:
-//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8) and [`super::q6k_x8`] (Q6_K×8).
+//! a K-quant decoding kernel. The layouts and their kernels are per type:
+//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8) and
+//! [`super::b32_x8`] (Q8_0×8, Q4_0×8 and Q5_0×8, whose kernels take Q8_0
+//! activations: `b32_x8::decode_for`).
 //!
-//! A row block (8 rows) is stored as `nb` groups, one per superblock, each
+//! A row block (8 rows) is stored as `nb` groups, one per (super)block, each
 //! holding exactly the bytes of the 8 rows' superblocks, rearranged so
 //! that one 64-byte load holds 8 quants of every row (rows in the SIMD
 //! lanes): a decoding kernel then sums a whole run for 8 rows with no
@@ -12,11 +14,12 @@
 //! (its `segments`), which packing and unpacking both follow, so a row always
 //! comes back as GGUF stores it (tests/engine/kernels.rs).
 //!
-//! The decoding kernels reproduce `qgemm_lanes::dot_scalar` bit for bit,
-//! so a matrix gives the same logits repacked or not, at every level.
+//! The K-quant decoding kernels reproduce `qgemm_lanes::dot_scalar` bit
+//! for bit, the others `b32_x8::dot_scalar`, so a matrix gives the same
+//! logits repacked or not, at every level.
 
-use super::qgemm_lanes::{block_bytes, Q8_K_BYTES, ROWS};
-use super::{q4k_x8, q6k_x8};
+use super::qgemm_lanes::{Q8_K_BYTES, ROWS};
+use super::{b32_x8, q4k_x8, q6k_x8};
 use crate::tensor::DType;
 
 /// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
@@ -24,16 +27,29 @@ use crate::tensor::DType;
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
-pub const LAYOUTS: [DType; 3] = [DType::Q4K, DType::Q5K, DType::Q6K];
+pub const LAYOUTS: [DType; 6] = [
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q5_0,
+];
 
-/// Whether `dtype` has a repacked layout (Q4_K, Q5_K, Q6_K).
+/// Whether `dtype` has a repacked layout.
 pub fn has_layout(dtype: DType) -> bool {
     LAYOUTS.contains(&dtype)
 }
 
-/// Bytes of one group (8 rows × one superblock) of `dtype`.
+/// Whether kernel level `level` has a decoding kernel for `dtype`'s
+/// layout on this CPU (what repacking a matrix at load asks).
+pub fn has_kernel(dtype: DType, level: super::isa::Level) -> bool {
+    decode_for(dtype, level).is_some() || b32_x8::decode_for(dtype, level).is_some()
+}
+
+/// Bytes of one group (8 rows × one block) of `dtype`.
 pub fn group_bytes(dtype: DType) -> usize {
-    ROWS * block_bytes(dtype)
+    ROWS * dtype.block_bytes()
 }
 
 /// The most copies a layout lists per row (Q6_K: 29).
@@ -63,6 +79,7 @@ impl Segments {
             DType::Q4K => q4k_x8::segments(false, r).for_each(&mut push),
             DType::Q5K => q4k_x8::segments(true, r).for_each(&mut push),
             DType::Q6K => q6k_x8::segments(r).for_each(&mut push),
+            d if b32_x8::is_b32(d) => b32_x8::segments(d, r).for_each(&mut push),
             other => panic!("x8: no repacked layout for {other}"),
         }
         Segments { list, len }
@@ -73,9 +90,9 @@ impl Segments {
     }
 }
 
-/// The decoding kernel of `dtype`'s layout at kernel level `level`, where
-/// this CPU runs it: the 512-bit one from avx512vnni, AVX2's at avx2 and
-/// avx512; none below AVX2 or for a type without a layout.
+/// The decoding kernel of a K-quant `dtype`'s layout at kernel level
+/// `level`, where this CPU runs it: the 512-bit one from avx512vnni, AVX2's
+/// at avx2 and avx512; none below AVX2 or for another type.
 pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -158,14 +175,15 @@ fn decode<K: Kernels, const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [
     }
 }
 
-/// A K-quant matrix of `n_out` rows (a multiple of 8) × `nb` superblocks,
-/// repacked: `n_out / 8` row blocks of `nb` groups, 64-byte aligned.
+/// A matrix of `n_out` rows (a multiple of 8) × `nb` blocks (K-quants:
+/// superblocks), repacked: `n_out / 8` row blocks of `nb` groups, 64-byte
+/// aligned.
 pub struct X8 {
     buf: Vec<u8>,
     off: usize,
-    /// Q4_K, Q5_K or Q6_K.
+    /// One of [`LAYOUTS`].
     pub dtype: DType,
-    /// Superblocks per row.
+    /// Blocks per row.
     pub nb: usize,
     /// Rows.
     pub n_out: usize,
@@ -187,7 +205,7 @@ impl X8 {
     pub fn new(dtype: DType, src: &[u8], n_out: usize, nb: usize) -> X8 {
         assert!(has_layout(dtype), "x8: no repacked layout for {dtype}");
         assert!(n_out.is_multiple_of(ROWS), "{dtype}×8: {n_out} rows");
-        let sb = block_bytes(dtype);
+        let sb = dtype.block_bytes();
         let rb = nb * sb;
         assert_eq!(src.len(), n_out * rb, "{dtype}×8: matrix bytes");
         let len = src.len();
@@ -241,7 +259,7 @@ impl X8 {
 
     /// All groups, `(n_out / 8, nb, group bytes)`.
     pub fn bytes(&self) -> &[u8] {
-        &self.buf[self.off..self.off + self.n_out * self.nb * block_bytes(self.dtype)]
+        &self.buf[self.off..self.off + self.n_out * self.nb * self.dtype.block_bytes()]
     }
 
     /// The `nb` groups of row block `blk` (rows 8·blk..8·blk + 8).
@@ -266,7 +284,7 @@ impl X8 {
 /// Row `r` (< 8) of the first `k` groups of `groups` into `out`, `k`
 /// superblocks as GGUF stores them.
 fn unpack(dtype: DType, groups: &[u8], r: usize, k: usize, out: &mut [u8]) {
-    let (sb, gb) = (block_bytes(dtype), group_bytes(dtype));
+    let (sb, gb) = (dtype.block_bytes(), group_bytes(dtype));
     assert!(
         groups.len() >= k * gb && out.len() >= k * sb,
         "x8: short unpack"
@@ -297,11 +315,16 @@ fn copy_small(dst: &mut [u8], src: &[u8]) {
 }
 
 /// Scalar model of a decoding call: each of the row block's 8 rows
-/// unpacked and run through `qgemm_lanes::dot_scalar`.
+/// unpacked and run through `qgemm_lanes::dot_scalar` (K-quants, Q8_K
+/// activations) or `b32_x8::dot_scalar` (Q8_0 activations).
 pub fn decode_scalar(dtype: DType, nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
-    let mut row = vec![0u8; nb * block_bytes(dtype)];
+    let mut row = vec![0u8; nb * dtype.block_bytes()];
     std::array::from_fn(|r| {
         unpack(dtype, groups, r, nb, &mut row);
-        super::qgemm_lanes::dot_scalar(dtype, nb, &row, y)
+        if b32_x8::is_b32(dtype) {
+            b32_x8::dot_scalar(dtype, nb, &row, y)
+        } else {
+            super::qgemm_lanes::dot_scalar(dtype, nb, &row, y)
+        }
     })
 }
