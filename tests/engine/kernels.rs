@@ -1430,20 +1430,49 @@ fn x8_speed() {
     let sizes: Vec<usize> = std::env::var("KVRUN_SPEED_ROWS")
         .map(|s| s.split(',').map(|x| x.parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![64, 18944]);
+    use kvrun::backend::cpu::b32_x8;
     for dt in kvrun::backend::cpu::x8::LAYOUTS {
         let rb = dt.row_bytes(n_in);
         let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
             .unwrap()
             .act_bytes(n_in);
+        let b32 = b32_x8::is_b32(dt);
+        let nb = if b32 { n_in / 32 } else { nb };
         for &n_out in &sizes {
             let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
             let x8 = X8::new(dt, &w, n_out, nb);
             let y = &act[..ab];
+            let mut ysum = vec![0i32; nb];
+            if b32 {
+                b32_x8::block_sums(nb, y, &mut ysum);
+            }
             let reps = (200_000_000 / (n_out * n_in)).max(3);
             for level in simd_levels() {
-                let (Some(x8f), Some(rowf)) =
-                    (decode_for(dt, level), k_quant_kernel::<1>(dt, level))
-                else {
+                // the 32-weight block types' kernels in the K-quants' call shape
+                type RowF = Box<dyn Fn(usize, &[&[u8]; ROWS], &[&[u8]; 1]) -> [[f32; 1]; ROWS]>;
+                type X8F = Box<dyn Fn(usize, &[u8], &[u8]) -> [f32; ROWS]>;
+                let (x8f, rowf): (Option<X8F>, Option<RowF>) = if b32 {
+                    let ys = ysum.clone();
+                    let x8f = b32_x8::decode_for(dt, level)
+                        .map(|f| Box::new(move |nb, g: &[u8], y: &[u8]| f(nb, g, y, &ys)) as X8F);
+                    let ys = ysum.clone();
+                    let rowf = match dt {
+                        DType::Q8_0 => kvrun::backend::cpu::qgemm_q8_0_tokens::decode_for(level)
+                            .map(|f| Box::new(f) as RowF),
+                        _ => b32_x8::decode_rows_for(dt, level).map(|f| {
+                            Box::new(move |nb, rows: &[&[u8]; ROWS], y: &[&[u8]; 1]| {
+                                f(nb, rows, y[0], &ys).map(|v| [v])
+                            }) as RowF
+                        }),
+                    };
+                    (x8f, rowf)
+                } else {
+                    (
+                        decode_for(dt, level).map(|f| Box::new(f) as X8F),
+                        k_quant_kernel::<1>(dt, level).map(|f| Box::new(f) as RowF),
+                    )
+                };
+                let (Some(x8f), Some(rowf)) = (x8f, rowf) else {
                     continue;
                 };
                 for round in 0..3 {
