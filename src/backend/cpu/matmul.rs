@@ -777,7 +777,8 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
 /// threads take blocks of [`AMX_PANELS`] panels of 16 rows as they come
 /// free and run every token tile past each panel, whose rows the tiles
 /// load in place from the matrix (a ragged last panel from a copy, its
-/// last row repeated). Bit for bit the VNNI kernels' arithmetic.
+/// last row repeated; a repacked matrix's block gathered back once per
+/// block). Bit for bit the VNNI kernels' arithmetic.
 fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
     use qgemm_amx::{ACT8_BLK, Q8_0_BYTES, TILE};
     let (n_in, n_out) = (w.n_in, w.n_out);
@@ -802,20 +803,36 @@ fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, ou
         let mut dx = vec![0f32; AMX_PANELS * nb * TILE];
         // a ragged last panel's rows, the last one repeated  (16, rb)
         let mut tail = Vec::new();
+        // a repacked matrix's block gathered back, the last row repeated  (n_p · 16, rb)
+        let mut gathered = Vec::new();
         while let Some(blk) = blocks.next() {
             let r0 = blk * block_rows;
             let r1 = (r0 + block_rows).min(n_out);
             let n_p = (r1 - r0).div_ceil(TILE);
             let whole = (r1 - r0) / TILE;
-            if whole < n_p {
+            if let Some(x8) = &w.x8 {
+                gathered.resize(n_p * TILE * rb, 0);
+                for (j, dst) in gathered.chunks_exact_mut(rb).enumerate() {
+                    x8.row_into((r0 + j).min(r1 - 1), dst);
+                }
+            } else if whole < n_p {
                 tail.clear();
                 for j in 0..TILE {
                     tail.extend_from_slice(w.plain_row((r0 + whole * TILE + j).min(r1 - 1)));
                 }
             }
+            let gathered = &gathered[..];
+            // row j of the block (the last one repeated past r1)
+            let row_at = |j: usize| -> &[u8] {
+                if w.x8.is_some() {
+                    &gathered[j * rb..(j + 1) * rb]
+                } else {
+                    w.plain_row((r0 + j).min(r1 - 1))
+                }
+            };
             for pn in 0..n_p {
                 for j in 0..TILE {
-                    let row = w.plain_row((r0 + pn * TILE + j).min(r1 - 1));
+                    let row = row_at(pn * TILE + j);
                     for b in 0..nb {
                         let at = b * Q8_0_BYTES;
                         dx[(pn * nb + b) * TILE + j] =
@@ -828,7 +845,9 @@ fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, ou
                 let n_t = TILE.min(n_tok - tt * TILE);
                 for pn in 0..n_p {
                     let rp = r0 + pn * TILE;
-                    let rows = if pn < whole {
+                    let rows = if w.x8.is_some() {
+                        &gathered[pn * TILE * rb..(pn + 1) * TILE * rb]
+                    } else if pn < whole {
                         &w.bytes[rp * rb..(rp + TILE) * rb]
                     } else {
                         &tail[..]
