@@ -545,7 +545,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
 #[test]
 fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
     use kvrun::backend::cpu::b32_x8::{
-        block_sums, decode_for, decode_rows_for, dot_scalar, row_to_q8_0, Q8_0_BYTES, ROWS,
+        block_sums, decode_for, decode_rows_for, dot_scalar, row_to_q8_0_at, Q8_0_BYTES, ROWS,
     };
     use kvrun::backend::cpu::x8::{decode_scalar, X8};
     let seed = 0x5eed_0b32 ^ std::process::id() as u64;
@@ -616,9 +616,14 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
             let y = &act[..ab];
             for i in 0..n_out {
                 let row = &w[i * rb..(i + 1) * rb];
-                // the Q8_0 form is exact
+                // the Q8_0 form is exact, and the same at every level
                 let mut q8 = vec![0u8; nb * Q8_0_BYTES];
-                row_to_q8_0(dt, nb, row, &mut q8);
+                row_to_q8_0_at(Level::Portable, dt, nb, row, &mut q8);
+                for level in simd_levels() {
+                    let mut v = vec![0u8; nb * Q8_0_BYTES];
+                    row_to_q8_0_at(level, dt, nb, row, &mut v);
+                    assert_eq!(v, q8, "{dt} {level} n_in {n_in} row {i}: Q8_0 form");
+                }
                 let (mut a, mut b) = (vec![0f32; n_in], vec![0f32; n_in]);
                 kvrun::quant::dequantize_row(dt, row, &mut a);
                 kvrun::quant::dequantize_row(DType::Q8_0, &q8, &mut b);
