@@ -544,3 +544,80 @@ fn r16_flags_and_labels() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+// ------------------------------------------------- 20-29: the 2026-12 probe
+
+/// A prompt file of about 370 tokens (25 numbered sentences) in `dir`.
+fn sentences(dir: &std::path::Path) -> String {
+    let f = dir.join("p200.txt");
+    let text: String = (1..=25)
+        .map(|i| format!("The quick brown fox jumps over the lazy dog, number {i}. "))
+        .collect();
+    std::fs::write(&f, text).unwrap();
+    f.to_string_lossy().into_owned()
+}
+
+/// Window and cadence flags beyond the text: `--obs-window` and
+/// `--epikv-window` allocated their whole length up front (an abort, or a
+/// capacity-overflow panic), `--lag-size` overflowed a slice bound (panic),
+/// `--evict-every` near u64::MAX wrapped (a false "KV cache full"). Each now
+/// runs, and as the same flag at a value merely longer than the text.
+#[test]
+fn r22_huge_policy_windows_are_bounded() {
+    let m = model();
+    let dir = scratch("r22");
+    let f = sentences(&dir);
+    let max = "18446744073709551615";
+    let run = |extra: &[&str]| -> String {
+        let mut args = vec![
+            "-m",
+            &m,
+            "-f",
+            &f,
+            "-n",
+            "16",
+            "-t",
+            "1",
+            "--temp",
+            "0",
+            "--kv-budget",
+            "64",
+        ];
+        args.extend_from_slice(extra);
+        ok(&args).0
+    };
+    for (policy, flag, huge, long, more) in [
+        (
+            "snapkv",
+            "--obs-window",
+            "1000000000",
+            "4096",
+            &["--kv-recent", "8"][..],
+        ),
+        ("rkv", "--obs-window", max, "4096", &["--kv-recent", "8"]),
+        ("expected-attention", "--obs-window", max, "4096", &["--kv-recent", "8"]),
+        (
+            "epikv",
+            "--epikv-window",
+            "4294967296",
+            "4096",
+            &["--epikv-score-prompt"],
+        ),
+        (
+            "epikv",
+            "--epikv-window",
+            max,
+            "4096",
+            &["--epikv-score-prompt"],
+        ),
+        ("lagkv", "--lag-size", max, "4096", &[]),
+        ("h2o", "--evict-every", max, "4096", &[]),
+    ] {
+        let mut a = vec!["--policy", policy, flag, huge];
+        a.extend_from_slice(more);
+        let got = run(&a);
+        a[3] = long;
+        assert_eq!(got, run(&a), "{policy} {flag} {huge} vs {long}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
