@@ -557,6 +557,51 @@ fn sentences(dir: &std::path::Path) -> String {
     f.to_string_lossy().into_owned()
 }
 
+/// `bench` sizes its context from -p, -n and -d and repeats -r times: huge
+/// values are one-line errors naming the flag, before any allocation (they
+/// aborted in the allocator).
+#[test]
+fn r20_bench_sizes_are_checked() {
+    let m = model();
+    let bench = ["bench", "-m", &m, "-t", "1", "--no-llama"];
+    for (flag, name) in [
+        ("-p", "-p/--n-prompt"),
+        ("-n", "-n/--n-gen"),
+        ("-d", "-d/--depth"),
+    ] {
+        let args: Vec<&str> = bench.iter().copied().chain([flag, "99999999999"]).collect();
+        one_line_error(&args, &[name, "cannot be allocated"]);
+    }
+    let args: Vec<&str> = bench.iter().copied().chain(["-r", "99999999999"]).collect();
+    one_line_error(&args, &["-r/--repetitions", "between 1 and"]);
+}
+
+/// `eval passkey --ctx` is checked like -c: a haystack whose cache cannot be
+/// allocated is a one-line error (it grew memory without bound).
+#[test]
+fn r21_passkey_ctx_is_checked() {
+    let m = model();
+    one_line_error(
+        &[
+            "eval",
+            "passkey",
+            "-m",
+            &m,
+            "-t",
+            "1",
+            "--ctx",
+            "99999999999",
+            "--depths",
+            "0.5",
+            "--policy",
+            "h2o",
+            "--kv-budget",
+            "64",
+        ],
+        &["--ctx", "cannot be allocated"],
+    );
+}
+
 /// Window and cadence flags beyond the text: `--obs-window` and
 /// `--epikv-window` allocated their whole length up front (an abort, or a
 /// capacity-overflow panic), `--lag-size` overflowed a slice bound (panic),
