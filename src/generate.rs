@@ -121,6 +121,9 @@ pub struct Session<'w, B: Backend = Host> {
     moved: Vec<(u32, u32)>,
     /// Every eviction, when asked for (`record_evictions`).
     log: Option<Box<EvictionLog>>,
+    /// Asked before each forward step of a multi-chunk feed: true stops
+    /// the feed with `Error::Interrupted` (`stop_between_chunks`).
+    stop: Option<fn() -> bool>,
 }
 
 impl<'w> Session<'w, Cpu> {
@@ -449,7 +452,16 @@ impl<'w, B: Backend> Session<'w, B> {
             chunk: n_batch,
             moved: Vec::new(),
             log: None,
+            stop: None,
         }
+    }
+
+    /// Ask `stop` before every chunk of a feed after its first (a prompt is
+    /// fed in `-b`-sized chunks): when it says true the feed ends with
+    /// `Error::Interrupted` and the session is left mid-prompt, so only a
+    /// run that ends on it should ask (one-shot generation's Ctrl-C).
+    pub fn stop_between_chunks(&mut self, stop: fn() -> bool) {
+        self.stop = Some(stop);
     }
 
     /// Store K and V as `ty` (`--cache-type`). Only before any token is
@@ -729,6 +741,9 @@ impl<'w, B: Backend> Session<'w, B> {
         let once = self.policy.as_ref().is_some_and(|p| p.compress_once);
         let mut done = 0;
         while done < tokens.len() {
+            if done > 0 && self.stop.is_some_and(|f| f()) {
+                return Err(Error::Interrupted);
+            }
             let pos0 = self.n_past;
             let prompt_chunk = pos0 < self.prompt_end;
             // a prompt compressed once is prefilled whole, in the caller's

@@ -666,3 +666,134 @@ fn r22_huge_policy_windows_are_bounded() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Wait up to `limit` for `child` to exit, then kill it and fail.
+fn wait_within(mut child: Child, limit: Duration, what: &str) -> Output {
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what}: still running after {limit:?}: {}",
+                text(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A `kvrun` started the way a shell starts a background job (SIGINT
+/// ignored) and sent SIGINT while its model loads, `serve` too: the signal
+/// was lost and the run went on to the end; now it ends with 130 and
+/// nothing generated. (A 1.5B synthetic model is generated in memory at
+/// load, which takes many seconds; the run stops long before.)
+#[test]
+fn r23_ctrl_c_while_loading() {
+    use std::os::unix::process::CommandExt;
+    let synth = format!("synth:{}:r1-distill-qwen-1.5b", model());
+    for serve in [false, true] {
+        let mut cmd = kvrun();
+        if serve {
+            cmd.args(["serve", "-m", &synth, "-t", "1", "--port", "0"]);
+        } else {
+            cmd.args(["-m", &synth, "-p", "Write a long story.", "-n", "300"])
+                .args(["--ignore-eos", "-t", "1", "--temp", "0"]);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: between fork and exec the child only calls signal(2),
+        // which is async-signal-safe, and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        sigint(&child);
+        let out = wait_within(child, Duration::from_secs(10), "after SIGINT");
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(130), "serve={serve}: {err}");
+        assert!(out.stdout.is_empty(), "generated: {}", text(&out.stdout));
+        assert!(!err.contains("http://"), "the server started: {err}");
+    }
+}
+
+/// Ctrl-C during a long prefill stops at the next chunk (-b), not after the
+/// whole prompt.
+#[test]
+fn r24_ctrl_c_during_prefill() {
+    let dir = scratch("r24");
+    let f = dir.join("long.txt");
+    std::fs::write(&f, util::wikitext(14000)).unwrap();
+    let child = kvrun()
+        .args(["-m", &model(), "-f", f.to_str().unwrap(), "--raw"])
+        .args(["-c", "8192", "-b", "32", "-n", "4", "-t", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    sigint(&child);
+    let t = Instant::now();
+    let out = wait_within(child, Duration::from_secs(60), "after the Ctrl-C");
+    let waited = t.elapsed();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        waited < Duration::from_secs(4),
+        "took {waited:?} after the Ctrl-C (the prefill of ~3000 tokens takes over 10 s): {err}"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `synth`: SIGINT and SIGTERM stop the run and remove the unfinished
+/// `.tmp` (exit 130 / 143; SIGINT was ignored, SIGTERM left a model-sized
+/// file behind), and `-o` naming the header itself is refused.
+#[test]
+fn r25_synth_signals_and_output() {
+    let dir = scratch("r25");
+    let hdr = dir.join("hdr.gguf");
+    std::fs::copy(model(), &hdr).unwrap();
+    let before = std::fs::read(&hdr).unwrap();
+    let h = hdr.to_str().unwrap();
+    one_line_error(
+        &["synth", h, "-o", h, "--shape", "tiny"],
+        &["-o/--out", "header file itself"],
+    );
+    // also through another spelling of the same path
+    let other = format!("{}/./hdr.gguf", dir.display());
+    one_line_error(&["synth", h, "-o", &other], &["-o/--out"]);
+    assert!(std::fs::read(&hdr).unwrap() == before, "the header changed");
+    for (sig, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let out = dir.join(format!("out{sig}.gguf"));
+        let tmp = dir.join(format!("out{sig}.gguf.tmp"));
+        let child = kvrun()
+            .args(["synth", h, "-o", out.to_str().unwrap()])
+            .args(["--shape", "r1-distill-qwen-1.5b", "-t", "1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !tmp.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no {tmp:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: kill(2) with a pid this test spawned and has not reaped.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+        let o = wait_within(child, Duration::from_secs(10), "synth after the signal");
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(code), "signal {sig}: {err}");
+        assert!(!tmp.exists(), "signal {sig}: {tmp:?} left behind");
+        assert!(!out.exists(), "signal {sig}: {out:?} written");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
