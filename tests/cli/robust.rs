@@ -797,3 +797,32 @@ fn r25_synth_signals_and_output() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A character whose bytes are split over tokens, cut off by -n: the
+/// output held back its first bytes and then printed them as U+FFFD.
+#[test]
+fn r26_split_character_at_the_end() {
+    let m = model();
+    let mut seen = false;
+    for n in 1..=7 {
+        let n = n.to_string();
+        let (out, _) = ok(&[
+            "-m",
+            &m,
+            "-p",
+            "Reply with only emojis: 🌟🎉🐉🍕",
+            "-n",
+            &n,
+            "--temp",
+            "0",
+            "-t",
+            "1",
+        ]);
+        assert!(!out.contains('\u{FFFD}'), "-n {n}: {out:?}");
+        seen |= out.contains('🌟');
+    }
+    assert!(
+        seen,
+        "the model no longer answers with emojis: the case is not exercised"
+    );
+}

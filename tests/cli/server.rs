@@ -1285,3 +1285,30 @@ fn web_chat_files_and_cache_view() {
     let text: String = pieces.iter().map(|p| p.as_str().unwrap()).collect();
     assert!(text.contains("the sea, the sky"), "{text}");
 }
+
+/// A character split over tokens and cut off by max_tokens: the content
+/// (and the last stream delta) ended in U+FFFD; the unfinished character
+/// is now left out.
+#[test]
+fn split_character_is_not_replaced() {
+    let s = Server::start(&["-t", "1"]);
+    let mut seen = false;
+    for n in 1..=7 {
+        let body = json!({
+            "messages": [{"role": "user", "content": "Reply with only emojis: 🌟🎉🐉🍕"}],
+            "max_tokens": n,
+            "temperature": 0,
+        });
+        let whole = content(&s.post_json("/v1/chat/completions", &body));
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let (streamed, _, _) = stream_text(&s.stream("/v1/chat/completions", &sb));
+        assert!(!whole.contains('\u{FFFD}'), "max_tokens {n}: {whole:?}");
+        assert_eq!(streamed, whole, "max_tokens {n}");
+        seen |= whole.contains('🌟');
+    }
+    assert!(
+        seen,
+        "the model no longer answers with emojis: the case is not exercised"
+    );
+}
