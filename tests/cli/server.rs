@@ -1286,6 +1286,27 @@ fn web_chat_files_and_cache_view() {
     assert!(text.contains("the sea, the sky"), "{text}");
 }
 
+/// A response's `kv.peak_tokens` after its session was reused (the prompt
+/// cache): it reported an earlier, longer request's peak; now this
+/// request's (a full cache peaks at what it holds at the end).
+#[test]
+fn kv_peak_is_per_request() {
+    let s = Server::start(&["-t", "1", "--parallel", "1"]);
+    let long: String = (1..=25)
+        .map(|i| format!("The quick brown fox jumps over the lazy dog, number {i}. "))
+        .collect();
+    let first = s.post_json("/v1/chat/completions", &chat_body(&long, 8));
+    let peak1 = first["kv"]["peak_tokens"].as_u64().unwrap();
+    assert!(peak1 > 300, "{first}");
+    let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 8));
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "the session was not reused: {v}");
+    assert_eq!(v["kv"]["peak_tokens"], v["kv"]["live_tokens"], "{v}");
+    assert!(v["kv"]["peak_tokens"].as_u64().unwrap() < peak1, "{v}");
+}
+
 /// A character split over tokens and cut off by max_tokens: the content
 /// (and the last stream delta) ended in U+FFFD; the unfinished character
 /// is now left out.
