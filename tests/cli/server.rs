@@ -1333,3 +1333,17 @@ fn split_character_is_not_replaced() {
         "the model no longer answers with emojis: the case is not exercised"
     );
 }
+
+/// `"policy": "full"` over a server started with a budget: the response's
+/// `kv.kv_budget` was the server's budget, which does not apply; now null.
+#[test]
+fn full_policy_override_reports_no_budget() {
+    let s = Server::start(&["-t", "1", "--policy", "h2o", "--kv-budget", "64"]);
+    let mut b = chat_body("Hi", 4);
+    b["policy"] = json!("full");
+    let v = s.post_json("/v1/chat/completions", &b);
+    assert_eq!(v["kv"]["policy"], "full", "{v}");
+    assert!(v["kv"]["kv_budget"].is_null(), "{v}");
+    let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 4));
+    assert_eq!(v["kv"]["kv_budget"], 64, "{v}");
+}
