@@ -826,3 +826,40 @@ fn r26_split_character_at_the_end() {
         "the model no longer answers with emojis: the case is not exercised"
     );
 }
+
+/// `eval ppl`: a --segment-after marker that lies past --ctx is an error
+/// like a missing marker (it reported a bogus one-token segment), and
+/// --ctx 1 names --ctx (it said the text had fewer than 2 tokens).
+#[test]
+fn r27_eval_segment_beyond_ctx() {
+    let m = model();
+    let dir = scratch("r27");
+    let f = dir.join("t.txt");
+    let words = "the cat sat on the mat and then it slept ".repeat(30);
+    std::fs::write(&f, format!("{words}</think> the answer is four.")).unwrap();
+    let base = [
+        "eval",
+        "ppl",
+        "-m",
+        &m,
+        "-t",
+        "1",
+        "-f",
+        f.to_str().unwrap(),
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "32",
+    ];
+    let with = |extra: &[&'static str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    one_line_error(
+        &with(&["--ctx", "64", "--segment-after", "</think>"]),
+        &["--segment-after", "beyond --ctx 64"],
+    );
+    one_line_error(&with(&["--ctx", "1"]), &["--ctx", "at least 2"]);
+    // the whole text: the segment is there
+    ok(&with(&["--ctx", "0", "--segment-after", "</think>"]));
+    let _ = std::fs::remove_dir_all(dir);
+}
