@@ -199,9 +199,15 @@ impl Tail<'_> {
         })?;
         let _ = writeln!(out);
         if stats.stop == crate::generate::StopReason::ContextFull {
+            // (a policy does not lift the limit: one-shot positions end at
+            // -c, the budget only bounds what the cache holds of them)
             eprintln!(
-                "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size{} for longer output",
-                if sess.policy.is_some() { "" } else { " or use --policy with --kv-budget" }
+                "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size for longer output{}",
+                if sess.policy.is_some() {
+                    " (--kv-budget bounds the cache's memory, not the context)"
+                } else {
+                    ""
+                }
             );
         }
         if !a.no_perf {

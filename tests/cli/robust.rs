@@ -863,3 +863,22 @@ fn r27_eval_segment_beyond_ctx() {
     ok(&with(&["--ctx", "0", "--segment-after", "</think>"]));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The context-full hint: one-shot stops at -c with a policy too, so the
+/// hint no longer advises --policy with --kv-budget for longer output.
+#[test]
+fn r28_context_full_hint() {
+    let m = model();
+    for policy in [&[][..], &["--policy", "window", "--kv-budget", "32"]] {
+        let mut args = vec!["-m", &m, "-p", "hi", "-c", "64", "-n", "300"];
+        args.extend_from_slice(&["--ignore-eos", "-t", "1"]);
+        args.extend_from_slice(policy);
+        let (_, err) = ok(&args);
+        let hint = err
+            .lines()
+            .find(|l| l.contains("the context is full (64 tokens)"))
+            .unwrap_or_else(|| panic!("no hint: {err}"));
+        assert!(!hint.contains("use --policy"), "{hint}");
+        assert!(hint.contains("raise -c/--ctx-size"), "{hint}");
+    }
+}
