@@ -530,3 +530,35 @@ fn grid_and_prompt_fields_are_checked() {
     assert_eq!(recs[0]["id"], "g");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `batch merge` took any JSON line for a record (and wrote them out), and
+/// `batch report` on a file that is not JSONL printed one error per line:
+/// lines that are not records are skipped, a file of them is one error.
+#[test]
+fn merge_and_report_refuse_non_records() {
+    let d = tmpdir("nonrec");
+    let bad = d.join("bad.jsonl");
+    std::fs::write(&bad, "{\"foo\":1}\n[1,2]\n").unwrap();
+    let merged = d.join("m.jsonl");
+    let o = Command::new(util::kvrun_bin())
+        .args(["batch", "merge", bad.to_str().unwrap()])
+        .args(["-o", merged.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no batch records"), "{err}");
+    assert!(err.contains("line 1: skipped (not a batch record"), "{err}");
+    assert!(!merged.exists(), "merge wrote {merged:?}");
+    // a binary file: one line
+    let model = util::default_model();
+    let o = Command::new(util::kvrun_bin())
+        .args(["batch", "report", model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("not a JSONL file of batch records"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
