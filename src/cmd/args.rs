@@ -230,7 +230,7 @@ pub struct KvArgs {
     #[arg(long = "gates", value_name = "FILE")]
     pub gates: Option<PathBuf>,
     /// dbtrimkv: entries every (layer, KV head) keeps whatever the global ranking says (default 0).
-    #[arg(long = "min-per-head", value_name = "F")]
+    #[arg(long = "min-per-head", value_name = "N")]
     pub min_per_head: Option<usize>,
     /// trimkv/dbtrimkv: score by the retention summed over the next N queries (default 1).
     #[arg(long = "trim-lookahead", value_name = "N")]

@@ -882,3 +882,20 @@ fn r28_context_full_hint() {
         assert!(hint.contains("raise -c/--ctx-size"), "{hint}");
     }
 }
+
+/// Small messages: `inspect DIR` says it is a directory (it said "No such
+/// device"), `chat -c HUGE` is one line (a warning came first), and
+/// `--min-per-head` shows an integer metavar.
+#[test]
+fn r29_messages() {
+    let dir = scratch("r29");
+    one_line_error(&["inspect", dir.to_str().unwrap()], &["a directory"]);
+    let m = model();
+    one_line_error(
+        &["chat", "-m", &m, "-c", "99999999999"],
+        &["-c/--ctx-size", "cannot be allocated"],
+    );
+    let (out, _) = ok(&["--help"]);
+    assert!(out.contains("--min-per-head <N>"), "{out}");
+    let _ = std::fs::remove_dir_all(dir);
+}
