@@ -640,7 +640,13 @@ fn r22_huge_policy_windows_are_bounded() {
             &["--kv-recent", "8"][..],
         ),
         ("rkv", "--obs-window", max, "4096", &["--kv-recent", "8"]),
-        ("expected-attention", "--obs-window", max, "4096", &["--kv-recent", "8"]),
+        (
+            "expected-attention",
+            "--obs-window",
+            max,
+            "4096",
+            &["--kv-recent", "8"],
+        ),
         (
             "epikv",
             "--epikv-window",
