@@ -121,6 +121,9 @@ pub struct Session<'w, B: Backend = Host> {
     moved: Vec<(u32, u32)>,
     /// Every eviction, when asked for (`record_evictions`).
     log: Option<Box<EvictionLog>>,
+    /// Asked before each forward step of a multi-chunk feed: true stops
+    /// the feed with `Error::Interrupted` (`stop_between_chunks`).
+    stop: Option<fn() -> bool>,
 }
 
 impl<'w> Session<'w, Cpu> {
@@ -449,7 +452,16 @@ impl<'w, B: Backend> Session<'w, B> {
             chunk: n_batch,
             moved: Vec::new(),
             log: None,
+            stop: None,
         }
+    }
+
+    /// Ask `stop` before every chunk of a feed after its first (a prompt is
+    /// fed in `-b`-sized chunks): when it says true the feed ends with
+    /// `Error::Interrupted` and the session is left mid-prompt, so only a
+    /// run that ends on it should ask (one-shot generation's Ctrl-C).
+    pub fn stop_between_chunks(&mut self, stop: fn() -> bool) {
+        self.stop = Some(stop);
     }
 
     /// Store K and V as `ty` (`--cache-type`). Only before any token is
@@ -729,6 +741,9 @@ impl<'w, B: Backend> Session<'w, B> {
         let once = self.policy.as_ref().is_some_and(|p| p.compress_once);
         let mut done = 0;
         while done < tokens.len() {
+            if done > 0 && self.stop.is_some_and(|f| f()) {
+                return Err(Error::Interrupted);
+            }
             let pos0 = self.n_past;
             let prompt_chunk = pos0 < self.prompt_end;
             // a prompt compressed once is prefilled whole, in the caller's
@@ -1087,6 +1102,10 @@ impl GenStats {
 }
 
 /// Turns token bytes into valid UTF-8 text pieces as soon as they complete.
+/// A character split between tokens is held back until its last byte
+/// comes; one still incomplete when the output ends is dropped (a token
+/// limit cut it), never shown as U+FFFD. Bytes that can never be UTF-8
+/// become U+FFFD where they stand.
 #[derive(Debug, Default)]
 pub struct Utf8Stream {
     pending: Vec<u8>,
@@ -1096,31 +1115,39 @@ impl Utf8Stream {
     /// Add bytes; returns the text that is complete so far.
     pub fn push(&mut self, bytes: &[u8]) -> String {
         self.pending.extend_from_slice(bytes);
-        match std::str::from_utf8(&self.pending) {
-            Ok(s) => {
-                let out = s.to_owned();
-                self.pending.clear();
-                out
-            }
-            Err(e) => {
-                let good = e.valid_up_to();
-                // An invalid (not merely incomplete) sequence is emitted lossily.
-                let cut = if e.error_len().is_some() {
-                    self.pending.len()
-                } else {
-                    good
-                };
-                let out = String::from_utf8_lossy(&self.pending[..cut]).into_owned();
-                self.pending.drain(..cut);
-                out
+        let mut out = String::new();
+        let mut at = 0;
+        while at < self.pending.len() {
+            match std::str::from_utf8(&self.pending[at..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    at = self.pending.len();
+                }
+                Err(e) => {
+                    let good = at + e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[at..good]));
+                    match e.error_len() {
+                        // an invalid sequence: replaced, and go on after it
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            at = good + n;
+                        }
+                        // a character not finished yet: wait for its bytes
+                        None => {
+                            at = good;
+                            break;
+                        }
+                    }
+                }
             }
         }
-    }
-    /// Whatever is left (lossy).
-    pub fn flush(&mut self) -> String {
-        let out = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
+        self.pending.drain(..at);
         out
+    }
+    /// The end of the output: what is left is an unfinished character
+    /// (`push` emits everything else), which is dropped.
+    pub fn finish(&mut self) {
+        self.pending.clear();
     }
 }
 
@@ -1193,10 +1220,8 @@ pub fn generate<B: Backend>(
         stats.gen_ms += te.elapsed().as_secs_f64() * 1e3;
         stats.n_gen += 1;
     }
-    let rest = stream.flush();
-    if !rest.is_empty() {
-        on_text(&rest);
-    }
+    // a character cut off by the stop is dropped, not shown as U+FFFD
+    stream.finish();
     stats.total_ms = t_start.elapsed().as_secs_f64() * 1e3;
     Ok(stats)
 }

@@ -28,7 +28,7 @@ fn main() -> ExitCode {
     match kvrun::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         // what was finished is already written and reported
-        Err(kvrun::error::Error::Interrupted) => ExitCode::from(kvrun::cmd::interrupt::EXIT_CODE),
+        Err(kvrun::error::Error::Interrupted) => ExitCode::from(kvrun::cmd::interrupt::exit_code()),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -195,16 +195,20 @@ impl HiddenTaps {
 /// observation window): the scorers that vote with recent queries read them
 /// when they rank, instead of any stored attention matrix. A ring of `w`
 /// rows per layer; row order does not matter, positions say which keys
-/// each row could see.
+/// each row could see. Rows are allocated as tokens fill them, so a window
+/// longer than the text costs only the text's rows (`--obs-window` is not
+/// bounded by anything else).
 #[derive(Debug, Clone, Default)]
 pub struct QueryWindow {
     /// Rows kept per layer.
     pub w: usize,
     /// Query width (n_heads · head_dim).
     pub q_dim: usize,
-    /// (n_layers, w, q_dim) query rows.
+    /// Layers recorded per row.
+    n_layers: usize,
+    /// (rows allocated, n_layers, q_dim) query rows; grows to w rows.
     rows: Vec<f32>,
-    /// (w,) absolute position of each ring row.
+    /// (rows allocated,) absolute position of each ring row.
     pos: Vec<i64>,
     /// Filled rows (≤ w).
     len: usize,
@@ -218,8 +222,9 @@ impl QueryWindow {
         QueryWindow {
             w,
             q_dim,
-            rows: vec![0.0; n_layers * w * q_dim],
-            pos: vec![0; w],
+            n_layers,
+            rows: Vec::new(),
+            pos: Vec::new(),
             len: 0,
             head: 0,
         }
@@ -237,10 +242,15 @@ impl QueryWindow {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Offset of ring row `r`'s query at `layer` in `rows`.
+    #[inline]
+    fn at(&self, layer: usize, r: usize) -> usize {
+        (r * self.n_layers + layer) * self.q_dim
+    }
     /// Row `r`'s (r < len) query at `layer`, (q_dim,), and its position.
     #[inline]
     pub fn row(&self, layer: usize, r: usize) -> (&[f32], i64) {
-        let o = (layer * self.w + r) * self.q_dim;
+        let o = self.at(layer, r);
         (&self.rows[o..o + self.q_dim], self.pos[r])
     }
     /// Position of ring row `r` (r < len).
@@ -263,9 +273,18 @@ impl QueryWindow {
             return;
         }
         let skip = n.saturating_sub(self.w);
+        if layer == 0 {
+            // the ring fills rows 0, 1, ... in order before it wraps, so the
+            // rows this step writes are at most `len + n` of them
+            let want = self.len.saturating_add(n - skip).min(self.w);
+            if self.pos.len() < want {
+                self.pos.resize(want, 0);
+                self.rows.resize(want * self.n_layers * self.q_dim, 0.0);
+            }
+        }
         for (k, i) in (skip..n).enumerate() {
             let r = (self.head + k) % self.w;
-            let o = (layer * self.w + r) * self.q_dim;
+            let o = self.at(layer, r);
             self.rows[o..o + self.q_dim].copy_from_slice(&q[i * self.q_dim..(i + 1) * self.q_dim]);
             if layer == 0 {
                 self.pos[r] = (pos0 + i) as i64;

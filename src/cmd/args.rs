@@ -231,7 +231,7 @@ pub struct KvArgs {
     #[arg(long = "gates", value_name = "FILE")]
     pub gates: Option<PathBuf>,
     /// dbtrimkv: entries every (layer, KV head) keeps whatever the global ranking says (default 0).
-    #[arg(long = "min-per-head", value_name = "F")]
+    #[arg(long = "min-per-head", value_name = "N")]
     pub min_per_head: Option<usize>,
     /// trimkv/dbtrimkv: score by the retention summed over the next N queries (default 1).
     #[arg(long = "trim-lookahead", value_name = "N")]
@@ -661,6 +661,16 @@ pub(crate) fn check_ctx_alloc(
     n_ctx: usize,
     n_threads: usize,
 ) -> Result<()> {
+    check_ctx_alloc_for("-c/--ctx-size", c, n_ctx, n_threads)
+}
+
+/// [`check_ctx_alloc`] for a context that `flag` sets (its error names it).
+pub(crate) fn check_ctx_alloc_for(
+    flag: &str,
+    c: &crate::model::Config,
+    n_ctx: usize,
+    n_threads: usize,
+) -> Result<()> {
     let per_slot = (2 * c.n_cache_layers() * c.kv_dim() * 2).checked_add(4 * (n_threads + 1));
     let bytes = per_slot
         .and_then(|b| b.checked_mul(n_ctx))
@@ -672,7 +682,7 @@ pub(crate) fn check_ctx_alloc(
         b as f64 * n_ctx as f64 / (1u64 << 30) as f64
     });
     Err(Error::arg(
-        "-c/--ctx-size",
+        flag,
         format!("a context of {n_ctx} tokens needs {gib:.1} GiB of KV cache, which cannot be allocated (the model was trained with {})", c.n_ctx_train),
     ))
 }

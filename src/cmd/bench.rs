@@ -50,6 +50,38 @@ pub struct BenchArgs {
     pub kv: KvArgs,
 }
 
+/// The most repetitions `-r` takes (each one reruns every test).
+const MAX_REPS: usize = 1000;
+
+/// The context the tests of `a` need: the depth, the longer test and a
+/// margin (at least 64); `Err` names the largest of `-p`, `-n` and `-d` when
+/// that context cannot be allocated for `c`.
+fn bench_ctx(a: &BenchArgs, c: &crate::model::Config, n_threads: usize) -> Result<usize> {
+    let (p, n, d) = (a.n_prompt, a.n_gen, a.depth);
+    let flag = if d >= p.max(n) {
+        "-d/--depth"
+    } else if p >= n {
+        "-p/--n-prompt"
+    } else {
+        "-n/--n-gen"
+    };
+    let n_ctx = d
+        .checked_add(p.max(n))
+        .and_then(|t| t.checked_add(16))
+        .ok_or_else(|| Error::arg(flag, "-d plus the longer of -p and -n overflows"))?
+        .max(64);
+    crate::cmd::args::check_ctx_alloc_for(flag, c, n_ctx, n_threads)?;
+    // kvrun's sessions also hold every repetition's generated tokens
+    // (see `KvrunSide::run`)
+    let ours_flag = "-n/--n-gen with -r/--repetitions";
+    let ours = n
+        .checked_mul(a.reps + 1)
+        .and_then(|t| t.checked_add(n_ctx))
+        .ok_or_else(|| Error::arg(ours_flag, "-n times -r overflows"))?;
+    crate::cmd::args::check_ctx_alloc_for(ours_flag, c, ours, n_threads)?;
+    Ok(n_ctx)
+}
+
 /// Deterministic, varied token ids for benchmarking.
 fn bench_tokens(n: usize, vocab: usize) -> Vec<u32> {
     let mut x = 0x2545_F491_4F6C_DD1Du64;
@@ -212,8 +244,11 @@ impl BenchOut {
 
 /// `kvrun bench`: every model of `-m` in turn, one table.
 pub fn run_bench(a: &BenchArgs) -> Result<()> {
-    if a.reps == 0 {
-        return Err(Error::arg("-r/--repetitions", "must be at least 1"));
+    if !(1..=MAX_REPS).contains(&a.reps) {
+        return Err(Error::arg(
+            "-r/--repetitions",
+            format!("must be between 1 and {MAX_REPS}, got {}", a.reps),
+        ));
     }
     a.kv.check()?;
     let models = bench_models(&a.model.model);
@@ -344,7 +379,7 @@ fn bench_one(
     let c = &w.config;
     let name = model.name();
     let size_mib = model.checkpoint().n_bytes() as f64 / (1 << 20) as f64;
-    let n_ctx = (a.depth + a.n_prompt.max(a.n_gen) + 16).max(64);
+    let n_ctx = bench_ctx(a, c, n_threads)?;
     let toks = bench_tokens(a.depth + a.n_prompt.max(a.n_gen), c.vocab);
     let (ctx_toks, toks) = toks.split_at(a.depth);
     let at = if a.depth > 0 {

@@ -181,6 +181,9 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let n_threads = resolve_threads(r.model.threads)?;
     r.kv.check()?;
     r.sampling.check()?;
+    // a Ctrl-C while the model loads ends the process (nothing is lost yet)
+    interrupt::install();
+    interrupt::set_mode(Mode::Idle);
     let m = load_model(&r.model)?;
     let (w, tok) = (m.weights(), &m.tokenizer);
     let tmpl = r.model.chat_template(&m)?.ok_or_else(|| {
@@ -198,8 +201,6 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         r.ctx_size as usize
     };
     let seed = if r.seed < 0 { 0 } else { r.seed as u64 };
-    // (chat clamps every policy's budget, below)
-    context_notes(&w.config, n_ctx, &r.kv, true);
     // With a policy the budgeted cache holds the conversation however long
     // it grows: positions are not limited by -c, which only caps the budget.
     // Without one, the oldest turns are dropped when the context fills
@@ -215,7 +216,9 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     };
     let budgeted = sess.policy.is_some();
     kv.configure(&mut sess)?;
-    interrupt::install();
+    // (said once the context is known to fit, so an error stays one line;
+    // chat clamps every policy's budget, above)
+    context_notes(&w.config, n_ctx, &r.kv, true);
     let mut sampler = Sampler::new(r.sampling.config(0.8, seed));
     let mut msgs: Vec<Message> = Vec::new();
     if let Some(s) = &r.system {

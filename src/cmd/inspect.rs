@@ -10,6 +10,14 @@ use std::path::Path;
 
 /// `kvrun inspect MODEL`.
 pub fn run_inspect(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        // (mapping a directory fails with "No such device")
+        return Err(crate::error::Error::BadCheckpoint {
+            path: path.to_owned(),
+            what: "a directory, not a GGUF file (inspect reads GGUF files, header-only ones too)"
+                .into(),
+        });
+    }
     let g = Gguf::open(path)?;
     let mut o = String::new();
     use std::fmt::Write as _;

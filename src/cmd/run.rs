@@ -74,6 +74,10 @@ pub fn run_generate(a: &RunArgs) -> Result<()> {
         (None, Some(f)) => Some(read_text(f, "-sysf/--system-prompt-file")?),
         _ => None,
     };
+    // Ctrl-C from here on: while the model loads nothing is lost, so it
+    // ends the process at once; from the prefill on it stops the run
+    interrupt::install();
+    interrupt::set_mode(interrupt::Mode::Idle);
     let t_load = std::time::Instant::now();
     let device = crate::cmd::resolve_device(&a.model, a.gpu_layers.as_deref())?;
     let m = load_model_any_device(&a.model, device)?;
@@ -183,7 +187,9 @@ impl Tail<'_> {
             n_predict: a.n_predict,
             ignore_eos: a.ignore_eos,
         };
-        interrupt::install();
+        interrupt::set_mode(interrupt::Mode::Busy);
+        // a long prompt: Ctrl-C stops between its chunks (-b)
+        sess.stop_between_chunks(interrupt::requested);
         let stats = generate(&mut sess, tok, &mut sampler, ids, &opts, |piece| {
             // A closed pipe (e.g. `| head`) ends generation quietly, so does Ctrl-C.
             out.write_all(piece.as_bytes())
@@ -193,9 +199,15 @@ impl Tail<'_> {
         })?;
         let _ = writeln!(out);
         if stats.stop == crate::generate::StopReason::ContextFull {
+            // (a policy does not lift the limit: one-shot positions end at
+            // -c, the budget only bounds what the cache holds of them)
             eprintln!(
-                "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size{} for longer output",
-                if sess.policy.is_some() { "" } else { " or use --policy with --kv-budget" }
+                "kvrun: stopped: the context is full ({n_ctx} tokens); raise -c/--ctx-size for longer output{}",
+                if sess.policy.is_some() {
+                    " (--kv-budget bounds the cache's memory, not the context)"
+                } else {
+                    ""
+                }
             );
         }
         if !a.no_perf {

@@ -3,6 +3,7 @@
 //! (`crate::format::synth`). `-m synth:HEADER` makes the same model in
 //! memory instead.
 
+use crate::cmd::interrupt;
 use crate::error::{Error, Result};
 use crate::format::synth::{self, Spec};
 use clap::Args;
@@ -113,6 +114,23 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
             })?),
         },
     };
+    // writing over the header the model is made from is refused, as
+    // `batch -i X -o X` is
+    if let (Ok(h), Ok(o)) = (a.header.canonicalize(), a.out.canonicalize()) {
+        if h == o {
+            return Err(Error::arg(
+                "-o/--out",
+                format!(
+                    "{} is the header file itself; write the model to another file",
+                    a.out.display()
+                ),
+            ));
+        }
+    }
+    // Ctrl-C or SIGTERM: stop, remove the unfinished file, exit 130 / 143
+    interrupt::install_term();
+    interrupt::set_mode(interrupt::Mode::Busy);
+    spec.stop = Some(interrupt::requested);
     let t0 = Instant::now();
     let n = synth::write_file(&a.header, &recipe, &a.out, &spec)?;
     eprintln!(

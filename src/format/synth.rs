@@ -38,6 +38,9 @@ pub struct Spec {
     pub sigma: f32,
     /// Worker threads.
     pub threads: usize,
+    /// Asked before every chunk of values: true stops the work with
+    /// `Error::Interrupted` (Ctrl-C; a file being written is removed).
+    pub stop: Option<fn() -> bool>,
 }
 
 impl Default for Spec {
@@ -46,6 +49,7 @@ impl Default for Spec {
             seed: 0,
             sigma: 0.02,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            stop: None,
         }
     }
 }
@@ -179,6 +183,16 @@ pub fn fill(g: &Gguf, spec: &Spec, out: &mut [u8]) -> Result<()> {
             s.spawn(|| {
                 let mut x = Vec::new();
                 loop {
+                    {
+                        let mut f = failed.lock().unwrap_or_else(|e| e.into_inner());
+                        if f.is_none() && spec.stop.is_some_and(|stop| stop()) {
+                            *f = Some(Error::Interrupted);
+                        }
+                        // one thread's failure (or a stop) ends every thread's work
+                        if f.is_some() {
+                            break;
+                        }
+                    }
                     let job = jobs.lock().unwrap_or_else(|e| e.into_inner()).pop();
                     let Some((it, chunk, rows, part)) = job else {
                         break;

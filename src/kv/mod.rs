@@ -287,6 +287,14 @@ impl KvCache {
         self.cells.n_live().div_ceil(self.n_streams())
     }
 
+    /// Count the peak afresh from what the cache holds now: a session kept
+    /// for another request (the server's prompt cache) reports that
+    /// request's peak, not an earlier one's.
+    pub fn restart_peak(&mut self) {
+        self.peak_entries = self.cells.n_live();
+        self.peak_live = self.resident_tokens();
+    }
+
     /// Bytes of K/V held at the peak (`peak_entries` rows or tokens).
     pub fn peak_bytes(&self) -> usize {
         match &self.streams {

@@ -429,7 +429,7 @@ impl Rescorer for Critical {
         let o = self.opts;
         match ctx.entries {
             Entries::Tokens { slots, .. } => {
-                let keep = e.budget.saturating_sub(ctx.n_new + extra);
+                let keep = e.budget.saturating_sub(ctx.n_new.saturating_add(extra));
                 self.a.clear();
                 self.a.extend_from_slice(&out[..slots.len()]);
                 self.n.clear();
@@ -442,7 +442,9 @@ impl Rescorer for Critical {
                         continue;
                     }
                     let r = off[g.first]..off[g.first + g.len];
-                    let keep = g.budget.saturating_sub((ctx.n_new + extra) * g.len);
+                    let keep = g
+                        .budget
+                        .saturating_sub(ctx.n_new.saturating_add(extra).saturating_mul(g.len));
                     self.a.clear();
                     self.a.extend_from_slice(&out[r.clone()]);
                     self.n.clear();

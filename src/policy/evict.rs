@@ -69,7 +69,8 @@ impl Evictor {
     /// `evict_every` per stream, capped by the candidates) lowest of `cand`
     /// in (score, position, stream) order onto `victims`, in that order.
     fn pick(&self, cand: &mut [Cand], need: usize, len: usize, victims: &mut Vec<u32>) {
-        let need = (need + (self.evict_every.max(1) - 1) * len).min(cand.len());
+        let extra = (self.evict_every.max(1) - 1).saturating_mul(len);
+        let need = need.saturating_add(extra).min(cand.len());
         // a total order: partition out the `need` lowest in O(n) instead
         // of sorting every candidate each step
         let order =

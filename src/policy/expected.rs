@@ -168,7 +168,7 @@ impl Scorer for ExpectedAttention {
         // the statistics' rows: the last `window` positions, sinks left out
         let lo = qw
             .last_pos()
-            .map_or(i64::MIN, |p| p - self.window as i64 + 1)
+            .map_or(i64::MIN, |p| super::snapkv::window_start(p, self.window))
             .max(N_SINK);
         let rows: Vec<usize> = (0..qw.len()).filter(|&r| qw.row_pos(r) >= lo).collect();
         let mut cs = Vec::new();

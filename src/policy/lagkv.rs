@@ -133,6 +133,9 @@ pub fn lag_scores(
     let s0 = n_sink.min(n);
     out[..s0].fill(f32::INFINITY);
     let body = n - s0;
+    // a partition longer than the stream is the whole stream (the same
+    // scores; a huge --lag-size must not overflow the bounds below)
+    let lag = lag.clamp(1, body.max(1));
     let n_full = body / lag;
     let n_parts = body.div_ceil(lag);
     for p in 0..n_parts {

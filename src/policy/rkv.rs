@@ -183,7 +183,9 @@ impl Scorer for Rkv {
         let group = qw.q_dim / hd / nkv;
         let o = self.opts;
         // the voting rows: the last α positions the window holds
-        let lo = qw.last_pos().map_or(i64::MIN, |p| p - o.window as i64 + 1);
+        let lo = qw
+            .last_pos()
+            .map_or(i64::MIN, |p| super::snapkv::window_start(p, o.window));
         let rows: Vec<usize> = (0..qw.len()).filter(|&r| qw.row_pos(r) >= lo).collect();
         let first = rows
             .iter()

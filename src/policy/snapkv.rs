@@ -74,6 +74,14 @@ pub fn window_scores(
     window_scores_last(kv, qw, qw.w, pool, kernel, want, off, out)
 }
 
+/// The first position of a window of `w` positions ending at `last`
+/// (`last − w + 1`, saturating: any window longer than the text starts
+/// before it).
+pub fn window_start(last: i64, w: usize) -> i64 {
+    last.saturating_sub(i64::try_from(w).unwrap_or(i64::MAX))
+        .saturating_add(1)
+}
+
 /// `window_scores` with only the rows of the last `w` positions voting (a
 /// window kept longer for another scorer holds more).
 pub fn window_scores_last(
@@ -95,7 +103,7 @@ pub fn window_scores_last(
     let ns = st.n_streams();
     let rows = qw.len();
     // the voting rows: positions lo..=last (all of them when the ring is w long)
-    let lo = qw.last_pos().map_or(i64::MIN, |p| p - w as i64 + 1);
+    let lo = qw.last_pos().map_or(i64::MIN, |p| window_start(p, w));
     let n_votes = (0..rows).filter(|&r| qw.row_pos(r) >= lo).count();
     let scale = 1.0 / (hd as f32).sqrt();
     let first = qw.first_pos().map_or(i64::MAX, |p| p.max(lo));

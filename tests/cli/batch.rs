@@ -476,3 +476,89 @@ fn ctrl_c_stops_cleanly_and_resume_finishes() {
     assert_eq!(s["interrupted"], false);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A budget grid without a budgeted policy (`--budgets` alone was silently
+/// run as `full`) and a zero budget (every line failed the same way) are
+/// refused up front; `-sys` with `--raw` is refused as in one-shot; an
+/// empty prompt and a prompt field that is not a string are reported per
+/// line, by what is wrong with them.
+#[test]
+fn grid_and_prompt_fields_are_checked() {
+    let d = tmpdir("checks");
+    let input = d.join("in.jsonl");
+    std::fs::write(&input, INPUT).unwrap();
+    let inp = input.to_str().unwrap();
+    let out = d.join("out.jsonl");
+    let outp = out.to_str().unwrap();
+    for (extra, want) in [
+        (&["--budgets", "64"][..], "--budgets"),
+        (&["--policies", "full", "--budgets", "64"], "--budgets"),
+        (&["--policies", "h2o", "--budgets", "0"], "at least 1"),
+        (&["-sys", "be brief", "--raw"], "--raw"),
+    ] {
+        let mut args = vec!["-i", inp, "-o", outp];
+        args.extend_from_slice(extra);
+        let o = kvrun(&args, None);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{extra:?}: {err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert!(!out.exists(), "{extra:?}: output written");
+    }
+    std::fs::write(
+        &input,
+        concat!(
+            r#"{"id": "e", "question": "  "}"#,
+            "\n",
+            r#"{"id": "f", "question": 5}"#,
+            "\n",
+            r#"{"id": "g", "problem": null, "question": "Say hi."}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let o = kvrun(&["-i", inp, "-o", outp, "--allow-errors"], None);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("line 1: the prompt is empty"), "{err}");
+    assert!(
+        err.contains(r#"line 2: field "question" is not a string"#),
+        "{err}"
+    );
+    let recs = read_records(&out);
+    assert_eq!(recs.len(), 1, "{recs:?}");
+    assert_eq!(recs[0]["id"], "g");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `batch merge` took any JSON line for a record (and wrote them out), and
+/// `batch report` on a file that is not JSONL printed one error per line:
+/// lines that are not records are skipped, a file of them is one error.
+#[test]
+fn merge_and_report_refuse_non_records() {
+    let d = tmpdir("nonrec");
+    let bad = d.join("bad.jsonl");
+    std::fs::write(&bad, "{\"foo\":1}\n[1,2]\n").unwrap();
+    let merged = d.join("m.jsonl");
+    let o = Command::new(util::kvrun_bin())
+        .args(["batch", "merge", bad.to_str().unwrap()])
+        .args(["-o", merged.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no batch records"), "{err}");
+    assert!(err.contains("line 1: skipped (not a batch record"), "{err}");
+    assert!(!merged.exists(), "merge wrote {merged:?}");
+    // a binary file: one line
+    let model = util::default_model();
+    let o = Command::new(util::kvrun_bin())
+        .args(["batch", "report", model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("not a JSONL file of batch records"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -544,3 +544,364 @@ fn r16_flags_and_labels() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+// ------------------------------------------------- 20-29: the 2026-12 probe
+
+/// A prompt file of about 370 tokens (25 numbered sentences) in `dir`.
+fn sentences(dir: &std::path::Path) -> String {
+    let f = dir.join("p200.txt");
+    let text: String = (1..=25)
+        .map(|i| format!("The quick brown fox jumps over the lazy dog, number {i}. "))
+        .collect();
+    std::fs::write(&f, text).unwrap();
+    f.to_string_lossy().into_owned()
+}
+
+/// `bench` sizes its context from -p, -n and -d and repeats -r times: huge
+/// values are one-line errors naming the flag, before any allocation (they
+/// aborted in the allocator).
+#[test]
+fn r20_bench_sizes_are_checked() {
+    let m = model();
+    let bench = ["bench", "-m", &m, "-t", "1", "--no-llama"];
+    for (flag, name) in [
+        ("-p", "-p/--n-prompt"),
+        ("-n", "-n/--n-gen"),
+        ("-d", "-d/--depth"),
+    ] {
+        let args: Vec<&str> = bench.iter().copied().chain([flag, "99999999999"]).collect();
+        one_line_error(&args, &[name, "cannot be allocated"]);
+    }
+    let args: Vec<&str> = bench.iter().copied().chain(["-r", "99999999999"]).collect();
+    one_line_error(&args, &["-r/--repetitions", "between 1 and"]);
+}
+
+/// `eval passkey --ctx` is checked like -c: a haystack whose cache cannot be
+/// allocated is a one-line error (it grew memory without bound).
+#[test]
+fn r21_passkey_ctx_is_checked() {
+    let m = model();
+    one_line_error(
+        &[
+            "eval",
+            "passkey",
+            "-m",
+            &m,
+            "-t",
+            "1",
+            "--ctx",
+            "99999999999",
+            "--depths",
+            "0.5",
+            "--policy",
+            "h2o",
+            "--kv-budget",
+            "64",
+        ],
+        &["--ctx", "cannot be allocated"],
+    );
+}
+
+/// Window and cadence flags beyond the text: `--obs-window` and
+/// `--epikv-window` allocated their whole length up front (an abort, or a
+/// capacity-overflow panic), `--lag-size` overflowed a slice bound (panic),
+/// `--evict-every` near u64::MAX wrapped (a false "KV cache full"). Each now
+/// runs, and as the same flag at a value merely longer than the text.
+#[test]
+fn r22_huge_policy_windows_are_bounded() {
+    let m = model();
+    let dir = scratch("r22");
+    let f = sentences(&dir);
+    let max = "18446744073709551615";
+    let run = |extra: &[&str]| -> String {
+        let mut args = vec![
+            "-m",
+            &m,
+            "-f",
+            &f,
+            "-n",
+            "16",
+            "-t",
+            "1",
+            "--temp",
+            "0",
+            "--kv-budget",
+            "64",
+        ];
+        args.extend_from_slice(extra);
+        ok(&args).0
+    };
+    for (policy, flag, huge, long, more) in [
+        (
+            "snapkv",
+            "--obs-window",
+            "1000000000",
+            "4096",
+            &["--kv-recent", "8"][..],
+        ),
+        ("rkv", "--obs-window", max, "4096", &["--kv-recent", "8"]),
+        (
+            "expected-attention",
+            "--obs-window",
+            max,
+            "4096",
+            &["--kv-recent", "8"],
+        ),
+        (
+            "epikv",
+            "--epikv-window",
+            "4294967296",
+            "4096",
+            &["--epikv-score-prompt"],
+        ),
+        (
+            "epikv",
+            "--epikv-window",
+            max,
+            "4096",
+            &["--epikv-score-prompt"],
+        ),
+        ("lagkv", "--lag-size", max, "4096", &[]),
+        ("h2o", "--evict-every", max, "4096", &[]),
+    ] {
+        let mut a = vec!["--policy", policy, flag, huge];
+        a.extend_from_slice(more);
+        let got = run(&a);
+        a[3] = long;
+        assert_eq!(got, run(&a), "{policy} {flag} {huge} vs {long}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Wait up to `limit` for `child` to exit, then kill it and fail.
+fn wait_within(mut child: Child, limit: Duration, what: &str) -> Output {
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what}: still running after {limit:?}: {}",
+                text(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A `kvrun` started the way a shell starts a background job (SIGINT
+/// ignored) and sent SIGINT while its model loads, `serve` too: the signal
+/// was lost and the run went on to the end; now it ends with 130 and
+/// nothing generated. (A 1.5B synthetic model is generated in memory at
+/// load, which takes many seconds; the run stops long before.)
+#[test]
+fn r23_ctrl_c_while_loading() {
+    use std::os::unix::process::CommandExt;
+    let synth = format!("synth:{}:r1-distill-qwen-1.5b", model());
+    for serve in [false, true] {
+        let mut cmd = kvrun();
+        if serve {
+            cmd.args(["serve", "-m", &synth, "-t", "1", "--port", "0"]);
+        } else {
+            cmd.args(["-m", &synth, "-p", "Write a long story.", "-n", "300"])
+                .args(["--ignore-eos", "-t", "1", "--temp", "0"]);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: between fork and exec the child only calls signal(2),
+        // which is async-signal-safe, and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        sigint(&child);
+        let out = wait_within(child, Duration::from_secs(10), "after SIGINT");
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(130), "serve={serve}: {err}");
+        assert!(out.stdout.is_empty(), "generated: {}", text(&out.stdout));
+        assert!(!err.contains("http://"), "the server started: {err}");
+    }
+}
+
+/// Ctrl-C during a long prefill stops at the next chunk (-b), not after the
+/// whole prompt.
+#[test]
+fn r24_ctrl_c_during_prefill() {
+    let dir = scratch("r24");
+    let f = dir.join("long.txt");
+    std::fs::write(&f, util::wikitext(14000)).unwrap();
+    let child = kvrun()
+        .args(["-m", &model(), "-f", f.to_str().unwrap(), "--raw"])
+        .args(["-c", "8192", "-b", "32", "-n", "4", "-t", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    sigint(&child);
+    let t = Instant::now();
+    let out = wait_within(child, Duration::from_secs(60), "after the Ctrl-C");
+    let waited = t.elapsed();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        waited < Duration::from_secs(4),
+        "took {waited:?} after the Ctrl-C (the prefill of ~3000 tokens takes over 10 s): {err}"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `synth`: SIGINT and SIGTERM stop the run and remove the unfinished
+/// `.tmp` (exit 130 / 143; SIGINT was ignored, SIGTERM left a model-sized
+/// file behind), and `-o` naming the header itself is refused.
+#[test]
+fn r25_synth_signals_and_output() {
+    let dir = scratch("r25");
+    let hdr = dir.join("hdr.gguf");
+    std::fs::copy(model(), &hdr).unwrap();
+    let before = std::fs::read(&hdr).unwrap();
+    let h = hdr.to_str().unwrap();
+    one_line_error(
+        &["synth", h, "-o", h, "--shape", "tiny"],
+        &["-o/--out", "header file itself"],
+    );
+    // also through another spelling of the same path
+    let other = format!("{}/./hdr.gguf", dir.display());
+    one_line_error(&["synth", h, "-o", &other], &["-o/--out"]);
+    assert!(std::fs::read(&hdr).unwrap() == before, "the header changed");
+    for (sig, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let out = dir.join(format!("out{sig}.gguf"));
+        let tmp = dir.join(format!("out{sig}.gguf.tmp"));
+        let child = kvrun()
+            .args(["synth", h, "-o", out.to_str().unwrap()])
+            .args(["--shape", "r1-distill-qwen-1.5b", "-t", "1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !tmp.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no {tmp:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: kill(2) with a pid this test spawned and has not reaped.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+        let o = wait_within(child, Duration::from_secs(10), "synth after the signal");
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(code), "signal {sig}: {err}");
+        assert!(!tmp.exists(), "signal {sig}: {tmp:?} left behind");
+        assert!(!out.exists(), "signal {sig}: {out:?} written");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A character whose bytes are split over tokens, cut off by -n: the
+/// output held back its first bytes and then printed them as U+FFFD.
+#[test]
+fn r26_split_character_at_the_end() {
+    let m = model();
+    let mut seen = false;
+    for n in 1..=7 {
+        let n = n.to_string();
+        let (out, _) = ok(&[
+            "-m",
+            &m,
+            "-p",
+            "Reply with only emojis: 🌟🎉🐉🍕",
+            "-n",
+            &n,
+            "--temp",
+            "0",
+            "-t",
+            "1",
+        ]);
+        assert!(!out.contains('\u{FFFD}'), "-n {n}: {out:?}");
+        seen |= out.contains('🌟');
+    }
+    assert!(
+        seen,
+        "the model no longer answers with emojis: the case is not exercised"
+    );
+}
+
+/// `eval ppl`: a --segment-after marker that lies past --ctx is an error
+/// like a missing marker (it reported a bogus one-token segment), and
+/// --ctx 1 names --ctx (it said the text had fewer than 2 tokens).
+#[test]
+fn r27_eval_segment_beyond_ctx() {
+    let m = model();
+    let dir = scratch("r27");
+    let f = dir.join("t.txt");
+    let words = "the cat sat on the mat and then it slept ".repeat(30);
+    std::fs::write(&f, format!("{words}</think> the answer is four.")).unwrap();
+    let base = [
+        "eval",
+        "ppl",
+        "-m",
+        &m,
+        "-t",
+        "1",
+        "-f",
+        f.to_str().unwrap(),
+        "--policy",
+        "h2o",
+        "--kv-budget",
+        "32",
+    ];
+    let with = |extra: &[&'static str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    one_line_error(
+        &with(&["--ctx", "64", "--segment-after", "</think>"]),
+        &["--segment-after", "beyond --ctx 64"],
+    );
+    one_line_error(&with(&["--ctx", "1"]), &["--ctx", "at least 2"]);
+    // the whole text: the segment is there
+    ok(&with(&["--ctx", "0", "--segment-after", "</think>"]));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The context-full hint: one-shot stops at -c with a policy too, so the
+/// hint no longer advises --policy with --kv-budget for longer output.
+#[test]
+fn r28_context_full_hint() {
+    let m = model();
+    for policy in [&[][..], &["--policy", "window", "--kv-budget", "32"]] {
+        let mut args = vec!["-m", &m, "-p", "hi", "-c", "64", "-n", "300"];
+        args.extend_from_slice(&["--ignore-eos", "-t", "1"]);
+        args.extend_from_slice(policy);
+        let (_, err) = ok(&args);
+        let hint = err
+            .lines()
+            .find(|l| l.contains("the context is full (64 tokens)"))
+            .unwrap_or_else(|| panic!("no hint: {err}"));
+        assert!(!hint.contains("use --policy"), "{hint}");
+        assert!(hint.contains("raise -c/--ctx-size"), "{hint}");
+    }
+}
+
+/// Small messages: `inspect DIR` says it is a directory (it said "No such
+/// device"), `chat -c HUGE` is one line (a warning came first), and
+/// `--min-per-head` shows an integer metavar.
+#[test]
+fn r29_messages() {
+    let dir = scratch("r29");
+    one_line_error(&["inspect", dir.to_str().unwrap()], &["a directory"]);
+    let m = model();
+    one_line_error(
+        &["chat", "-m", &m, "-c", "99999999999"],
+        &["-c/--ctx-size", "cannot be allocated"],
+    );
+    let (out, _) = ok(&["--help"]);
+    assert!(out.contains("--min-per-head <N>"), "{out}");
+    let _ = std::fs::remove_dir_all(dir);
+}

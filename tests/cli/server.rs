@@ -1285,3 +1285,65 @@ fn web_chat_files_and_cache_view() {
     let text: String = pieces.iter().map(|p| p.as_str().unwrap()).collect();
     assert!(text.contains("the sea, the sky"), "{text}");
 }
+
+/// A response's `kv.peak_tokens` after its session was reused (the prompt
+/// cache): it reported an earlier, longer request's peak; now this
+/// request's (a full cache peaks at what it holds at the end).
+#[test]
+fn kv_peak_is_per_request() {
+    let s = Server::start(&["-t", "1", "--parallel", "1"]);
+    let long: String = (1..=25)
+        .map(|i| format!("The quick brown fox jumps over the lazy dog, number {i}. "))
+        .collect();
+    let first = s.post_json("/v1/chat/completions", &chat_body(&long, 8));
+    let peak1 = first["kv"]["peak_tokens"].as_u64().unwrap();
+    assert!(peak1 > 300, "{first}");
+    let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 8));
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "the session was not reused: {v}");
+    assert_eq!(v["kv"]["peak_tokens"], v["kv"]["live_tokens"], "{v}");
+    assert!(v["kv"]["peak_tokens"].as_u64().unwrap() < peak1, "{v}");
+}
+
+/// A character split over tokens and cut off by max_tokens: the content
+/// (and the last stream delta) ended in U+FFFD; the unfinished character
+/// is now left out.
+#[test]
+fn split_character_is_not_replaced() {
+    let s = Server::start(&["-t", "1"]);
+    let mut seen = false;
+    for n in 1..=7 {
+        let body = json!({
+            "messages": [{"role": "user", "content": "Reply with only emojis: 🌟🎉🐉🍕"}],
+            "max_tokens": n,
+            "temperature": 0,
+        });
+        let whole = content(&s.post_json("/v1/chat/completions", &body));
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let (streamed, _, _) = stream_text(&s.stream("/v1/chat/completions", &sb));
+        assert!(!whole.contains('\u{FFFD}'), "max_tokens {n}: {whole:?}");
+        assert_eq!(streamed, whole, "max_tokens {n}");
+        seen |= whole.contains('🌟');
+    }
+    assert!(
+        seen,
+        "the model no longer answers with emojis: the case is not exercised"
+    );
+}
+
+/// `"policy": "full"` over a server started with a budget: the response's
+/// `kv.kv_budget` was the server's budget, which does not apply; now null.
+#[test]
+fn full_policy_override_reports_no_budget() {
+    let s = Server::start(&["-t", "1", "--policy", "h2o", "--kv-budget", "64"]);
+    let mut b = chat_body("Hi", 4);
+    b["policy"] = json!("full");
+    let v = s.post_json("/v1/chat/completions", &b);
+    assert_eq!(v["kv"]["policy"], "full", "{v}");
+    assert!(v["kv"]["kv_budget"].is_null(), "{v}");
+    let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 4));
+    assert_eq!(v["kv"]["kv_budget"], 64, "{v}");
+}

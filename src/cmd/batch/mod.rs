@@ -331,20 +331,30 @@ pub fn parse_item(a: &BatchArgs, idx: usize, raw: &[u8]) -> std::result::Result<
     let Value::Object(obj) = v else {
         return Err("not a JSON object".into());
     };
-    let prompt = match &a.prompt_field {
-        Some(f) => match obj.get(f) {
-            Some(Value::String(s)) => s.clone(),
-            Some(_) => return Err(format!("field {f:?} is not a string")),
-            None => return Err(format!("no prompt field {f:?}")),
-        },
-        None => ["problem", "question", "prompt"]
-            .iter()
-            .find_map(|k| obj.get(*k).and_then(|v| v.as_str()).map(str::to_owned))
-            .ok_or_else(|| {
-                "no prompt field (looked for problem, question, prompt; use --prompt-field)"
-                    .to_string()
-            })?,
-    };
+    let prompt =
+        match &a.prompt_field {
+            Some(f) => match obj.get(f) {
+                Some(Value::String(s)) => s.clone(),
+                Some(_) => return Err(format!("field {f:?} is not a string")),
+                None => return Err(format!("no prompt field {f:?}")),
+            },
+            // the first of these fields the record has (not null) is its prompt
+            None => match ["problem", "question", "prompt"]
+                .iter()
+                .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).map(|v| (k, v)))
+            {
+                Some((_, Value::String(s))) => s.clone(),
+                Some((k, _)) => return Err(format!("field {k:?} is not a string")),
+                None => return Err(
+                    "no prompt field (looked for problem, question, prompt; use --prompt-field)"
+                        .to_string(),
+                ),
+            },
+        };
+    // as one-shot refuses `-p ""`
+    if prompt.trim().is_empty() {
+        return Err("the prompt is empty".into());
+    }
     let id = match &a.id_field {
         Some(f) => obj
             .get(f)
@@ -554,6 +564,22 @@ pub fn grid(a: &BatchArgs) -> Result<Vec<KvArgs>> {
     } else {
         a.budgets.iter().map(|&b| Some(b)).collect()
     };
+    if !a.budgets.is_empty() {
+        // `full` keeps every token: a budget grid over it alone would be
+        // silently ignored (as --kv-budget with --policy full is refused)
+        if policies.iter().all(|p| p == "full") {
+            return Err(Error::arg(
+                "--budgets",
+                "a budget applies to an eviction policy, and only full was given: add --policies a,b (or --policy P)",
+            ));
+        }
+        if a.budgets.contains(&0) {
+            return Err(Error::arg(
+                "--budgets",
+                "every budget must be at least 1, got 0",
+            ));
+        }
+    }
     let mut out: Vec<KvArgs> = Vec::new();
     let known = crate::policy::names();
     for p in &policies {
@@ -740,6 +766,13 @@ fn run_records(a: &BatchArgs) -> Result<()> {
         return Err(Error::arg("--resume", "needs an output file, not stdout"));
     }
     check_distinct(input, output)?;
+    if a.raw && a.system.is_some() {
+        // as one-shot refuses it: the system prompt would be dropped
+        return Err(Error::arg(
+            "-sys/--system-prompt",
+            "a system prompt goes through the chat template, which --raw turns off (drop one of them)",
+        ));
+    }
     // from here on Ctrl-C asks the loop to stop (while the model loads too)
     interrupt::install();
     interrupt::set_mode(interrupt::Mode::Busy);

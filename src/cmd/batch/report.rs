@@ -51,7 +51,7 @@ pub struct ReportArgs {
 /// The records of several output files, merged.
 #[derive(Debug, Default)]
 pub struct Merged {
-    /// One record per key, ordered by line (records without a key last).
+    /// One record per key, ordered by line.
     pub records: Vec<Value>,
     /// Records dropped because an earlier one had their key and output.
     pub duplicates: usize,
@@ -59,26 +59,65 @@ pub struct Merged {
     pub conflicts: usize,
 }
 
-/// Read and merge output files (unparsable lines are reported and skipped).
+/// Lines that are not records said one by one, at most; a file whose first
+/// this many lines are all not records is refused as a whole.
+const SHOWN_SKIPS: usize = 5;
+
+/// Read and merge output files. Lines that are not records (not JSON, or
+/// JSON without a record's `line` and `id`) are reported and skipped, the
+/// first few of a file one by one; a file that starts with
+/// [`SHOWN_SKIPS`] of them is not an output of `kvrun batch` and is an
+/// error.
 pub fn merge_files(paths: &[PathBuf]) -> Result<Merged> {
     let mut recs: Vec<(usize, usize, Value)> = Vec::new();
     for p in paths {
         let bytes = std::fs::read(p).map_err(|e| io_err(p, e))?;
+        let (mut good, mut bad) = (0usize, 0usize);
+        // the skips before the first record wait: they may be the file's
+        // whole story, told in one line
+        let mut held: Vec<String> = Vec::new();
         for (i, l) in bytes.split(|&b| b == b'\n').enumerate() {
             if l.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
-            match serde_json::from_slice::<Value>(l) {
-                Ok(v) => {
+            let why = match serde_json::from_slice::<Value>(l) {
+                Ok(v) if record_key(&v).is_some() => {
                     let line = v
                         .get("line")
                         .and_then(Value::as_u64)
                         .map_or(usize::MAX, |x| x as usize);
                     let n = recs.len();
                     recs.push((line, n, v));
+                    good += 1;
+                    held.drain(..).for_each(|m| eprintln!("{m}"));
+                    continue;
                 }
-                Err(e) => eprintln!("{}: line {}: skipped ({e})", p.display(), i + 1),
+                Ok(_) => "not a batch record (no line and id)".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            bad += 1;
+            if good == 0 && bad >= SHOWN_SKIPS {
+                return Err(Error::Other(format!(
+                    "{}: not a JSONL file of batch records (its first {SHOWN_SKIPS} lines are not records)",
+                    p.display()
+                )));
             }
+            if bad <= SHOWN_SKIPS {
+                let m = format!("{}: line {}: skipped ({why})", p.display(), i + 1);
+                if good == 0 {
+                    held.push(m);
+                } else {
+                    eprintln!("{m}");
+                }
+            }
+        }
+        held.drain(..).for_each(|m| eprintln!("{m}"));
+        if bad > SHOWN_SKIPS {
+            eprintln!(
+                "{}: {} more lines skipped (not batch records)",
+                p.display(),
+                bad - SHOWN_SKIPS
+            );
         }
     }
     recs.sort_by_key(|r| (r.0, r.1));
@@ -128,9 +167,24 @@ fn jsonl(records: &[Value]) -> Result<String> {
     Ok(text)
 }
 
+/// The error for input files without a single record.
+fn no_records(paths: &[PathBuf]) -> Error {
+    Error::Other(format!(
+        "no batch records in {}",
+        paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
+}
+
 /// `kvrun batch merge`.
 pub fn run_merge(a: &MergeArgs) -> Result<()> {
     let m = merge_files(&a.inputs)?;
+    if m.records.is_empty() {
+        return Err(no_records(&a.inputs));
+    }
     write_out(&a.output, &jsonl(&m.records)?)?;
     eprintln!(
         "kvrun batch merge: {} records ({} duplicates dropped{})",
@@ -353,14 +407,7 @@ pub fn run_report(a: &ReportArgs) -> Result<()> {
     let m = merge_files(&a.inputs)?;
     let rows = tabulate(&m.records);
     if rows.is_empty() {
-        return Err(Error::Other(format!(
-            "no batch records in {}",
-            a.inputs
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
+        return Err(no_records(&a.inputs));
     }
     let md = to_markdown(&rows);
     write_out(Path::new("-"), &md)?;

@@ -219,7 +219,15 @@ impl EvalText {
         segment_after: Option<&str>,
         segment_last: Option<usize>,
     ) -> Result<EvalText> {
+        if ctx == 1 {
+            // one token predicts nothing
+            return Err(Error::arg(
+                "--ctx",
+                "must be 0 (the whole text) or at least 2, got 1",
+            ));
+        }
         let mut ids = tok.encode(text, true, false)?;
+        let n_text = ids.len();
         if ctx > 0 && ids.len() > ctx {
             ids.truncate(ctx);
         }
@@ -233,7 +241,20 @@ impl EvalText {
                 Error::arg("--segment-after", format!("marker {m:?} not in the text"))
             })?;
             let prefix = tok.encode(&text[..at + m.len()], true, false)?;
-            seg_start = Some(prefix.len().min(n - 1));
+            // the segment is the tokens after the marker: none of them may
+            // lie past the cut
+            if prefix.len() >= n {
+                let why = if n < n_text {
+                    format!(
+                        "marker {m:?} ends at token {} of the text, beyond --ctx {ctx} (raise --ctx, or 0 for the whole text)",
+                        prefix.len()
+                    )
+                } else {
+                    format!("marker {m:?} ends the text: no token follows it")
+                };
+                return Err(Error::arg("--segment-after", why));
+            }
+            seg_start = Some(prefix.len());
         }
         if let Some(k) = segment_last {
             let s = n.saturating_sub(k).max(1);

@@ -68,6 +68,10 @@ pub struct DepthResult {
     pub trials: usize,
 }
 
+/// Tokens of a pass-key prompt besides the haystack (the instructions, the
+/// key sentences, the chat template, the answer prefix), with room to spare.
+const PROMPT_MARGIN: usize = 256;
+
 const FILLER: &str =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
 
@@ -112,6 +116,14 @@ pub fn eval_passkey(a: &PasskeyArgs) -> Result<Vec<DepthResult>> {
     }
     let model = load_model(&a.model)?;
     let (w, tok) = (model.weights(), &model.tokenizer);
+    // the full-cache reference holds the whole haystack (and the question):
+    // a --ctx whose cache cannot be allocated is refused before any text is built
+    crate::cmd::args::check_ctx_alloc_for(
+        "--ctx",
+        &w.config,
+        a.ctx.saturating_add(PROMPT_MARGIN),
+        n_threads,
+    )?;
     let tmpl = model.chat_template()?;
     let hay = haystack(a)?;
     // Build a haystack of about `ctx` tokens as a list of sentence-sized pieces.

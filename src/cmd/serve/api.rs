@@ -421,6 +421,11 @@ pub(super) fn parse_job(
             "'kv_budget' needs an eviction policy: set 'policy' (e.g. \"window\", \"h2o\")",
         ));
     }
+    if !budgeted {
+        // `"policy": "full"` over a server started with a budget: that
+        // budget does not apply (and is not reported)
+        kv.budget = None;
+    }
     if let Some(b) = kv.budget {
         if budgeted && b > app.n_ctx {
             return Err(ApiError::bad(format!(

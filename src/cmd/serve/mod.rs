@@ -234,6 +234,10 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
     let path = resolve_model(&a.model.model)?;
     a.kv.build(0, &path)?;
     let n_threads = resolve_threads(a.model.threads)?;
+    // until the server watches for signals itself (`shutdown_signal`), a
+    // Ctrl-C ends the start-up at once: nothing is served yet
+    crate::cmd::interrupt::install();
+    crate::cmd::interrupt::set_mode(crate::cmd::interrupt::Mode::Idle);
     let per_slot_threads = (n_threads / a.parallel).max(1);
     // One model, owned here and by the worker threads (an Arc each).
     let model = Arc::new(load_model(&a.model)?);
@@ -312,6 +316,9 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
         signal(k).map_err(|e| Error::Other(format!("cannot watch for signals: {e}")))
     };
     let (mut int, mut term) = (sig(SignalKind::interrupt())?, sig(SignalKind::terminate())?);
+    // tokio's handler calls the start-up one before it: from now on that
+    // one must do nothing
+    crate::cmd::interrupt::set_mode(crate::cmd::interrupt::Mode::Passive);
     Ok(async move {
         tokio::select! {
             _ = int.recv() => {}

@@ -217,6 +217,8 @@ fn run_job<'e>(
         sess.reset();
         0
     };
+    // this request's peak: the kept prefix and what it adds
+    sess.kv.restart_peak();
     // pessimistic until the request finishes: a failed one leaves nothing reusable
     c.tokens.clear();
     c.intact = false;

@@ -243,14 +243,10 @@ fn policy_data(
 /// (the others show nothing), so the text reads as the tokenizer's output.
 fn pieces(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
     let mut utf8 = Utf8Stream::default();
-    let mut out: Vec<String> = ids
-        .iter()
+    // (a character the text ends inside of shows nothing)
+    ids.iter()
         .map(|&id| utf8.push(&tok.token_bytes(id, true)))
-        .collect();
-    if let Some(last) = out.last_mut() {
-        last.push_str(&utf8.flush());
-    }
-    out
+        .collect()
 }
 
 /// The page's data object.

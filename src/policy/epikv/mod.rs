@@ -52,7 +52,8 @@ pub const DEFAULT_WINDOW: usize = 64;
 #[derive(Debug, Clone)]
 pub struct Rolling {
     w: usize,
-    /// Ring of the last `w` values.
+    /// Ring of the last `w` values (grows as values come, so a window
+    /// longer than the text costs only the text's values).
     buf: Vec<f64>,
     head: usize,
     len: usize,
@@ -67,7 +68,7 @@ impl Rolling {
         let w = w.max(1);
         Rolling {
             w,
-            buf: vec![0.0; w],
+            buf: Vec::new(),
             head: 0,
             len: 0,
             sum: 0.0,
@@ -92,15 +93,17 @@ impl Rolling {
             let old = self.buf[self.head];
             self.sum -= old;
             self.sumsq -= old * old;
+            self.buf[self.head] = x;
         } else {
+            // not full yet: the ring's next slot is its end
             self.len += 1;
+            self.buf.push(x);
         }
-        self.buf[self.head] = x;
         self.head = (self.head + 1) % self.w;
         self.sum += x;
         self.sumsq += x * x;
         self.since_exact += 1;
-        if self.since_exact >= self.w * 64 {
+        if self.since_exact >= self.w.saturating_mul(64) {
             self.sum = self.window().iter().sum();
             self.sumsq = self.window().iter().map(|v| v * v).sum();
             self.since_exact = 0;
