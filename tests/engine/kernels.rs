@@ -1524,15 +1524,10 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
     let loader = kvrun::backend::HOST_LOADER;
     let sink: &dyn WeightSink<kvrun::backend::cpu::Cpu> = &loader;
     let level = kvrun::backend::cpu::isa::level();
-    let all = [
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q5_0,
-    ];
-    for dt in all.into_iter().chain([DType::Q4_1]) {
+    for dt in kvrun::backend::cpu::x8::LAYOUTS
+        .into_iter()
+        .chain([DType::Q4_1])
+    {
         let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
         let want = kvrun::backend::cpu::x8::has_kernel(dt, level);
         // Q8_0×8 has a VNNI kernel only; Q4_1 has no layout

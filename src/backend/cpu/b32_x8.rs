@@ -126,17 +126,20 @@ pub fn row_to_q8_0(dtype: DType, nb: usize, row: &[u8], out: &mut [u8]) {
 
 /// [`row_to_q8_0`] at kernel level `level` (the scalar [`to_q8_0`] below
 /// AVX2 or above what the CPU runs); every level gives the same bytes.
-pub fn row_to_q8_0_at(level: super::isa::Level, dtype: DType, nb: usize, row: &[u8], out: &mut [u8]) {
+pub fn row_to_q8_0_at(
+    level: super::isa::Level,
+    dtype: DType,
+    nb: usize,
+    row: &[u8],
+    out: &mut [u8],
+) {
     let bb = dtype.block_bytes();
     assert!(
         is_b32(dtype) && row.len() >= nb * bb && out.len() >= nb * Q8_0_BYTES,
         "row_to_q8_0: short operands"
     );
     #[cfg(target_arch = "x86_64")]
-    if dtype != DType::Q8_0
-        && level >= super::isa::Level::Avx2
-        && level <= super::isa::detected()
-    {
+    if dtype != DType::Q8_0 && level >= super::isa::Level::Avx2 && level <= super::isa::detected() {
         // SAFETY: the CPU has AVX2 (checked just above); `row` holds nb
         // blocks of `dtype` and `out` nb Q8_0 blocks (asserted above).
         unsafe { expand_avx2(dtype == DType::Q5_0, nb, row.as_ptr(), out.as_mut_ptr()) };
@@ -186,7 +189,8 @@ unsafe fn expand_avx2(q5: bool, nb: usize, x: *const u8, out: *mut u8) {
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
                 u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
             }
-            dst.cast::<u16>().write_unaligned(src.cast::<u16>().read_unaligned());
+            dst.cast::<u16>()
+                .write_unaligned(src.cast::<u16>().read_unaligned());
             _mm256_storeu_si256(dst.add(2).cast(), _mm256_sub_epi8(u, off));
         }
     }
@@ -614,20 +618,9 @@ unsafe fn rows_body<const T: u8, const VNNI: bool>(
                     _mm256_madd_epi16(_mm256_maddubs_epi16(u, yq), _mm256_set1_epi16(1))
                 }
             });
-            // the rows' exact sums, lane r = row r: pairs, quads, halves
-            let pair = |a: __m256i, b: __m256i| {
-                _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
-            };
-            let quad = |a: __m256i, b: __m256i| {
-                _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
-            };
-            let q0 = quad(pair(part[0], part[1]), pair(part[2], part[3]));
-            let q1 = quad(pair(part[4], part[5]), pair(part[6], part[7]));
+            // the rows' exact sums (lane r = row r), the offset taken back
             let isum = _mm256_add_epi32(
-                _mm256_add_epi32(
-                    _mm256_permute2x128_si256::<0x20>(q0, q1),
-                    _mm256_permute2x128_si256::<0x31>(q0, q1),
-                ),
+                super::qgemm_q8_0_tokens::rows_into_lanes(&part),
                 _mm256_set1_epi32(-o * *ysum.add(b)),
             );
             let dx: [u16; ROWS] =

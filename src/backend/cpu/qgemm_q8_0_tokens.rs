@@ -462,19 +462,7 @@ unsafe fn decode_body<const VNNI: bool>(nb: usize, rows: &[&[u8]; ROWS], y: &[u8
                     _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
                 }
             });
-            // the rows' exact sums, lane r = row r: pairs, quads, halves
-            let pair = |a: __m256i, b: __m256i| {
-                _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
-            };
-            let quad = |a: __m256i, b: __m256i| {
-                _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
-            };
-            let q0 = quad(pair(part[0], part[1]), pair(part[2], part[3]));
-            let q1 = quad(pair(part[4], part[5]), pair(part[6], part[7]));
-            let isum = _mm256_add_epi32(
-                _mm256_permute2x128_si256::<0x20>(q0, q1),
-                _mm256_permute2x128_si256::<0x31>(q0, q1),
-            );
+            let isum = rows_into_lanes(&part);
             // the rows' scales in their lanes
             let dx: [u16; ROWS] =
                 std::array::from_fn(|r| wp[r].add(off).cast::<u16>().read_unaligned());
@@ -485,5 +473,33 @@ unsafe fn decode_body<const VNNI: bool>(nb: usize, rows: &[&[u8]; ROWS], y: &[u8
         let mut out = [0f32; ROWS];
         _mm256_storeu_ps(out.as_mut_ptr(), acc);
         out
+    }
+}
+
+/// The 8 rows' partial sums (8 lanes each) added into one register, lane
+/// r = row r's whole sum: pairs, quads, halves (exact: integer adds).
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn rows_into_lanes(
+    part: &[std::arch::x86_64::__m256i; ROWS],
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX2 is available (the caller's contract); registers only.
+    unsafe {
+        let pair = |a: __m256i, b: __m256i| {
+            _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+        };
+        let quad = |a: __m256i, b: __m256i| {
+            _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+        };
+        let q0 = quad(pair(part[0], part[1]), pair(part[2], part[3]));
+        let q1 = quad(pair(part[4], part[5]), pair(part[6], part[7]));
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(q0, q1),
+            _mm256_permute2x128_si256::<0x31>(q0, q1),
+        )
     }
 }
