@@ -48,10 +48,9 @@
 use crate::tensor::DType;
 use half::f16;
 
-/// Rows per group.
-pub const ROWS: usize = 8;
-/// Bytes of a Q8_0 block.
-pub const Q8_0_BYTES: usize = 34;
+/// Rows per group (the `x8` container's row block).
+pub const ROWS: usize = super::qgemm_lanes::ROWS;
+pub use super::qgemm_q8_0_tokens::Q8_0_BYTES;
 
 /// A decoding kernel: `(nb, one row block's groups, one token's Q8_0 row,
 /// that row's block sums (`block_sums`)) -> the 8 rows' dot products`.
@@ -169,13 +168,6 @@ unsafe fn expand_avx2(q5: bool, nb: usize, x: *const u8, out: *mut u8) {
     let (bb, qs_at) = if q5 { (22, 6) } else { (18, 2) };
     let nib = _mm256_set1_epi8(0x0f);
     let off = _mm256_set1_epi8(if q5 { 16 } else { 8 });
-    let pick = _mm256_set_epi64x(
-        0x0303_0303_0303_0303,
-        0x0202_0202_0202_0202,
-        0x0101_0101_0101_0101,
-        0,
-    );
-    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
     // SAFETY (every access below): b < nb, so block b of `x` and of `out`
     // is inside the buffers (the function's contract).
     unsafe {
@@ -184,15 +176,37 @@ unsafe fn expand_avx2(q5: bool, nb: usize, x: *const u8, out: *mut u8) {
             let q = _mm_loadu_si128(src.add(qs_at).cast());
             let mut u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), nib);
             if q5 {
-                let qh = src.add(2).cast::<u32>().read_unaligned();
-                let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-                u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                u = _mm256_or_si256(u, fifth_avx2(src.add(2).cast::<u32>().read_unaligned()));
             }
             dst.cast::<u16>()
                 .write_unaligned(src.cast::<u16>().read_unaligned());
             _mm256_storeu_si256(dst.add(2).cast(), _mm256_sub_epi8(u, off));
         }
+    }
+}
+
+/// One Q5_0 block's fifth bits as 16 in the bytes of its 32 weights, in
+/// weight order, with AVX2: byte i is byte i / 8 of `qh` (a shuffle),
+/// tested against bit i % 8 (as ggml's AVX2 code does).
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fifth_avx2(qh: u32) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX2 is available (the caller's contract); registers only.
+    unsafe {
+        let pick = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(16))
     }
 }
 
@@ -599,17 +613,7 @@ unsafe fn rows_body<const T: u8, const VNNI: bool>(
                     if VNNI {
                         u = _mm256_mask_add_epi8(u, qh, u, _mm256_set1_epi8(16));
                     } else {
-                        // byte i: byte i / 8 of qh, tested against bit i % 8
-                        let pick = _mm256_set_epi64x(
-                            0x0303_0303_0303_0303,
-                            0x0202_0202_0202_0202,
-                            0x0101_0101_0101_0101,
-                            0,
-                        );
-                        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
-                        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-                        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                        u = _mm256_or_si256(u, fifth_avx2(qh));
                     }
                 }
                 if VNNI {

@@ -1137,9 +1137,18 @@ fn matvec_b32(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], out: &mut [f32], kern
     let n_out = w.n_out;
     let nb = w.n_in / w.dtype.block_len();
     let a = &act[..w.act_bytes()];
-    let mut ysum = vec![0i32; nb];
-    b32_x8::block_sums(nb, a, &mut ysum);
-    let ysum = &ysum[..];
+    // the block sums on the stack up to 32768-wide rows (no allocation per
+    // matrix and token)
+    let mut stack = [0i32; 1024];
+    let mut heap = Vec::new();
+    let ysum: &mut [i32] = if nb <= stack.len() {
+        &mut stack[..nb]
+    } else {
+        heap.resize(nb, 0);
+        &mut heap
+    };
+    b32_x8::block_sums(nb, a, ysum);
+    let ysum = &*ysum;
     let nt = pool.n_threads();
     let o = SharedMut::new(&mut out[..n_out]);
     let runs = Runs::new(n_out.div_ceil(ROWS), nt);
