@@ -400,7 +400,7 @@ fn q8_0_tokens_kernels_match_their_scalar_model() {
             }
         }
         for &level in &levels {
-            let (Some(prefill), Some(decode)) = (prefill_for(level), decode_for(level)) else {
+            let (Some(prefill), Some(decode)) = (prefill_for(dt, level), decode_for(level)) else {
                 panic!("{level}: no Q8_0 tokens-in-lanes kernels");
             };
             let mut packed = vec![0u8; nb * prefill.act_bytes];
@@ -660,6 +660,93 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
     eprintln!("{checked} kernel calls checked");
 }
 
+/// Q4_0's and Q5_0's prefill tiles at every SIMD level this CPU runs (the
+/// Q8_0 form's at VNNI, the unsigned rows' at AVX2) equal the scalar model
+/// bit for bit, on fresh random data and at the extremes of the integer
+/// sums (every quant at its top or bottom value against activations of
+/// ±127 and -128), and both row forms come out the same at every level.
+#[test]
+fn b32_prefill_tiles_match_the_scalar_model() {
+    use kvrun::backend::cpu::b32_x8::{dot_scalar, row_to_q8_0_at, row_to_unsigned_at};
+    use kvrun::backend::cpu::qgemm_q8_0_tokens::{
+        pack_side, prefill_for, Rows, Q8_0_BYTES, ROWS, SIDE_BYTES, TOKS,
+    };
+    let seed = 0x5eed_0b33 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let mut checked = 0;
+    let mut check = |dt: DType, nb: usize, w: &[u8], act: &[u8], what: &str| {
+        let (rb, ab) = (nb * dt.block_bytes(), nb * Q8_0_BYTES);
+        let rows: [&[u8]; ROWS] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
+        let toks: [&[u8]; TOKS] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
+        // both forms, the same bytes at every level
+        let forms = |level| -> [Vec<Vec<u8>>; 2] {
+            [true, false].map(|signed| {
+                rows.iter()
+                    .map(|row| {
+                        let mut v = vec![0u8; nb * Q8_0_BYTES];
+                        if signed {
+                            row_to_q8_0_at(level, dt, nb, row, &mut v);
+                        } else {
+                            row_to_unsigned_at(level, dt, nb, row, &mut v);
+                        }
+                        v
+                    })
+                    .collect()
+            })
+        };
+        let portable = forms(Level::Portable);
+        for level in simd_levels() {
+            assert!(forms(level) == portable, "{dt} {level} {what}: row forms");
+            let prefill = prefill_for(dt, level).expect("a prefill tile");
+            let form = &portable[usize::from(prefill.rows == Rows::Unsigned)];
+            let x: [&[u8]; ROWS] = std::array::from_fn(|k| &form[k][..]);
+            let mut packed = vec![0u8; nb * prefill.act_bytes];
+            let mut side = vec![0u8; nb * SIDE_BYTES];
+            (prefill.pack)(nb, &toks, &mut packed);
+            pack_side(nb, &x, &mut side);
+            let v = (prefill.tile)(nb, &x, &side, &packed);
+            for i in 0..ROWS {
+                for t in 0..TOKS {
+                    let m = dot_scalar(dt, nb, rows[i], toks[t]);
+                    assert_eq!(
+                        v[i][t].to_bits(),
+                        m.to_bits(),
+                        "{dt} {level} {:?} {what} ({i},{t}): tile {} vs model {m}",
+                        prefill.rows,
+                        v[i][t]
+                    );
+                }
+            }
+            checked += 1;
+        }
+    };
+    for dt in [DType::Q4_0, DType::Q5_0] {
+        let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+        for n_in in [32usize, 640, 3584] {
+            let (w, act) = quant_problem(dt, &mut r, ROWS, n_in, TOKS);
+            assert_eq!(tr.act_bytes(n_in), n_in / 32 * Q8_0_BYTES);
+            check(dt, n_in / 32, &w, &act, &format!("n_in {n_in}"));
+        }
+        let (nb, bb) = (4, dt.block_bytes());
+        for fill in [0xffu8, 0x00, 0x80, 0x7f] {
+            for y in [-128i8, -127, 127] {
+                let mut w = vec![fill; ROWS * nb * bb];
+                for (i, b) in w.chunks_exact_mut(bb).enumerate() {
+                    b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 1e-3).to_le_bytes());
+                }
+                let mut act = vec![0u8; TOKS * nb * Q8_0_BYTES];
+                for (k, blk) in act.chunks_exact_mut(Q8_0_BYTES).enumerate() {
+                    blk[..2].copy_from_slice(&f16::from_f32(0.5 + k as f32 * 0.01).to_le_bytes());
+                    blk[2..].fill(if k % 3 == 2 { 127 } else { y as u8 });
+                }
+                check(dt, nb, &w, &act, &format!("extremes {fill:#x} y {y}"));
+            }
+        }
+    }
+    eprintln!("{checked} tile calls checked");
+}
+
 /// `matmul_q` at every kernel level this CPU runs equals ggml's `vec_dot`
 /// row by row, bit for bit: row counts not a multiple of the tile's, token
 /// counts not a multiple of its width, decoding (1 token), 1-3 threads.
@@ -758,7 +845,7 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             // Q4_0 and Q5_0 from AVX2 up the tokens-in-lanes one, not ggml's
             let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
             let q8_vnni = matches!(dt, DType::Q8_0 | DType::Q4_0 | DType::Q5_0)
-                && kvrun::backend::cpu::qgemm_q8_0_tokens::prefill_for(level).is_some();
+                && kvrun::backend::cpu::qgemm_q8_0_tokens::prefill_for(dt, level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
                     let a = &act[t * ab..(t + 1) * ab];

@@ -15,9 +15,11 @@
 //! acc    = fma(dx·dy, f32(isum_b), acc)       (acc from 0, blocks in order)
 //! ```
 //!
-//! Prefill runs `qgemm_q8_0_tokens`' tiles on rows expanded to Q8_0 once
-//! per row block, decoding runs the kernels below, so a prompt's logits do
-//! not depend on its chunking. (ggml keeps 8 float lanes per row and adds
+//! Prefill runs `qgemm_q8_0_tokens`' tiles on rows expanded once per row
+//! block (to the Q8_0 form, or at AVX2 for Q4_0 and Q5_0 to the unsigned
+//! quants, [`row_to_unsigned_at`], whose tile adds the offset back as
+//! −o·Σy: the same integer), decoding runs the kernels below, so a prompt's
+//! logits do not depend on its chunking. (ggml keeps 8 float lanes per row and adds
 //! them at the end; the two differ by float rounding only.)
 //!
 //! ## Layout
@@ -95,6 +97,13 @@ pub fn segments(dtype: DType, r: usize) -> impl Iterator<Item = (usize, usize, u
 
 /// The Q8_0 block equal to one block of `dtype` (Q8_0: itself), exactly.
 pub fn to_q8_0(dtype: DType, x: &[u8], out: &mut [u8]) {
+    expand_block(dtype, x, out, true);
+}
+
+/// One block of `dtype` as a Q8_0-shaped block (scale, then its 32 quants
+/// one byte each, in weight order): the signed quants `q − o` (`signed`,
+/// the exact Q8_0 form) or the unsigned `q` themselves (Q4_0 and Q5_0).
+fn expand_block(dtype: DType, x: &[u8], out: &mut [u8], signed: bool) {
     assert!(is_b32(dtype), "to_q8_0: {dtype}");
     out[..2].copy_from_slice(&x[..2]);
     match dtype {
@@ -106,10 +115,11 @@ pub fn to_q8_0(dtype: DType, x: &[u8], out: &mut [u8]) {
             } else {
                 (&x[2..18], 0)
             };
+            let o = if signed { offset(dtype) } else { 0 };
             for i in 0..32 {
                 let b = qs[i % 16];
                 let q = if i < 16 { b & 0x0f } else { b >> 4 } | (((qh >> i) & 1) as u8) << 4;
-                out[2 + i] = (q as i32 - offset(dtype)) as i8 as u8;
+                out[2 + i] = (q as i32 - o) as i8 as u8;
             }
         }
     }
@@ -132,6 +142,32 @@ pub fn row_to_q8_0_at(
     row: &[u8],
     out: &mut [u8],
 ) {
+    expand_row_at(level, dtype, nb, row, out, true);
+}
+
+/// `nb` blocks of a Q4_0 or Q5_0 row in the unsigned form: per block the
+/// scale, then the 32 quants `q` (0..16 or 0..32, no offset taken off) one
+/// byte each, in weight order (the AVX2 prefill tile's rows,
+/// `qgemm_q8_0_tokens::tile_unsigned`). Same levels as [`row_to_q8_0_at`].
+pub fn row_to_unsigned_at(
+    level: super::isa::Level,
+    dtype: DType,
+    nb: usize,
+    row: &[u8],
+    out: &mut [u8],
+) {
+    assert!(dtype != DType::Q8_0, "row_to_unsigned: {dtype}");
+    expand_row_at(level, dtype, nb, row, out, false);
+}
+
+fn expand_row_at(
+    level: super::isa::Level,
+    dtype: DType,
+    nb: usize,
+    row: &[u8],
+    out: &mut [u8],
+    signed: bool,
+) {
     let bb = dtype.block_bytes();
     assert!(
         is_b32(dtype) && row.len() >= nb * bb && out.len() >= nb * Q8_0_BYTES,
@@ -139,35 +175,46 @@ pub fn row_to_q8_0_at(
     );
     #[cfg(target_arch = "x86_64")]
     if dtype != DType::Q8_0 && level >= super::isa::Level::Avx2 && level <= super::isa::detected() {
+        let off = if signed { offset(dtype) as i8 } else { 0 };
         // SAFETY: the CPU has AVX2 (checked just above); `row` holds nb
         // blocks of `dtype` and `out` nb Q8_0 blocks (asserted above).
-        unsafe { expand_avx2(dtype == DType::Q5_0, nb, row.as_ptr(), out.as_mut_ptr()) };
+        unsafe {
+            expand_avx2(
+                dtype == DType::Q5_0,
+                off,
+                nb,
+                row.as_ptr(),
+                out.as_mut_ptr(),
+            )
+        };
         return;
     }
     let _ = level;
     for b in 0..nb {
-        to_q8_0(
+        expand_block(
             dtype,
             &row[b * bb..(b + 1) * bb],
             &mut out[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES],
+            signed,
         );
     }
 }
 
-/// Q4_0 (`q5` false) or Q5_0 blocks to Q8_0 with AVX2: the nibbles in
-/// weight order, Q5_0's fifth bits spread from `qh` by a byte shuffle and
-/// compare (as ggml's AVX2 code does), the offset subtracted.
+/// Q4_0 (`q5` false) or Q5_0 blocks to Q8_0-shaped blocks with AVX2: the
+/// nibbles in weight order, Q5_0's fifth bits spread from `qh` by a byte
+/// shuffle and compare (as ggml's AVX2 code does), `off` subtracted (the
+/// type's offset for the Q8_0 form, 0 for the unsigned one).
 ///
 /// # Safety
 /// The CPU has AVX2; `x` holds `nb` blocks of the type, `out` room for
 /// `nb` Q8_0 blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn expand_avx2(q5: bool, nb: usize, x: *const u8, out: *mut u8) {
+unsafe fn expand_avx2(q5: bool, off: i8, nb: usize, x: *const u8, out: *mut u8) {
     use std::arch::x86_64::*;
     let (bb, qs_at) = if q5 { (22, 6) } else { (18, 2) };
     let nib = _mm256_set1_epi8(0x0f);
-    let off = _mm256_set1_epi8(if q5 { 16 } else { 8 });
+    let off = _mm256_set1_epi8(off);
     // SAFETY (every access below): b < nb, so block b of `x` and of `out`
     // is inside the buffers (the function's contract).
     unsafe {

@@ -304,7 +304,7 @@ pub fn matmul_q_at(
             // expands each row block to Q8_0 rows
             if let (Some(one), Some(prefill)) = (
                 b32_x8::decode_for(w.dtype, level),
-                qgemm_q8_0_tokens::prefill_for(level),
+                qgemm_q8_0_tokens::prefill_for(w.dtype, level),
             ) {
                 if n_tok == 1 {
                     return matvec_b32(pool, w, act, out, B32Kernel::Packed(one));
@@ -364,7 +364,7 @@ pub fn matmul_q_at(
             return matmul_q8_0_amx(pool, w, act, n_tok, out);
         }
         if let (Some(prefill), Some(one)) = (
-            qgemm_q8_0_tokens::prefill_for(level),
+            qgemm_q8_0_tokens::prefill_for(w.dtype, level),
             qgemm_q8_0_tokens::decode_for(level),
         ) {
             return if n_tok == 1 {
@@ -379,7 +379,7 @@ pub fn matmul_q_at(
     if matches!(w.dtype, DType::Q4_0 | DType::Q5_0) {
         if let (Some(one), Some(prefill)) = (
             b32_x8::decode_rows_for(w.dtype, level),
-            qgemm_q8_0_tokens::prefill_for(level),
+            qgemm_q8_0_tokens::prefill_for(w.dtype, level),
         ) {
             return if n_tok == 1 {
                 matvec_b32(pool, w, act, out, B32Kernel::Rows(one))
@@ -433,12 +433,14 @@ fn matmul_q8_0_tokens(
     out: &mut [f32],
     prefill: qgemm_q8_0_tokens::Prefill,
 ) {
-    use qgemm_q8_0_tokens::{pack_side, ROWS, SIDE_BYTES, TOKS};
+    use qgemm_q8_0_tokens::{pack_side, Rows, ROWS, SIDE_BYTES, TOKS};
     let qgemm_q8_0_tokens::Prefill {
+        rows: form,
         pack,
         act_bytes,
         tile,
     } = prefill;
+    let level = isa::level();
     let (n_in, n_out) = (w.n_in, w.n_out);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
     let ab = w.act_bytes();
@@ -476,14 +478,19 @@ fn matmul_q8_0_tokens(
             let r1 = (r0 + LANES_ROW_TILE).min(n_out);
             let n_micro = (r1 - r0).div_ceil(ROWS);
             if !in_place {
+                // Q4_0/Q5_0 rows to the tile's form
+                let expand = |dt, row: &[u8], dst: &mut [u8]| match form {
+                    Rows::Signed => b32_x8::row_to_q8_0_at(level, dt, nb, row, dst),
+                    Rows::Unsigned => b32_x8::row_to_unsigned_at(level, dt, nb, row, dst),
+                };
                 for (r, dst) in (r0..r1).zip(q8.chunks_exact_mut(qrb)) {
                     match (&w.x8, w.dtype) {
                         (Some(x8), DType::Q8_0) => x8.row_into(r, dst),
                         (Some(x8), dt) => {
                             x8.row_into(r, &mut gguf);
-                            b32_x8::row_to_q8_0(dt, nb, &gguf, dst);
+                            expand(dt, &gguf, dst);
                         }
-                        (None, dt) => b32_x8::row_to_q8_0(dt, nb, w.plain_row(r), dst),
+                        (None, dt) => expand(dt, w.plain_row(r), dst),
                     }
                 }
             }
