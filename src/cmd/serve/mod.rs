@@ -231,6 +231,13 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         return Err(Error::arg("--api-key", "must not be empty"));
     }
+    // the id every response and /v1/models report: clients match on it
+    if a.alias.as_deref().is_some_and(|m| m.trim().is_empty()) {
+        return Err(Error::arg(
+            "-a/--alias",
+            "must not be empty (leave it out for the model's file name)",
+        ));
+    }
     let path = resolve_model(&a.model.model)?;
     a.kv.build(0, &path)?;
     let n_threads = resolve_threads(a.model.threads)?;
