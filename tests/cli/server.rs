@@ -1347,3 +1347,25 @@ fn full_policy_override_reports_no_budget() {
     let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 4));
     assert_eq!(v["kv"]["kv_budget"], 64, "{v}");
 }
+
+/// A `Content-Length` over the body limit is a 413 at once, not a wait
+/// for bytes that would be refused, ending in a 408 after `--timeout`.
+#[test]
+fn body_over_limit_is_413_at_once() {
+    let s = Server::start(&["-t", "1", "--timeout", "30"]);
+    let t0 = Instant::now();
+    let (st, body) = raw(
+        &s.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 99999999999999\r\n\r\n{\"mess",
+    );
+    assert_eq!(st, 413, "{body}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let (_, msg) = api_error(st, &body);
+    assert!(!msg.contains('\n') && msg.contains("limit"), "{msg}");
+    // a body within the limit is still read
+    let (st, _) = raw(
+        &s.addr,
+        &raw_post("/v1/completions", r#"{"prompt": "Hi", "max_tokens": 1}"#),
+    );
+    assert_eq!(st, 200);
+}

@@ -4,12 +4,12 @@
 //! from the events the worker sends back (streamed or collected).
 
 use super::api::{parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev, Input, RespCtx};
-use super::llama::{self, read_json};
+use super::llama::{self, read_json, BODY_LIMIT};
 use super::metrics::metrics;
 use super::sse::stream_response;
 use super::web;
 use super::{now_s, App};
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -42,6 +42,7 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/style.css", get(web::style))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .layer(middleware::from_fn_with_state(app.clone(), track))
         .with_state(app)
