@@ -200,21 +200,7 @@ impl<'w, B: Backend> Session<'w, B> {
         let mut s = match built {
             None => Session::on(backend, w, n_ctx, n_batch),
             Some(p) => {
-                let e = &p.evictor;
-                if e.keep_prompt_until > 0
-                    && p.prompt.is_none()
-                    && n_prompt.saturating_add(e.n_recent) >= e.budget
-                {
-                    return Err(Error::config(
-                        Field::Budget,
-                        Msg::default()
-                            .t(format!(
-                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
-                                e.budget, e.n_recent
-                            ))
-                            .f(Field::PromptPolicy),
-                    ));
-                }
+                check_kept_prompt(cfg, &p, n_prompt)?;
                 let mut s = Session::with_policy_on(backend, w, n_ctx, n_batch, p)?;
                 s.protect_prompt(n_prompt);
                 s
@@ -1045,6 +1031,32 @@ impl<'w, B: Backend> Session<'w, B> {
         }
         self.signals.resize_slots(n);
     }
+}
+
+/// A policy `p` (built from `cfg`) that keeps the whole prompt
+/// (`keep_prompt`, or the EPIKV-style default) and has no prompt phase
+/// cannot take an `n_prompt`-token prompt that fills its budget next to
+/// the recent window: a one-line error before anything runs, naming what
+/// helps (a prompt policy, or scored prompt tokens where the prompt is
+/// kept by the policy's default).
+pub fn check_kept_prompt(cfg: &PolicyConfig, p: &KvPolicy, n_prompt: usize) -> Result<()> {
+    let e = &p.evictor;
+    if e.keep_prompt_until == 0
+        || p.prompt.is_some()
+        || n_prompt.saturating_add(e.n_recent) < e.budget
+    {
+        return Ok(());
+    }
+    let mut m = Msg::default()
+        .t(format!(
+            "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
+            e.budget, e.n_recent
+        ))
+        .f(Field::PromptPolicy);
+    if !cfg.keep_prompt && cfg.def().is_ok_and(|d| d.defaults.keep_prompt) {
+        m = m.t(" (or ").f(Field::EpikvScorePrompt).t(")");
+    }
+    Err(Error::config(Field::Budget, m))
 }
 
 /// Options of one generation.

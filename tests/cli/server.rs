@@ -418,18 +418,45 @@ fn bad_requests_and_per_request_policy() {
         ),
         (
             chat,
-            json!({"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 100000}).to_string(),
-            "kv_budget",
-        ),
-        (
-            chat,
             json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -2}).to_string(),
             "'max_tokens' must be -1 (until done or the context is full) or ≥ 0",
         ),
         (
             chat,
             json!({"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 0}).to_string(),
-            "'kv_budget' must be between 1 and the context size 256, got 0",
+            "'kv_budget' is out of range (1..=9223372036854775807; above the context size 256 it is clamped to it), got 0",
+        ),
+        // integers beyond 64 bits (or written as floats) are out of range,
+        // not "not an integer"; negative where unsigned says so
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 18446744073709551615}"#.into(),
+            "'kv_budget' is out of range (1..=9223372036854775807",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999999}"#.into(),
+            "'seed' is out of range (0..=18446744073709551615, or negative for a random seed)",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e30}"#.into(),
+            "'max_tokens' is out of range (-1 for no limit, or 0..=9223372036854775807)",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "kv_sink": -1}"#.into(),
+            "'kv_sink' must not be negative (0..=256), got -1",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "top_k": -5}"#.into(),
+            "'top_k' must not be negative",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}"#.into(),
+            "'max_tokens' must be an integer, got a number",
         ),
         (
             chat,
@@ -500,6 +527,15 @@ fn bad_requests_and_per_request_policy() {
     // and the server's default (full) is back for the next request
     let v = s.post_json(chat, &chat_body("Hi", 4));
     assert_eq!(v["kv"]["evicted"], 0);
+    // a budget beyond the context is the context (as -c clamps
+    // --kv-budget), and the response says so; a u64 seed is a seed
+    let mut b = chat_body("Hi", 4);
+    b["policy"] = json!("window");
+    b["kv_budget"] = json!(100000);
+    b["seed"] = json!(u64::MAX);
+    let v = s.post_json(chat, &b);
+    assert_eq!(v["kv"]["kv_budget"], 256, "{v}");
+    assert_eq!(v["kv"]["capacity_tokens"], 256, "{v}");
     // max_tokens -1: until the context (256) is full, as -n -1
     let v = s.post_json(
         "/v1/completions",
@@ -1368,4 +1404,46 @@ fn body_over_limit_is_413_at_once() {
         &raw_post("/v1/completions", r#"{"prompt": "Hi", "max_tokens": 1}"#),
     );
     assert_eq!(st, 200);
+}
+
+/// epikv-style policies keep the whole prompt: over their budget the 400
+/// names the request fields that help (not CLI flags), and
+/// `prompt_policy` / `prompt_budget` / `epikv_score_prompt` run them.
+#[test]
+fn kept_prompt_policies_take_prompt_fields() {
+    let s = Server::start(&["-t", "1", "-c", "512"]);
+    let long = "word ".repeat(150);
+    let body = |extra: Value| {
+        let mut b = json!({"prompt": long, "max_tokens": 4, "temperature": 0,
+                           "policy": "epikv", "kv_budget": 64});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let (st, text) = s.post("/v1/completions", &body(json!({})).to_string());
+    let (st, msg) = api_error(st, &text);
+    assert_eq!(st, 400, "{text}");
+    assert!(
+        msg.contains("prompt_policy") && msg.contains("epikv_score_prompt") && !msg.contains("--"),
+        "{msg}"
+    );
+    for extra in [
+        json!({"epikv_score_prompt": true}),
+        json!({"prompt_policy": "window", "prompt_budget": 32}),
+    ] {
+        let v = s.post_json("/v1/completions", &body(extra.clone()));
+        assert!(v["kv"]["evicted"].as_u64().unwrap() > 0, "{extra}: {v}");
+        assert!(
+            v["kv"]["peak_tokens"].as_u64().unwrap() <= 64,
+            "{extra}: {v}"
+        );
+    }
+    // the fields' own errors name them too
+    let (st, text) = s.post(
+        "/v1/completions",
+        &body(json!({"prompt_budget": 32})).to_string(),
+    );
+    let (_, msg) = api_error(st, &text);
+    assert_eq!(msg, "prompt_budget: only applies with prompt_policy");
 }

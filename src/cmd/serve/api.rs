@@ -189,24 +189,53 @@ fn opt_f32(v: &Value, field: &str) -> std::result::Result<Option<f32>, ApiError>
     }
 }
 
-fn opt_i64(v: &Value, field: &str) -> std::result::Result<Option<i64>, ApiError> {
-    match opt(v, field) {
-        None => Ok(None),
-        Some(x) => x
-            .as_i64()
-            .map(Some)
-            .ok_or_else(|| type_err(field, "an integer", x)),
+/// Optional integer field in `lo..=hi`; `range` says what is accepted.
+/// A number beyond 64 bits (`1e30`, `99999999999999999999999`, which JSON
+/// parsers hold as floats) is out of range, not "not an integer"; a
+/// negative one where only non-negative values are accepted says so.
+fn opt_int(
+    v: &Value,
+    field: &str,
+    lo: i128,
+    hi: i128,
+    range: &str,
+) -> std::result::Result<Option<i128>, ApiError> {
+    let Some(x) = opt(v, field) else {
+        return Ok(None);
+    };
+    let n = if let Some(i) = x.as_i64() {
+        i as i128
+    } else if let Some(u) = x.as_u64() {
+        u as i128
+    } else {
+        match x.as_f64() {
+            // a whole number written as a float: its value decides (the
+            // cast saturates far beyond any range here)
+            Some(f) if f.is_finite() && f.fract() == 0.0 => f as i128,
+            _ => return Err(type_err(field, "an integer", x)),
+        }
+    };
+    if n < 0 && lo >= 0 {
+        return Err(ApiError::bad(format!(
+            "'{field}' must not be negative ({range}), got {x}"
+        )));
     }
+    if n < lo || n > hi {
+        return Err(ApiError::bad(format!(
+            "'{field}' is out of range ({range}), got {x}"
+        )));
+    }
+    Ok(Some(n))
 }
 
+/// Optional non-negative count up to `max`.
 fn opt_usize(v: &Value, field: &str, max: usize) -> std::result::Result<Option<usize>, ApiError> {
-    match opt_i64(v, field)? {
-        None => Ok(None),
-        Some(n) if n >= 0 && (n as u64) <= max as u64 => Ok(Some(n as usize)),
-        Some(n) => Err(ApiError::bad(format!(
-            "'{field}' must be between 0 and {max}, got {n}"
-        ))),
-    }
+    Ok(opt_int(v, field, 0, max as i128, &format!("0..={max}"))?.map(|n| n as usize))
+}
+
+/// Optional integer that fits an i64 (`range` says which values mean what).
+fn opt_i64(v: &Value, field: &str, range: &str) -> std::result::Result<Option<i64>, ApiError> {
+    Ok(opt_int(v, field, i64::MIN as i128, i64::MAX as i128, range)?.map(|n| n as i64))
 }
 
 fn opt_bool(v: &Value, field: &str) -> std::result::Result<Option<bool>, ApiError> {
@@ -324,14 +353,15 @@ pub(super) fn parse_job(
     tx: UnboundedSender<Ev>,
 ) -> std::result::Result<(Job, bool, bool), ApiError> {
     let d = &app.defaults;
-    if let Some(n) = opt_i64(v, "n")? {
+    if let Some(n) = opt_i64(v, "n", "only 1 is supported")? {
         if n != 1 {
             return Err(ApiError::bad("'n': only n = 1 is supported"));
         }
     }
+    let max_range = format!("-1 for no limit, or 0..={}", i64::MAX);
     let max_tokens = match (
-        opt_i64(v, "max_completion_tokens")?,
-        opt_i64(v, "max_tokens")?,
+        opt_i64(v, "max_completion_tokens", &max_range)?,
+        opt_i64(v, "max_tokens", &max_range)?,
     ) {
         (Some(n), _) | (None, Some(n)) => {
             // -1: until end of generation or a full context, as -n -1
@@ -349,7 +379,11 @@ pub(super) fn parse_job(
     let min_p = opt_f32(v, "min_p")?.unwrap_or(d.sampling.min_p);
     let top_k = opt_usize(v, "top_k", usize::MAX >> 1)?.unwrap_or(d.sampling.top_k);
     let repeat_penalty = opt_f32(v, "repeat_penalty")?.unwrap_or(d.sampling.repeat_penalty);
-    let seed = match opt_i64(v, "seed")?.unwrap_or(d.seed) {
+    // a seed is any u64; a negative one asks for a random seed
+    let seed_range = format!("0..={}, or negative for a random seed", u64::MAX);
+    let seed = match opt_int(v, "seed", i64::MIN as i128, u64::MAX as i128, &seed_range)?
+        .unwrap_or(d.seed as i128)
+    {
         s if s < 0 => SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -389,17 +423,20 @@ pub(super) fn parse_job(
     if let Some(p) = opt_str(v, "policy")? {
         kv.policy = p.to_owned();
     }
-    // a budget of 0 holds nothing: the accepted range starts at 1
-    let budget = match opt_i64(v, "kv_budget")? {
-        None => None,
-        Some(b) if b >= 1 && (b as u64) <= app.n_ctx as u64 => Some(b as usize),
-        Some(b) => {
-            return Err(ApiError::bad(format!(
-                "'kv_budget' must be between 1 and the context size {}, got {b}",
-                app.n_ctx
-            )))
-        }
-    };
+    // a budget of 0 holds nothing: the accepted range starts at 1; one
+    // beyond the context is clamped to it below, as on the command line
+    let budget = opt_int(
+        v,
+        "kv_budget",
+        1,
+        i64::MAX as i128,
+        &format!(
+            "1..={}; above the context size {} it is clamped to it",
+            i64::MAX,
+            app.n_ctx
+        ),
+    )?
+    .map(|b| usize::try_from(b).unwrap_or(usize::MAX));
     if budget.is_some() {
         kv.budget = budget;
     }
@@ -415,6 +452,18 @@ pub(super) fn parse_job(
     if let Some(e) = opt_usize(v, "evict_every", app.n_ctx)? {
         kv.evict_every = Some(e);
     }
+    // policies that keep the whole prompt (epikv, raas, …) run on prompts
+    // longer than their budget with a prompt phase or scored prompt tokens,
+    // as --prompt-policy / --prompt-budget / --epikv-score-prompt
+    if let Some(p) = opt_str(v, "prompt_policy")? {
+        kv.prompt_policy = Some(p.to_owned());
+    }
+    if let Some(b) = opt_usize(v, "prompt_budget", app.n_ctx)? {
+        kv.prompt_budget = Some(b);
+    }
+    if let Some(e) = opt_bool(v, "epikv_score_prompt")? {
+        kv.epikv_score_prompt = e;
+    }
     let budgeted = kv.def()?.budgeted();
     if !budgeted && budget.is_some() {
         return Err(ApiError::bad(
@@ -426,16 +475,17 @@ pub(super) fn parse_job(
         // budget does not apply (and is not reported)
         kv.budget = None;
     }
-    if let Some(b) = kv.budget {
-        if budgeted && b > app.n_ctx {
-            return Err(ApiError::bad(format!(
-                "'kv_budget' {b} is larger than the context ({} tokens)",
-                app.n_ctx
-            )));
+    // unknown policy names and missing budgets fail here, before queueing
+    let built = kv.build(0, &app.model_path).map_err(ApiError::from)?;
+    // a budget beyond the context could never evict: it is the context
+    // (reported so in `kv.kv_budget`), as the command line clamps
+    // --kv-budget to -c; a policy that splits its budget unevenly keeps
+    // it as given (Session::for_config_on)
+    if let (Some(b), Some(p)) = (kv.budget, &built) {
+        if b > app.n_ctx && p.rule.caps_each_stream() {
+            kv.budget = Some(app.n_ctx);
         }
     }
-    // unknown policy names and missing budgets fail here, before queueing
-    kv.build(0, &app.model_path).map_err(ApiError::from)?;
     let sampler = SamplerConfig {
         temp,
         top_k,

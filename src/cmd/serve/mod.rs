@@ -15,9 +15,11 @@
 //!   a bounded queue (`--queue N`); a full queue answers 503. Generation runs
 //!   only on these std threads, never on the async runtime.
 //! - Per request, the extra fields `policy`, `kv_budget`, `kv_sink`,
-//!   `kv_recent`, `keep_prompt` and `evict_every` override the server's KV
-//!   flags. A slot keeps its session between requests with the same policy
-//!   (reset, not reallocated).
+//!   `kv_recent`, `keep_prompt`, `evict_every`, `prompt_policy`,
+//!   `prompt_budget` and `epikv_score_prompt` override the server's KV
+//!   flags (a `kv_budget` beyond the context is clamped to it, as on the
+//!   command line). A slot keeps its session between requests with the
+//!   same policy (reset, not reallocated).
 //! - Tokens travel from the worker to the handler over a channel; when the
 //!   client goes away the handler (or the SSE body) is dropped, the channel's
 //!   send fails and the worker stops at the next token.

@@ -19,7 +19,7 @@ use super::{App, ReasoningFormat};
 use crate::chat::{ChatTemplate, StopMatch, ThinkEvent, ThinkSplit};
 use crate::cmd::prompt::encode_chat;
 use crate::error::Error;
-use crate::generate::{generate, GenOptions, Session, StopReason};
+use crate::generate::{check_kept_prompt, generate, GenOptions, Session, StopReason};
 use crate::load::Loaded;
 use crate::policy::PolicyConfig;
 use crate::sample::Sampler;
@@ -229,14 +229,9 @@ fn run_job<'e>(
         pc.intact = false;
     }
     if let Some(p) = &sess.policy {
-        if job.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
-            return Err(ApiError::bad(format!(
-                "kv_budget: budget {} cannot hold the {}-token prompt (keep_prompt) plus the recent window {}",
-                p.evictor.budget,
-                ids.len(),
-                p.evictor.n_recent
-            )));
-        }
+        // a kept prompt (keep_prompt, or epikv's and raas's default) must
+        // fit its budget: the message names the request fields that help
+        check_kept_prompt(&job.kv, p, ids.len())?;
     }
     let (n_slots, n_streams) = (sess.kv.cells.n_slots(), sess.kv.n_streams());
     slot.capacity_entries.store(n_slots, Ordering::Relaxed);
