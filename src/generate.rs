@@ -1173,6 +1173,37 @@ pub fn generate<B: Backend>(
     opts: &GenOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<GenStats> {
+    generate_steps(sess, tok, sampler, prompt, opts, false, |s| {
+        s.text.is_empty() || on_text(s.text)
+    })
+}
+
+/// One generated token, as [`generate_steps`] hands it over.
+#[derive(Debug)]
+pub struct GenStep<'a> {
+    /// The token drawn (end-of-generation tokens that stop the run are not steps).
+    pub token: u32,
+    /// The raw logits (vocab,) it was drawn from, before the sampler's
+    /// penalties; empty unless asked for.
+    pub logits: &'a [f32],
+    /// The text this token completes (empty while a character is split
+    /// between tokens).
+    pub text: &'a str,
+}
+
+/// `generate`, calling `on_step` once per generated token with the token,
+/// the text it completes and, when `want_logits`, the raw logits it was
+/// drawn from (a copy per token, so only when asked). `on_step` returns
+/// false to stop.
+pub fn generate_steps<B: Backend>(
+    sess: &mut Session<'_, B>,
+    tok: &Tokenizer,
+    sampler: &mut Sampler,
+    prompt: &[u32],
+    opts: &GenOptions,
+    want_logits: bool,
+    mut on_step: impl FnMut(&GenStep<'_>) -> bool,
+) -> Result<GenStats> {
     let t_start = Instant::now();
     if prompt.is_empty() {
         return Err(Error::arg("-p/--prompt", "the prompt is empty (no tokens)"));
@@ -1202,12 +1233,17 @@ pub fn generate<B: Backend>(
         tokens: Vec::new(),
     };
     let mut stream = Utf8Stream::default();
+    // the logits before the sampler's penalties change them (want_logits)
+    let mut raw: Vec<f32> = Vec::new();
     loop {
         if opts.n_predict >= 0 && stats.n_gen as i64 >= opts.n_predict {
             stats.stop = StopReason::Length;
             break;
         }
         let ts = Instant::now();
+        if want_logits {
+            raw.clone_from(&logits);
+        }
         let next = sampler.sample(&mut logits);
         stats.sample_ms += ts.elapsed().as_secs_f64() * 1e3;
         if !opts.ignore_eos && tok.is_eog(next) {
@@ -1217,7 +1253,12 @@ pub fn generate<B: Backend>(
         sampler.accept(next);
         stats.tokens.push(next);
         let text = stream.push(&tok.token_bytes(next, false));
-        if !text.is_empty() && !on_text(&text) {
+        let step = GenStep {
+            token: next,
+            logits: &raw,
+            text: &text,
+        };
+        if !on_step(&step) {
             stats.stop = StopReason::Cancelled;
             break;
         }

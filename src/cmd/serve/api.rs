@@ -110,7 +110,32 @@ pub(super) struct Job {
     /// `enable_thinking` for this request's chat template (llama-server's
     /// `chat_template_kwargs`, or a top-level field); None: the server's.
     pub(super) enable_thinking: Option<bool>,
+    /// Log-probabilities asked for: the number of alternatives per token
+    /// (chat's `top_logprobs`, completions' `logprobs`); None: not asked.
+    pub(super) logprobs: Option<usize>,
     pub(super) tx: UnboundedSender<Ev>,
+}
+
+/// A token's text and raw bytes (a piece may be part of a UTF-8
+/// character; its text then holds U+FFFD).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct TokenPiece {
+    pub(super) text: String,
+    pub(super) bytes: Vec<u8>,
+}
+
+/// One generated token's log-probabilities: the log-softmax of the
+/// model's raw logits at that step, before temperature, top-k/top-p/min-p
+/// and penalties (vLLM's default), so they do not depend on the sampling
+/// settings.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Logprob {
+    pub(super) token: TokenPiece,
+    pub(super) logprob: f32,
+    /// The most likely tokens, most likely first (the drawn one may be absent).
+    pub(super) top: Vec<(TokenPiece, f32)>,
+    /// Characters of generated text before this token (`text_offset`).
+    pub(super) offset: usize,
 }
 
 /// Per-request results of generation.
@@ -138,10 +163,13 @@ pub(super) struct Done {
 #[derive(Debug)]
 pub(super) enum Ev {
     Started,
-    /// `reasoning` = the text belongs to `reasoning_content`.
+    /// `reasoning` = the text belongs to `reasoning_content`; `logprobs`:
+    /// the entries of the tokens whose text this delta is the first to
+    /// carry (empty unless the request asked for them).
     Delta {
         reasoning: bool,
         text: String,
+        logprobs: Vec<Logprob>,
     },
     Done(Done),
     Error(ApiError),
@@ -345,7 +373,13 @@ pub(super) fn parse_prompt(v: &Value, n_vocab: usize) -> std::result::Result<Inp
     }
 }
 
-/// Everything but the input: sampling, limits, stop strings, KV policy, streaming.
+/// Chat's `top_logprobs` goes up to 20, as OpenAI's.
+const MAX_TOP_LOGPROBS: usize = 20;
+/// Completions' `logprobs` goes up to 5, as OpenAI's legacy API.
+const MAX_LEGACY_LOGPROBS: usize = 5;
+
+/// Everything but the input: sampling, limits, stop strings, KV policy,
+/// log-probabilities, streaming.
 pub(super) fn parse_job(
     app: &App,
     v: &Value,
@@ -486,6 +520,20 @@ pub(super) fn parse_job(
             kv.budget = Some(app.n_ctx);
         }
     }
+    let logprobs = match &input {
+        Input::Chat(_) => {
+            let on = opt_bool(v, "logprobs")?.unwrap_or(false);
+            match (on, opt_usize(v, "top_logprobs", MAX_TOP_LOGPROBS)?) {
+                (false, Some(_)) => {
+                    return Err(ApiError::bad("'top_logprobs' needs \"logprobs\": true"))
+                }
+                (true, k) => Some(k.unwrap_or(0)),
+                (false, None) => None,
+            }
+        }
+        // the legacy API: `logprobs` is the number of alternatives
+        _ => opt_usize(v, "logprobs", MAX_LEGACY_LOGPROBS)?,
+    };
     let sampler = SamplerConfig {
         temp,
         top_k,
@@ -506,6 +554,7 @@ pub(super) fn parse_job(
         kv,
         cache_prompt,
         enable_thinking,
+        logprobs,
         tx,
     };
     Ok((job, stream, include_usage))
@@ -528,6 +577,50 @@ pub(super) struct RespCtx {
     pub(super) model: String,
     pub(super) ep: Endpoint,
     pub(super) include_usage: bool,
+    /// The request asked for log-probabilities.
+    pub(super) logprobs: bool,
+}
+
+fn piece_bytes(p: &TokenPiece) -> Value {
+    Value::from(p.bytes.iter().map(|&b| u64::from(b)).collect::<Vec<_>>())
+}
+
+/// A chat entry: `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
+fn chat_logprob(e: &Logprob) -> Value {
+    let top: Vec<Value> = e
+        .top
+        .iter()
+        .map(|(p, lp)| json!({"token": p.text, "logprob": lp, "bytes": piece_bytes(p)}))
+        .collect();
+    json!({
+        "token": e.token.text,
+        "logprob": e.logprob,
+        "bytes": piece_bytes(&e.token),
+        "top_logprobs": top,
+    })
+}
+
+/// The legacy completions shape: parallel arrays, each `top_logprobs`
+/// entry a `{token: logprob}` map that also holds the drawn token (so up to
+/// `logprobs` + 1 entries, as OpenAI's).
+fn legacy_logprobs(lp: &[Logprob]) -> Value {
+    let top: Vec<Value> = lp
+        .iter()
+        .map(|e| {
+            let mut m = serde_json::Map::new();
+            for (p, l) in e.top.iter().chain([(e.token.clone(), e.logprob)].iter()) {
+                // two tokens with the same text: the likelier one stays
+                m.entry(p.text.clone()).or_insert(json!(l));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    json!({
+        "tokens": lp.iter().map(|e| e.token.text.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": lp.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": lp.iter().map(|e| e.offset).collect::<Vec<_>>(),
+    })
 }
 
 pub(super) fn usage(d: &Done) -> Value {
@@ -571,16 +664,37 @@ impl RespCtx {
             (Endpoint::Completion, _) => "text_completion",
         }
     }
-    /// One streaming chunk (chat: `delta`; completions: `text`).
-    pub(super) fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
+    /// A choice's `logprobs`: null unless the request asked for them
+    /// (chat: `{content: [entry…], refusal: null}`; completions: the
+    /// legacy arrays).
+    pub(super) fn logprobs_json(&self, lp: &[Logprob]) -> Value {
+        match (self.logprobs, self.ep) {
+            (false, _) => Value::Null,
+            (true, Endpoint::Chat) => json!({
+                "content": lp.iter().map(chat_logprob).collect::<Vec<_>>(),
+                "refusal": null,
+            }),
+            (true, Endpoint::Completion) => legacy_logprobs(lp),
+        }
+    }
+    /// One streaming chunk (chat: `delta`; completions: `text`) with the
+    /// log-probabilities of the tokens it carries (None: `null`, for the
+    /// chunks that carry no tokens).
+    pub(super) fn chunk(
+        &self,
+        delta: Value,
+        lp: Option<&[Logprob]>,
+        finish: Option<&str>,
+    ) -> String {
+        let logprobs = lp.map_or(Value::Null, |lp| self.logprobs_json(lp));
         let choice = match self.ep {
             Endpoint::Chat => {
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Endpoint::Completion => json!({
                 "index": 0,
                 "text": delta.get("content").and_then(Value::as_str).unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         };
@@ -596,18 +710,19 @@ impl RespCtx {
         }
         c.to_string()
     }
-    /// The non-streaming response.
-    pub(super) fn full(&self, reasoning: &str, content: &str, d: &Done) -> Value {
+    /// The non-streaming response; `lp`: every token's log-probabilities.
+    pub(super) fn full(&self, reasoning: &str, content: &str, lp: &[Logprob], d: &Done) -> Value {
+        let logprobs = self.logprobs_json(lp);
         let choice = match self.ep {
             Endpoint::Chat => {
                 let mut msg = json!({"role": "assistant", "content": content});
                 if !reasoning.is_empty() {
                     msg["reasoning_content"] = json!(reasoning);
                 }
-                json!({"index": 0, "message": msg, "logprobs": null, "finish_reason": d.finish})
+                json!({"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": d.finish})
             }
             Endpoint::Completion => {
-                json!({"index": 0, "text": content, "logprobs": null, "finish_reason": d.finish})
+                json!({"index": 0, "text": content, "logprobs": logprobs, "finish_reason": d.finish})
             }
         };
         let (timings, kv) = extras(d);

@@ -20,6 +20,9 @@
 //!   flags (a `kv_budget` beyond the context is clamped to it, as on the
 //!   command line). A slot keeps its session between requests with the
 //!   same policy (reset, not reallocated).
+//! - `logprobs` (chat: `logprobs` + `top_logprobs`; completions: the
+//!   legacy `logprobs: N`) are the log-softmax of the raw logits of each
+//!   step, before any sampling transform; computed only when asked.
 //! - Tokens travel from the worker to the handler over a channel; when the
 //!   client goes away the handler (or the SSE body) is dropped, the channel's
 //!   send fails and the worker stops at the next token.

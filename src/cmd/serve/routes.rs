@@ -77,6 +77,7 @@ async fn handle_inner(
     };
     let (tx, mut rx) = unbounded_channel();
     let (job, stream, include_usage) = parse_job(&app, &v, input, tx)?;
+    let logprobs = job.logprobs.is_some();
     app.queued.fetch_add(1, Ordering::SeqCst);
     if let Err(e) = app.jobs.try_send(job) {
         app.queued.fetch_sub(1, Ordering::SeqCst);
@@ -118,19 +119,24 @@ async fn handle_inner(
         model: app.model_id.clone(),
         ep,
         include_usage,
+        logprobs,
     });
     if stream {
         return Ok(stream_response(ctx, rx));
     }
     let (mut reasoning, mut content) = (String::new(), String::new());
+    let mut lp = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Ev::Delta {
-                reasoning: true,
+                reasoning: r,
                 text,
-            } => reasoning.push_str(&text),
-            Ev::Delta { text, .. } => content.push_str(&text),
-            Ev::Done(d) => return Ok(Json(ctx.full(&reasoning, &content, &d)).into_response()),
+                logprobs,
+            } => {
+                if r { &mut reasoning } else { &mut content }.push_str(&text);
+                lp.extend(logprobs);
+            }
+            Ev::Done(d) => return Ok(Json(ctx.full(&reasoning, &content, &lp, &d)).into_response()),
             Ev::Error(e) => return Err(e),
             Ev::Started => {}
         }
