@@ -218,6 +218,9 @@ impl Field {
             Field::Recent => "kv_recent",
             Field::KeepPrompt => "keep_prompt",
             Field::EvictEvery => "evict_every",
+            Field::PromptPolicy => "prompt_policy",
+            Field::PromptBudget => "prompt_budget",
+            Field::EpikvScorePrompt => "epikv_score_prompt",
             _ => return None,
         })
     }

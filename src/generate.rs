@@ -200,21 +200,7 @@ impl<'w, B: Backend> Session<'w, B> {
         let mut s = match built {
             None => Session::on(backend, w, n_ctx, n_batch),
             Some(p) => {
-                let e = &p.evictor;
-                if e.keep_prompt_until > 0
-                    && p.prompt.is_none()
-                    && n_prompt.saturating_add(e.n_recent) >= e.budget
-                {
-                    return Err(Error::config(
-                        Field::Budget,
-                        Msg::default()
-                            .t(format!(
-                                "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
-                                e.budget, e.n_recent
-                            ))
-                            .f(Field::PromptPolicy),
-                    ));
-                }
+                check_kept_prompt(cfg, &p, n_prompt)?;
                 let mut s = Session::with_policy_on(backend, w, n_ctx, n_batch, p)?;
                 s.protect_prompt(n_prompt);
                 s
@@ -1047,6 +1033,32 @@ impl<'w, B: Backend> Session<'w, B> {
     }
 }
 
+/// A policy `p` (built from `cfg`) that keeps the whole prompt
+/// (`keep_prompt`, or the EPIKV-style default) and has no prompt phase
+/// cannot take an `n_prompt`-token prompt that fills its budget next to
+/// the recent window: a one-line error before anything runs, naming what
+/// helps (a prompt policy, or scored prompt tokens where the prompt is
+/// kept by the policy's default).
+pub fn check_kept_prompt(cfg: &PolicyConfig, p: &KvPolicy, n_prompt: usize) -> Result<()> {
+    let e = &p.evictor;
+    if e.keep_prompt_until == 0
+        || p.prompt.is_some()
+        || n_prompt.saturating_add(e.n_recent) < e.budget
+    {
+        return Ok(());
+    }
+    let mut m = Msg::default()
+        .t(format!(
+            "budget {} cannot hold the {n_prompt}-token prompt (kept) plus the recent window {}; raise it or use ",
+            e.budget, e.n_recent
+        ))
+        .f(Field::PromptPolicy);
+    if !cfg.keep_prompt && cfg.def().is_ok_and(|d| d.defaults.keep_prompt) {
+        m = m.t(" (or ").f(Field::EpikvScorePrompt).t(")");
+    }
+    Err(Error::config(Field::Budget, m))
+}
+
 /// Options of one generation.
 #[derive(Clone, Debug)]
 pub struct GenOptions {
@@ -1161,6 +1173,37 @@ pub fn generate<B: Backend>(
     opts: &GenOptions,
     mut on_text: impl FnMut(&str) -> bool,
 ) -> Result<GenStats> {
+    generate_steps(sess, tok, sampler, prompt, opts, false, |s| {
+        s.text.is_empty() || on_text(s.text)
+    })
+}
+
+/// One generated token, as [`generate_steps`] hands it over.
+#[derive(Debug)]
+pub struct GenStep<'a> {
+    /// The token drawn (end-of-generation tokens that stop the run are not steps).
+    pub token: u32,
+    /// The raw logits (vocab,) it was drawn from, before the sampler's
+    /// penalties; empty unless asked for.
+    pub logits: &'a [f32],
+    /// The text this token completes (empty while a character is split
+    /// between tokens).
+    pub text: &'a str,
+}
+
+/// `generate`, calling `on_step` once per generated token with the token,
+/// the text it completes and, when `want_logits`, the raw logits it was
+/// drawn from (a copy per token, so only when asked). `on_step` returns
+/// false to stop.
+pub fn generate_steps<B: Backend>(
+    sess: &mut Session<'_, B>,
+    tok: &Tokenizer,
+    sampler: &mut Sampler,
+    prompt: &[u32],
+    opts: &GenOptions,
+    want_logits: bool,
+    mut on_step: impl FnMut(&GenStep<'_>) -> bool,
+) -> Result<GenStats> {
     let t_start = Instant::now();
     if prompt.is_empty() {
         return Err(Error::arg("-p/--prompt", "the prompt is empty (no tokens)"));
@@ -1190,12 +1233,17 @@ pub fn generate<B: Backend>(
         tokens: Vec::new(),
     };
     let mut stream = Utf8Stream::default();
+    // the logits before the sampler's penalties change them (want_logits)
+    let mut raw: Vec<f32> = Vec::new();
     loop {
         if opts.n_predict >= 0 && stats.n_gen as i64 >= opts.n_predict {
             stats.stop = StopReason::Length;
             break;
         }
         let ts = Instant::now();
+        if want_logits {
+            raw.clone_from(&logits);
+        }
         let next = sampler.sample(&mut logits);
         stats.sample_ms += ts.elapsed().as_secs_f64() * 1e3;
         if !opts.ignore_eos && tok.is_eog(next) {
@@ -1205,7 +1253,12 @@ pub fn generate<B: Backend>(
         sampler.accept(next);
         stats.tokens.push(next);
         let text = stream.push(&tok.token_bytes(next, false));
-        if !text.is_empty() && !on_text(&text) {
+        let step = GenStep {
+            token: next,
+            logits: &raw,
+            text: &text,
+        };
+        if !on_step(&step) {
             stats.stop = StopReason::Cancelled;
             break;
         }

@@ -195,3 +195,92 @@ impl Sampler {
         c[c.len() - 1].0
     }
 }
+
+/// Log-probabilities of one generated token: the log-softmax of the raw
+/// logits it was drawn from (before penalties, top-k/top-p/min-p and
+/// temperature, as vLLM reports them by default).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token drawn.
+    pub token: u32,
+    /// Its log-probability (≤ 0).
+    pub logprob: f32,
+    /// The `k` most likely tokens with theirs, most likely first (ties:
+    /// the lower id first, as `argmax`); the drawn token may be absent.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probability of `token` and of the `k` most likely tokens under
+/// `logits` (vocab,). One pass keeps the top `k` in a small sorted list
+/// (no sort of the vocabulary); the normaliser is a log-sum-exp in f64
+/// around the largest logit. NaN logits are skipped.
+pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+    let mx = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .fold(f32::NEG_INFINITY, |m, &l| m.max(l)) as f64;
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| (l as f64 - mx).exp())
+        .sum();
+    let lse = mx + sum.ln();
+    let lp = |l: f32| (l as f64 - lse) as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if l.is_nan() || (top.len() == k && l <= top[k - 1].1) {
+                continue;
+            }
+            // after every entry with a logit ≥ l: earlier (lower) ids win ties
+            let at = top.partition_point(|&(_, t)| t >= l);
+            top.insert(at, (i as u32, l));
+            top.truncate(k);
+        }
+    }
+    TokenLogprobs {
+        token,
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top: top.into_iter().map(|(i, l)| (i, lp(l))).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_match_a_full_sort() {
+        // ties (1.5 twice) and a large spread, where f32 exp would overflow
+        let logits: Vec<f32> = vec![0.0, 1.5, -3.0, 1.5, 120.0, 119.0, -1e4, 2.0];
+        let r = logprobs(&logits, 2, 4);
+        let lse = {
+            let m = 120.0f64;
+            m + logits
+                .iter()
+                .map(|&l| (l as f64 - m).exp())
+                .sum::<f64>()
+                .ln()
+        };
+        let mut want: Vec<(u32, f32)> = (0..logits.len() as u32)
+            .map(|i| (i, (logits[i as usize] as f64 - lse) as f32))
+            .collect();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        assert_eq!(r.top, want[..4].to_vec());
+        assert_eq!(r.token, 2);
+        assert_eq!(r.logprob, (-3.0 - lse) as f32);
+        assert!(r.top.iter().all(|&(_, l)| l <= 0.0));
+        // the whole vocabulary sums to 1
+        let all = logprobs(&logits, 0, logits.len());
+        let s: f64 = all.top.iter().map(|&(_, l)| (l as f64).exp()).sum();
+        assert!((s - 1.0).abs() < 1e-6, "{s}");
+        // ties keep the lower id first, as argmax picks it
+        let t = logprobs(&[1.0, 3.0, 3.0, 0.0], 1, 2);
+        assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 0.0]), t.top[0].0);
+        // k = 0 asks for the drawn token only
+        assert!(logprobs(&logits, 4, 0).top.is_empty());
+    }
+}

@@ -53,6 +53,21 @@ assert usage is not None and usage.completion_tokens == r.usage.completion_token
 c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
 assert c.choices[0].text, c
 
+# log-probabilities: the client's typed objects read them
+r = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+lp = r.choices[0].logprobs.content
+assert len(lp) == r.usage.completion_tokens, lp
+assert "".join(e.token for e in lp) == r.choices[0].message.content, lp
+for e in lp:
+    assert e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace") == e.token, e
+    assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob, e
+c = client.completions.create(
+    model=model, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+)
+clp = c.choices[0].logprobs
+assert "".join(clp.tokens) == c.choices[0].text, clp
+assert len(clp.token_logprobs) == len(clp.top_logprobs) == len(clp.text_offset) == len(clp.tokens)
+
 # errors surface as the client's typed exceptions
 try:
     client.chat.completions.create(model=model, messages=[], max_tokens=2)

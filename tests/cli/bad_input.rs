@@ -1027,3 +1027,28 @@ fn c71_serve_default_policy_checked_at_start() {
         &["--timeout"],
     );
 }
+
+/// `serve --alias ''` would answer every request with an empty model id:
+/// refused at start-up (one line, non-zero exit), blank ones too.
+#[test]
+fn c72_serve_empty_alias_refused() {
+    let m = model();
+    for alias in ["", "  "] {
+        // the unusable --host makes a server that took the alias fail
+        // (on another flag) instead of serving for ever
+        expect_error(
+            &[
+                "serve",
+                "-m",
+                &m,
+                "--host",
+                "256.0.0.1",
+                "--port",
+                "0",
+                "--alias",
+                alias,
+            ],
+            &["-a/--alias", "must not be empty"],
+        );
+    }
+}

@@ -562,3 +562,50 @@ fn merge_and_report_refuse_non_records() {
     assert!(err.contains("not a JSONL file of batch records"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `-n -1` / `--max-tokens -1` generate until end of generation or a full
+/// context, as one-shot `-n -1` (batch refused it); below -1 is a one-line error.
+#[test]
+fn max_tokens_minus_one_runs_to_the_context() {
+    let model = util::default_model();
+    let m = model.to_str().unwrap();
+    let input = "{\"id\": \"a\", \"prompt\": \"Say hi.\"}\n";
+    for flag in ["-n", "--max-tokens"] {
+        let mut child = Command::new(util::kvrun_bin())
+            .args(["batch", "-m", m, "-t", "2", "-c", "64", "--ignore-eos"])
+            .args([flag, "-1", "-i", "-", "-o", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run kvrun");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "{flag} -1: {}", stderr(&o));
+        let recs = records(&String::from_utf8(o.stdout).unwrap());
+        assert_eq!(recs.len(), 1);
+        let r = &recs[0];
+        assert_eq!(r["stop"], "context_full", "{r}");
+        let used = r["prompt_tokens"].as_u64().unwrap() + r["gen_tokens"].as_u64().unwrap();
+        assert_eq!(used, 64, "{r}");
+    }
+    let o = Command::new(util::kvrun_bin())
+        .args(["batch", "-m", m, "-n", "-2", "-i", "-", "-o", "-"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success());
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(
+            "-n/--max-tokens: must be -1 (until done or the context is full) or ≥ 0, got -2"
+        ),
+        "{err}"
+    );
+}

@@ -418,18 +418,45 @@ fn bad_requests_and_per_request_policy() {
         ),
         (
             chat,
-            json!({"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 100000}).to_string(),
-            "kv_budget",
-        ),
-        (
-            chat,
             json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -2}).to_string(),
             "'max_tokens' must be -1 (until done or the context is full) or ≥ 0",
         ),
         (
             chat,
             json!({"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 0}).to_string(),
-            "'kv_budget' must be between 1 and the context size 256, got 0",
+            "'kv_budget' is out of range (1..=9223372036854775807; above the context size 256 it is clamped to it), got 0",
+        ),
+        // integers beyond 64 bits (or written as floats) are out of range,
+        // not "not an integer"; negative where unsigned says so
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "policy": "window", "kv_budget": 18446744073709551615}"#.into(),
+            "'kv_budget' is out of range (1..=9223372036854775807",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999999}"#.into(),
+            "'seed' is out of range (0..=18446744073709551615, or negative for a random seed)",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e30}"#.into(),
+            "'max_tokens' is out of range (-1 for no limit, or 0..=9223372036854775807)",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "kv_sink": -1}"#.into(),
+            "'kv_sink' must not be negative (0..=256), got -1",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "top_k": -5}"#.into(),
+            "'top_k' must not be negative",
+        ),
+        (
+            chat,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}"#.into(),
+            "'max_tokens' must be an integer, got a number",
         ),
         (
             chat,
@@ -500,6 +527,15 @@ fn bad_requests_and_per_request_policy() {
     // and the server's default (full) is back for the next request
     let v = s.post_json(chat, &chat_body("Hi", 4));
     assert_eq!(v["kv"]["evicted"], 0);
+    // a budget beyond the context is the context (as -c clamps
+    // --kv-budget), and the response says so; a u64 seed is a seed
+    let mut b = chat_body("Hi", 4);
+    b["policy"] = json!("window");
+    b["kv_budget"] = json!(100000);
+    b["seed"] = json!(u64::MAX);
+    let v = s.post_json(chat, &b);
+    assert_eq!(v["kv"]["kv_budget"], 256, "{v}");
+    assert_eq!(v["kv"]["capacity_tokens"], 256, "{v}");
     // max_tokens -1: until the context (256) is full, as -n -1
     let v = s.post_json(
         "/v1/completions",
@@ -1346,4 +1382,292 @@ fn full_policy_override_reports_no_budget() {
     assert!(v["kv"]["kv_budget"].is_null(), "{v}");
     let v = s.post_json("/v1/chat/completions", &chat_body("Hi", 4));
     assert_eq!(v["kv"]["kv_budget"], 64, "{v}");
+}
+
+/// The chat `logprobs.content` entries of a response (or of a stream's
+/// chunks, concatenated).
+fn chat_logprobs(v: &Value) -> Vec<Value> {
+    v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Checks one chat entry: its logprob is the greedy pick's (the top of its
+/// list), ≤ 0, the list is `k` long, descending and sums to at most 1,
+/// and each `bytes` is its token's UTF-8.
+fn check_greedy_entry(e: &Value, k: usize) {
+    let lp = e["logprob"].as_f64().unwrap();
+    assert!(lp <= 0.0, "{e}");
+    let top = e["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), k, "{e}");
+    let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+    assert!(lps.windows(2).all(|w| w[0] >= w[1]), "not descending: {e}");
+    assert!(
+        lps.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-4,
+        "{e}"
+    );
+    assert_eq!(
+        top[0]["token"], e["token"],
+        "greedy takes the top token: {e}"
+    );
+    assert_eq!(top[0]["logprob"].as_f64().unwrap(), lp, "{e}");
+    for t in top.iter().chain([e]) {
+        let bytes: Vec<u8> = t["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            t["token"].as_str().unwrap()
+        );
+    }
+}
+
+/// `logprobs` (chat: `logprobs: true` + `top_logprobs`; completions: the
+/// legacy `logprobs: N`): one entry per generated token, the log-softmax of
+/// the raw logits, the same streamed and not; bad combinations are 400s.
+#[test]
+fn logprobs_chat_and_completions() {
+    let s = Server::start(&["-t", "1"]);
+    let chat = "/v1/chat/completions";
+    let mut b = chat_body("What is the capital of France?", 12);
+    b["logprobs"] = json!(true);
+    b["top_logprobs"] = json!(3);
+    b["cache_prompt"] = json!(false);
+    let v = s.post_json(chat, &b);
+    let entries = chat_logprobs(&v);
+    assert_eq!(
+        entries.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    for e in &entries {
+        check_greedy_entry(e, 3);
+    }
+    let joined: String = entries
+        .iter()
+        .map(|e| e["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, content(&v));
+    // streamed: each delta carries its tokens' entries, the same ones
+    b["stream"] = json!(true);
+    let events = s.stream(chat, &b);
+    let mut streamed = Vec::new();
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let delta = c["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+        let lp = chat_logprobs(&c);
+        let text: String = lp.iter().map(|e| e["token"].as_str().unwrap()).collect();
+        assert_eq!(text, delta, "a chunk's entries are its text: {c}");
+        streamed.extend(lp);
+    }
+    assert_eq!(streamed, entries);
+    assert_eq!(stream_text(&events).0, content(&v));
+    // top_logprobs 0: the drawn token only; not asked: null
+    b["stream"] = json!(false);
+    b["top_logprobs"] = json!(0);
+    let v0 = s.post_json(chat, &b);
+    let e0 = chat_logprobs(&v0);
+    assert_eq!(e0.len(), entries.len());
+    assert!(e0.iter().all(|e| e["top_logprobs"] == json!([])));
+    assert_eq!(e0[0]["logprob"], entries[0]["logprob"]);
+    let plain = s.post_json(chat, &chat_body("What is the capital of France?", 2));
+    assert_eq!(plain["choices"][0]["logprobs"], Value::Null);
+
+    // completions: the legacy arrays; each map holds the top N and the drawn token
+    let c = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "logprobs": 2, "cache_prompt": false}),
+    );
+    let ch = &c["choices"][0];
+    let lp = &ch["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 6, "{c}");
+    assert_eq!(tokens.concat(), ch["text"].as_str().unwrap());
+    let mut offset = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][i], offset, "{c}");
+        offset += t.chars().count();
+        let l = lp["token_logprobs"][i].as_f64().unwrap();
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!((2..=3).contains(&top.len()), "{c}");
+        assert_eq!(top[*t].as_f64().unwrap(), l, "{c}");
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert_eq!(best, l, "greedy draws the most likely token: {c}");
+    }
+    let events = s.stream(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "logprobs": 2, "cache_prompt": false, "stream": true}),
+    );
+    let mut st_tokens = Vec::new();
+    let mut st_lps = Vec::new();
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let l = &c["choices"][0]["logprobs"];
+        if l.is_object() {
+            st_tokens.extend(l["tokens"].as_array().unwrap().clone());
+            st_lps.extend(l["token_logprobs"].as_array().unwrap().clone());
+        }
+    }
+    assert_eq!(json!(st_tokens), lp["tokens"]);
+    assert_eq!(json!(st_lps), lp["token_logprobs"]);
+
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (
+            chat,
+            json!({"messages": hi, "top_logprobs": 2}),
+            "'top_logprobs' needs \"logprobs\": true",
+        ),
+        (
+            chat,
+            json!({"messages": hi, "logprobs": true, "top_logprobs": 21}),
+            "'top_logprobs' is out of range (0..=20), got 21",
+        ),
+        (
+            chat,
+            json!({"messages": hi, "logprobs": 3}),
+            "'logprobs' must be a boolean, got a number",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logprobs": 6}),
+            "'logprobs' is out of range (0..=5), got 6",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logprobs": true}),
+            "'logprobs' must be an integer, got a boolean",
+        ),
+    ];
+    for (path, body, want) in cases {
+        let (st, text) = s.post(path, &body.to_string());
+        let (st, msg) = api_error(st, &text);
+        assert_eq!(st, 400, "{body}: {text}");
+        assert_eq!(msg, want, "{body}");
+    }
+}
+
+/// A `Content-Length` over the body limit is a 413 at once, not a wait
+/// for bytes that would be refused, ending in a 408 after `--timeout`.
+#[test]
+fn body_over_limit_is_413_at_once() {
+    let s = Server::start(&["-t", "1", "--timeout", "30"]);
+    let t0 = Instant::now();
+    let (st, body) = raw(
+        &s.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 99999999999999\r\n\r\n{\"mess",
+    );
+    assert_eq!(st, 413, "{body}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let (_, msg) = api_error(st, &body);
+    assert!(!msg.contains('\n') && msg.contains("limit"), "{msg}");
+    // a body within the limit is still read
+    let (st, _) = raw(
+        &s.addr,
+        &raw_post("/v1/completions", r#"{"prompt": "Hi", "max_tokens": 1}"#),
+    );
+    assert_eq!(st, 200);
+}
+
+/// epikv-style policies keep the whole prompt: over their budget the 400
+/// names the request fields that help (not CLI flags), and
+/// `prompt_policy` / `prompt_budget` / `epikv_score_prompt` run them.
+#[test]
+fn kept_prompt_policies_take_prompt_fields() {
+    let s = Server::start(&["-t", "1", "-c", "512"]);
+    let long = "word ".repeat(150);
+    let body = |extra: Value| {
+        let mut b = json!({"prompt": long, "max_tokens": 4, "temperature": 0,
+                           "policy": "epikv", "kv_budget": 64});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let (st, text) = s.post("/v1/completions", &body(json!({})).to_string());
+    let (st, msg) = api_error(st, &text);
+    assert_eq!(st, 400, "{text}");
+    assert!(
+        msg.contains("prompt_policy") && msg.contains("epikv_score_prompt") && !msg.contains("--"),
+        "{msg}"
+    );
+    for extra in [
+        json!({"epikv_score_prompt": true}),
+        json!({"prompt_policy": "window", "prompt_budget": 32}),
+    ] {
+        let v = s.post_json("/v1/completions", &body(extra.clone()));
+        assert!(v["kv"]["evicted"].as_u64().unwrap() > 0, "{extra}: {v}");
+        assert!(
+            v["kv"]["peak_tokens"].as_u64().unwrap() <= 64,
+            "{extra}: {v}"
+        );
+    }
+    // the fields' own errors name them too
+    let (st, text) = s.post(
+        "/v1/completions",
+        &body(json!({"prompt_budget": 32})).to_string(),
+    );
+    let (_, msg) = api_error(st, &text);
+    assert_eq!(msg, "prompt_budget: only applies with prompt_policy");
+}
+
+/// Log-probabilities of tokens that each hold part of a character (emoji):
+/// every token has its entry, its `bytes` are the raw pieces (together
+/// the answer's UTF-8, plus a cut-off character's start), streamed the same.
+#[test]
+fn logprobs_of_split_characters() {
+    let s = Server::start(&["-t", "1"]);
+    let mut partial = false;
+    for n in [3, 5, 7] {
+        let body = json!({
+            "messages": [{"role": "user", "content": "Reply with only emojis: 🌟🎉🐉🍕"}],
+            "max_tokens": n,
+            "temperature": 0,
+            "logprobs": true,
+            "cache_prompt": false,
+        });
+        let v = s.post_json("/v1/chat/completions", &body);
+        let entries = chat_logprobs(&v);
+        assert_eq!(
+            entries.len() as u64,
+            v["usage"]["completion_tokens"].as_u64().unwrap()
+        );
+        let bytes: Vec<u8> = entries
+            .iter()
+            .flat_map(|e| e["bytes"].as_array().unwrap().clone())
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        let text = content(&v);
+        assert!(bytes.starts_with(text.as_bytes()), "max_tokens {n}: {v}");
+        assert!(bytes.len() - text.len() < 4, "max_tokens {n}: {v}");
+        partial |= entries
+            .iter()
+            .any(|e| e["token"].as_str().unwrap().contains('\u{FFFD}'));
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let events = s.stream("/v1/chat/completions", &sb);
+        let streamed: Vec<Value> = events[..events.len() - 1]
+            .iter()
+            .flat_map(|e| chat_logprobs(&serde_json::from_str(e).unwrap()))
+            .collect();
+        assert_eq!(streamed, entries, "max_tokens {n}");
+    }
+    assert!(
+        partial,
+        "no token held part of a character: the case is not exercised"
+    );
 }

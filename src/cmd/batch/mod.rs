@@ -147,14 +147,16 @@ pub struct BatchArgs {
     /// Grading of the extracted answer against the gold answer.
     #[arg(long = "grade", value_enum, default_value_t = GradeMode::Auto)]
     pub grade: GradeMode,
-    /// Tokens to generate per record at most.
+    /// Tokens to generate per record at most (-1 = until end of generation
+    /// or the context is full, as one-shot `-n -1`).
     #[arg(
         short = 'n',
         long = "max-tokens",
         alias = "n-predict",
-        default_value_t = 1024
+        default_value_t = 1024,
+        allow_negative_numbers = true
     )]
-    pub max_tokens: usize,
+    pub max_tokens: i64,
     /// Context size in tokens (0 = the model's training context).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub ctx_size: usize,
@@ -659,7 +661,7 @@ fn run_one(
     )?;
     let mut text = String::new();
     let opts = GenOptions {
-        n_predict: a.max_tokens as i64,
+        n_predict: a.max_tokens,
         ignore_eos: a.ignore_eos,
     };
     // Ctrl-C stops this record at the next token
@@ -778,6 +780,15 @@ fn run_records(a: &BatchArgs) -> Result<()> {
     interrupt::set_mode(interrupt::Mode::Busy);
     if a.batch_size == 0 {
         return Err(Error::arg("-b/--batch-size", "must be at least 1"));
+    }
+    if a.max_tokens < -1 {
+        return Err(Error::arg(
+            "-n/--max-tokens",
+            format!(
+                "must be -1 (until done or the context is full) or ≥ 0, got {}",
+                a.max_tokens
+            ),
+        ));
     }
     a.sampling.check()?;
     let grid = grid(a)?;

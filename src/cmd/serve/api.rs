@@ -110,7 +110,32 @@ pub(super) struct Job {
     /// `enable_thinking` for this request's chat template (llama-server's
     /// `chat_template_kwargs`, or a top-level field); None: the server's.
     pub(super) enable_thinking: Option<bool>,
+    /// Log-probabilities asked for: the number of alternatives per token
+    /// (chat's `top_logprobs`, completions' `logprobs`); None: not asked.
+    pub(super) logprobs: Option<usize>,
     pub(super) tx: UnboundedSender<Ev>,
+}
+
+/// A token's text and raw bytes (a piece may be part of a UTF-8
+/// character; its text then holds U+FFFD).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct TokenPiece {
+    pub(super) text: String,
+    pub(super) bytes: Vec<u8>,
+}
+
+/// One generated token's log-probabilities: the log-softmax of the
+/// model's raw logits at that step, before temperature, top-k/top-p/min-p
+/// and penalties (vLLM's default), so they do not depend on the sampling
+/// settings.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Logprob {
+    pub(super) token: TokenPiece,
+    pub(super) logprob: f32,
+    /// The most likely tokens, most likely first (the drawn one may be absent).
+    pub(super) top: Vec<(TokenPiece, f32)>,
+    /// Characters of generated text before this token (`text_offset`).
+    pub(super) offset: usize,
 }
 
 /// Per-request results of generation.
@@ -138,10 +163,13 @@ pub(super) struct Done {
 #[derive(Debug)]
 pub(super) enum Ev {
     Started,
-    /// `reasoning` = the text belongs to `reasoning_content`.
+    /// `reasoning` = the text belongs to `reasoning_content`; `logprobs`:
+    /// the entries of the tokens whose text this delta is the first to
+    /// carry (empty unless the request asked for them).
     Delta {
         reasoning: bool,
         text: String,
+        logprobs: Vec<Logprob>,
     },
     Done(Done),
     Error(ApiError),
@@ -189,24 +217,53 @@ fn opt_f32(v: &Value, field: &str) -> std::result::Result<Option<f32>, ApiError>
     }
 }
 
-fn opt_i64(v: &Value, field: &str) -> std::result::Result<Option<i64>, ApiError> {
-    match opt(v, field) {
-        None => Ok(None),
-        Some(x) => x
-            .as_i64()
-            .map(Some)
-            .ok_or_else(|| type_err(field, "an integer", x)),
+/// Optional integer field in `lo..=hi`; `range` says what is accepted.
+/// A number beyond 64 bits (`1e30`, `99999999999999999999999`, which JSON
+/// parsers hold as floats) is out of range, not "not an integer"; a
+/// negative one where only non-negative values are accepted says so.
+fn opt_int(
+    v: &Value,
+    field: &str,
+    lo: i128,
+    hi: i128,
+    range: &str,
+) -> std::result::Result<Option<i128>, ApiError> {
+    let Some(x) = opt(v, field) else {
+        return Ok(None);
+    };
+    let n = if let Some(i) = x.as_i64() {
+        i as i128
+    } else if let Some(u) = x.as_u64() {
+        u as i128
+    } else {
+        match x.as_f64() {
+            // a whole number written as a float: its value decides (the
+            // cast saturates far beyond any range here)
+            Some(f) if f.is_finite() && f.fract() == 0.0 => f as i128,
+            _ => return Err(type_err(field, "an integer", x)),
+        }
+    };
+    if n < 0 && lo >= 0 {
+        return Err(ApiError::bad(format!(
+            "'{field}' must not be negative ({range}), got {x}"
+        )));
     }
+    if n < lo || n > hi {
+        return Err(ApiError::bad(format!(
+            "'{field}' is out of range ({range}), got {x}"
+        )));
+    }
+    Ok(Some(n))
 }
 
+/// Optional non-negative count up to `max`.
 fn opt_usize(v: &Value, field: &str, max: usize) -> std::result::Result<Option<usize>, ApiError> {
-    match opt_i64(v, field)? {
-        None => Ok(None),
-        Some(n) if n >= 0 && (n as u64) <= max as u64 => Ok(Some(n as usize)),
-        Some(n) => Err(ApiError::bad(format!(
-            "'{field}' must be between 0 and {max}, got {n}"
-        ))),
-    }
+    Ok(opt_int(v, field, 0, max as i128, &format!("0..={max}"))?.map(|n| n as usize))
+}
+
+/// Optional integer that fits an i64 (`range` says which values mean what).
+fn opt_i64(v: &Value, field: &str, range: &str) -> std::result::Result<Option<i64>, ApiError> {
+    Ok(opt_int(v, field, i64::MIN as i128, i64::MAX as i128, range)?.map(|n| n as i64))
 }
 
 fn opt_bool(v: &Value, field: &str) -> std::result::Result<Option<bool>, ApiError> {
@@ -316,7 +373,13 @@ pub(super) fn parse_prompt(v: &Value, n_vocab: usize) -> std::result::Result<Inp
     }
 }
 
-/// Everything but the input: sampling, limits, stop strings, KV policy, streaming.
+/// Chat's `top_logprobs` goes up to 20, as OpenAI's.
+const MAX_TOP_LOGPROBS: usize = 20;
+/// Completions' `logprobs` goes up to 5, as OpenAI's legacy API.
+const MAX_LEGACY_LOGPROBS: usize = 5;
+
+/// Everything but the input: sampling, limits, stop strings, KV policy,
+/// log-probabilities, streaming.
 pub(super) fn parse_job(
     app: &App,
     v: &Value,
@@ -324,14 +387,15 @@ pub(super) fn parse_job(
     tx: UnboundedSender<Ev>,
 ) -> std::result::Result<(Job, bool, bool), ApiError> {
     let d = &app.defaults;
-    if let Some(n) = opt_i64(v, "n")? {
+    if let Some(n) = opt_i64(v, "n", "only 1 is supported")? {
         if n != 1 {
             return Err(ApiError::bad("'n': only n = 1 is supported"));
         }
     }
+    let max_range = format!("-1 for no limit, or 0..={}", i64::MAX);
     let max_tokens = match (
-        opt_i64(v, "max_completion_tokens")?,
-        opt_i64(v, "max_tokens")?,
+        opt_i64(v, "max_completion_tokens", &max_range)?,
+        opt_i64(v, "max_tokens", &max_range)?,
     ) {
         (Some(n), _) | (None, Some(n)) => {
             // -1: until end of generation or a full context, as -n -1
@@ -349,7 +413,11 @@ pub(super) fn parse_job(
     let min_p = opt_f32(v, "min_p")?.unwrap_or(d.sampling.min_p);
     let top_k = opt_usize(v, "top_k", usize::MAX >> 1)?.unwrap_or(d.sampling.top_k);
     let repeat_penalty = opt_f32(v, "repeat_penalty")?.unwrap_or(d.sampling.repeat_penalty);
-    let seed = match opt_i64(v, "seed")?.unwrap_or(d.seed) {
+    // a seed is any u64; a negative one asks for a random seed
+    let seed_range = format!("0..={}, or negative for a random seed", u64::MAX);
+    let seed = match opt_int(v, "seed", i64::MIN as i128, u64::MAX as i128, &seed_range)?
+        .unwrap_or(d.seed as i128)
+    {
         s if s < 0 => SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -389,17 +457,20 @@ pub(super) fn parse_job(
     if let Some(p) = opt_str(v, "policy")? {
         kv.policy = p.to_owned();
     }
-    // a budget of 0 holds nothing: the accepted range starts at 1
-    let budget = match opt_i64(v, "kv_budget")? {
-        None => None,
-        Some(b) if b >= 1 && (b as u64) <= app.n_ctx as u64 => Some(b as usize),
-        Some(b) => {
-            return Err(ApiError::bad(format!(
-                "'kv_budget' must be between 1 and the context size {}, got {b}",
-                app.n_ctx
-            )))
-        }
-    };
+    // a budget of 0 holds nothing: the accepted range starts at 1; one
+    // beyond the context is clamped to it below, as on the command line
+    let budget = opt_int(
+        v,
+        "kv_budget",
+        1,
+        i64::MAX as i128,
+        &format!(
+            "1..={}; above the context size {} it is clamped to it",
+            i64::MAX,
+            app.n_ctx
+        ),
+    )?
+    .map(|b| usize::try_from(b).unwrap_or(usize::MAX));
     if budget.is_some() {
         kv.budget = budget;
     }
@@ -415,6 +486,18 @@ pub(super) fn parse_job(
     if let Some(e) = opt_usize(v, "evict_every", app.n_ctx)? {
         kv.evict_every = Some(e);
     }
+    // policies that keep the whole prompt (epikv, raas, …) run on prompts
+    // longer than their budget with a prompt phase or scored prompt tokens,
+    // as --prompt-policy / --prompt-budget / --epikv-score-prompt
+    if let Some(p) = opt_str(v, "prompt_policy")? {
+        kv.prompt_policy = Some(p.to_owned());
+    }
+    if let Some(b) = opt_usize(v, "prompt_budget", app.n_ctx)? {
+        kv.prompt_budget = Some(b);
+    }
+    if let Some(e) = opt_bool(v, "epikv_score_prompt")? {
+        kv.epikv_score_prompt = e;
+    }
     let budgeted = kv.def()?.budgeted();
     if !budgeted && budget.is_some() {
         return Err(ApiError::bad(
@@ -426,16 +509,31 @@ pub(super) fn parse_job(
         // budget does not apply (and is not reported)
         kv.budget = None;
     }
-    if let Some(b) = kv.budget {
-        if budgeted && b > app.n_ctx {
-            return Err(ApiError::bad(format!(
-                "'kv_budget' {b} is larger than the context ({} tokens)",
-                app.n_ctx
-            )));
+    // unknown policy names and missing budgets fail here, before queueing
+    let built = kv.build(0, &app.model_path).map_err(ApiError::from)?;
+    // a budget beyond the context could never evict: it is the context
+    // (reported so in `kv.kv_budget`), as the command line clamps
+    // --kv-budget to -c; a policy that splits its budget unevenly keeps
+    // it as given (Session::for_config_on)
+    if let (Some(b), Some(p)) = (kv.budget, &built) {
+        if b > app.n_ctx && p.rule.caps_each_stream() {
+            kv.budget = Some(app.n_ctx);
         }
     }
-    // unknown policy names and missing budgets fail here, before queueing
-    kv.build(0, &app.model_path).map_err(ApiError::from)?;
+    let logprobs = match &input {
+        Input::Chat(_) => {
+            let on = opt_bool(v, "logprobs")?.unwrap_or(false);
+            match (on, opt_usize(v, "top_logprobs", MAX_TOP_LOGPROBS)?) {
+                (false, Some(_)) => {
+                    return Err(ApiError::bad("'top_logprobs' needs \"logprobs\": true"))
+                }
+                (true, k) => Some(k.unwrap_or(0)),
+                (false, None) => None,
+            }
+        }
+        // the legacy API: `logprobs` is the number of alternatives
+        _ => opt_usize(v, "logprobs", MAX_LEGACY_LOGPROBS)?,
+    };
     let sampler = SamplerConfig {
         temp,
         top_k,
@@ -456,6 +554,7 @@ pub(super) fn parse_job(
         kv,
         cache_prompt,
         enable_thinking,
+        logprobs,
         tx,
     };
     Ok((job, stream, include_usage))
@@ -478,6 +577,50 @@ pub(super) struct RespCtx {
     pub(super) model: String,
     pub(super) ep: Endpoint,
     pub(super) include_usage: bool,
+    /// The request asked for log-probabilities.
+    pub(super) logprobs: bool,
+}
+
+fn piece_bytes(p: &TokenPiece) -> Value {
+    Value::from(p.bytes.iter().map(|&b| u64::from(b)).collect::<Vec<_>>())
+}
+
+/// A chat entry: `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
+fn chat_logprob(e: &Logprob) -> Value {
+    let top: Vec<Value> = e
+        .top
+        .iter()
+        .map(|(p, lp)| json!({"token": p.text, "logprob": lp, "bytes": piece_bytes(p)}))
+        .collect();
+    json!({
+        "token": e.token.text,
+        "logprob": e.logprob,
+        "bytes": piece_bytes(&e.token),
+        "top_logprobs": top,
+    })
+}
+
+/// The legacy completions shape: parallel arrays, each `top_logprobs`
+/// entry a `{token: logprob}` map that also holds the drawn token (so up to
+/// `logprobs` + 1 entries, as OpenAI's).
+fn legacy_logprobs(lp: &[Logprob]) -> Value {
+    let top: Vec<Value> = lp
+        .iter()
+        .map(|e| {
+            let mut m = serde_json::Map::new();
+            for (p, l) in e.top.iter().chain([(e.token.clone(), e.logprob)].iter()) {
+                // two tokens with the same text: the likelier one stays
+                m.entry(p.text.clone()).or_insert(json!(l));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    json!({
+        "tokens": lp.iter().map(|e| e.token.text.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": lp.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": lp.iter().map(|e| e.offset).collect::<Vec<_>>(),
+    })
 }
 
 pub(super) fn usage(d: &Done) -> Value {
@@ -521,16 +664,37 @@ impl RespCtx {
             (Endpoint::Completion, _) => "text_completion",
         }
     }
-    /// One streaming chunk (chat: `delta`; completions: `text`).
-    pub(super) fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
+    /// A choice's `logprobs`: null unless the request asked for them
+    /// (chat: `{content: [entry…], refusal: null}`; completions: the
+    /// legacy arrays).
+    pub(super) fn logprobs_json(&self, lp: &[Logprob]) -> Value {
+        match (self.logprobs, self.ep) {
+            (false, _) => Value::Null,
+            (true, Endpoint::Chat) => json!({
+                "content": lp.iter().map(chat_logprob).collect::<Vec<_>>(),
+                "refusal": null,
+            }),
+            (true, Endpoint::Completion) => legacy_logprobs(lp),
+        }
+    }
+    /// One streaming chunk (chat: `delta`; completions: `text`) with the
+    /// log-probabilities of the tokens it carries (None: `null`, for the
+    /// chunks that carry no tokens).
+    pub(super) fn chunk(
+        &self,
+        delta: Value,
+        lp: Option<&[Logprob]>,
+        finish: Option<&str>,
+    ) -> String {
+        let logprobs = lp.map_or(Value::Null, |lp| self.logprobs_json(lp));
         let choice = match self.ep {
             Endpoint::Chat => {
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Endpoint::Completion => json!({
                 "index": 0,
                 "text": delta.get("content").and_then(Value::as_str).unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         };
@@ -546,18 +710,19 @@ impl RespCtx {
         }
         c.to_string()
     }
-    /// The non-streaming response.
-    pub(super) fn full(&self, reasoning: &str, content: &str, d: &Done) -> Value {
+    /// The non-streaming response; `lp`: every token's log-probabilities.
+    pub(super) fn full(&self, reasoning: &str, content: &str, lp: &[Logprob], d: &Done) -> Value {
+        let logprobs = self.logprobs_json(lp);
         let choice = match self.ep {
             Endpoint::Chat => {
                 let mut msg = json!({"role": "assistant", "content": content});
                 if !reasoning.is_empty() {
                     msg["reasoning_content"] = json!(reasoning);
                 }
-                json!({"index": 0, "message": msg, "logprobs": null, "finish_reason": d.finish})
+                json!({"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": d.finish})
             }
             Endpoint::Completion => {
-                json!({"index": 0, "text": content, "logprobs": null, "finish_reason": d.finish})
+                json!({"index": 0, "text": content, "logprobs": logprobs, "finish_reason": d.finish})
             }
         };
         let (timings, kv) = extras(d);

@@ -33,8 +33,27 @@ use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// The most bytes a request body may have (axum's default limit, set on
+/// the router explicitly so the early check below agrees with it).
+pub(super) const BODY_LIMIT: usize = 2 << 20;
+
 /// The JSON object of a request body, waiting at most `--timeout` for it.
+/// A body whose `Content-Length` is over [`BODY_LIMIT`] is refused (413)
+/// at once, before any of it is read: waiting for bytes it would refuse
+/// anyway would only end in a timeout.
 pub(super) async fn read_json(app: &App, req: Request) -> Result<Value, ApiError> {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.trim().parse::<u128>().ok());
+    if let Some(n) = declared.filter(|&n| n > BODY_LIMIT as u128) {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the request body ({n} bytes) is larger than the limit of {BODY_LIMIT} bytes"),
+        ));
+    }
     let secs = app.defaults.timeout;
     match tokio::time::timeout(
         std::time::Duration::from_secs(secs),

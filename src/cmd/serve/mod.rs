@@ -15,9 +15,14 @@
 //!   a bounded queue (`--queue N`); a full queue answers 503. Generation runs
 //!   only on these std threads, never on the async runtime.
 //! - Per request, the extra fields `policy`, `kv_budget`, `kv_sink`,
-//!   `kv_recent`, `keep_prompt` and `evict_every` override the server's KV
-//!   flags. A slot keeps its session between requests with the same policy
-//!   (reset, not reallocated).
+//!   `kv_recent`, `keep_prompt`, `evict_every`, `prompt_policy`,
+//!   `prompt_budget` and `epikv_score_prompt` override the server's KV
+//!   flags (a `kv_budget` beyond the context is clamped to it, as on the
+//!   command line). A slot keeps its session between requests with the
+//!   same policy (reset, not reallocated).
+//! - `logprobs` (chat: `logprobs` + `top_logprobs`; completions: the
+//!   legacy `logprobs: N`) are the log-softmax of the raw logits of each
+//!   step, before any sampling transform; computed only when asked.
 //! - Tokens travel from the worker to the handler over a channel; when the
 //!   client goes away the handler (or the SSE body) is dropped, the channel's
 //!   send fails and the worker stops at the next token.
@@ -230,6 +235,13 @@ pub fn run_serve(a: &ServeArgs) -> Result<()> {
     }
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         return Err(Error::arg("--api-key", "must not be empty"));
+    }
+    // the id every response and /v1/models report: clients match on it
+    if a.alias.as_deref().is_some_and(|m| m.trim().is_empty()) {
+        return Err(Error::arg(
+            "-a/--alias",
+            "must not be empty (leave it out for the model's file name)",
+        ));
     }
     let path = resolve_model(&a.model.model)?;
     a.kv.build(0, &path)?;

@@ -4,12 +4,12 @@
 //! from the events the worker sends back (streamed or collected).
 
 use super::api::{parse_job, parse_messages, parse_prompt, ApiError, Endpoint, Ev, Input, RespCtx};
-use super::llama::{self, read_json};
+use super::llama::{self, read_json, BODY_LIMIT};
 use super::metrics::metrics;
 use super::sse::stream_response;
 use super::web;
 use super::{now_s, App};
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -42,6 +42,7 @@ pub(super) fn router(app: Arc<App>) -> Router {
         .route("/style.css", get(web::style))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::from_fn_with_state(app.clone(), auth))
         .layer(middleware::from_fn_with_state(app.clone(), track))
         .with_state(app)
@@ -76,6 +77,7 @@ async fn handle_inner(
     };
     let (tx, mut rx) = unbounded_channel();
     let (job, stream, include_usage) = parse_job(&app, &v, input, tx)?;
+    let logprobs = job.logprobs.is_some();
     app.queued.fetch_add(1, Ordering::SeqCst);
     if let Err(e) = app.jobs.try_send(job) {
         app.queued.fetch_sub(1, Ordering::SeqCst);
@@ -117,19 +119,24 @@ async fn handle_inner(
         model: app.model_id.clone(),
         ep,
         include_usage,
+        logprobs,
     });
     if stream {
         return Ok(stream_response(ctx, rx));
     }
     let (mut reasoning, mut content) = (String::new(), String::new());
+    let mut lp = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Ev::Delta {
-                reasoning: true,
+                reasoning: r,
                 text,
-            } => reasoning.push_str(&text),
-            Ev::Delta { text, .. } => content.push_str(&text),
-            Ev::Done(d) => return Ok(Json(ctx.full(&reasoning, &content, &d)).into_response()),
+                logprobs,
+            } => {
+                if r { &mut reasoning } else { &mut content }.push_str(&text);
+                lp.extend(logprobs);
+            }
+            Ev::Done(d) => return Ok(Json(ctx.full(&reasoning, &content, &lp, &d)).into_response()),
             Ev::Error(e) => return Err(e),
             Ev::Started => {}
         }

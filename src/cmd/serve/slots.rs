@@ -14,15 +14,18 @@
 //! (`/slots` says why). What a scorer accumulated for the kept entries
 //! stays, as in `kvrun chat`; `cache_prompt: false` gives a fresh run.
 
-use super::api::{ApiError, Done, Ev, Input, Job};
+use super::api::{ApiError, Done, Ev, Input, Job, Logprob, TokenPiece};
 use super::{App, ReasoningFormat};
 use crate::chat::{ChatTemplate, StopMatch, ThinkEvent, ThinkSplit};
 use crate::cmd::prompt::encode_chat;
 use crate::error::Error;
-use crate::generate::{generate, GenOptions, Session, StopReason};
+use crate::generate::{
+    check_kept_prompt, generate_steps, GenOptions, GenStep, Session, StopReason,
+};
 use crate::load::Loaded;
 use crate::policy::PolicyConfig;
 use crate::sample::Sampler;
+use crate::tokenizer::Tokenizer;
 use axum::http::StatusCode;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
@@ -229,14 +232,9 @@ fn run_job<'e>(
         pc.intact = false;
     }
     if let Some(p) = &sess.policy {
-        if job.kv.keep_prompt && ids.len() + p.evictor.n_recent >= p.evictor.budget {
-            return Err(ApiError::bad(format!(
-                "kv_budget: budget {} cannot hold the {}-token prompt (keep_prompt) plus the recent window {}",
-                p.evictor.budget,
-                ids.len(),
-                p.evictor.n_recent
-            )));
-        }
+        // a kept prompt (keep_prompt, or epikv's and raas's default) must
+        // fit its budget: the message names the request fields that help
+        check_kept_prompt(&job.kv, p, ids.len())?;
     }
     let (n_slots, n_streams) = (sess.kv.cells.n_slots(), sess.kv.n_streams());
     slot.capacity_entries.store(n_slots, Ordering::Relaxed);
@@ -263,10 +261,23 @@ fn run_job<'e>(
     let mut gone = false;
     let mut out: Vec<ThinkEvent> = Vec::new();
     let tx = &job.tx;
-    let send_all = |out: &mut Vec<ThinkEvent>| -> bool {
+    // log-probabilities of the tokens whose text no delta carried yet (a
+    // stop string or a split character holds text back): the next delta
+    // takes them
+    let mut pending: Vec<Logprob> = Vec::new();
+    let mut n_chars = 0;
+    let send_all = |out: &mut Vec<ThinkEvent>, pending: &mut Vec<Logprob>| -> bool {
         for ev in out.drain(..) {
             if let ThinkEvent::Text { reasoning, text } = ev {
-                if tx.send(Ev::Delta { reasoning, text }).is_err() {
+                let logprobs = std::mem::take(pending);
+                if tx
+                    .send(Ev::Delta {
+                        reasoning,
+                        text,
+                        logprobs,
+                    })
+                    .is_err()
+                {
                     return false;
                 }
             }
@@ -274,26 +285,55 @@ fn run_job<'e>(
         true
     };
     let mut shut = false;
-    let stats = generate(sess, tok, &mut sampler, &ids[reused..], &opts, |piece| {
-        let (text, hit) = stop.push(piece);
-        think.push(&text, &mut out);
-        if hit {
-            hit_stop = true;
-            think.finish(&mut out);
-        }
-        if !send_all(&mut out) {
-            gone = true;
-            return false;
-        }
-        // the server's shutdown grace period is over: end this response
-        shut = !hit && app.stopping.load(Ordering::SeqCst);
-        !hit && !shut
-    })?;
+    let want_logits = job.logprobs.is_some();
+    let prompt = &ids[reused..];
+    let stats = generate_steps(
+        sess,
+        tok,
+        &mut sampler,
+        prompt,
+        &opts,
+        want_logits,
+        |step| {
+            if let Some(k) = job.logprobs {
+                pending.push(step_logprobs(tok, step, k, &mut n_chars));
+            }
+            if step.text.is_empty() {
+                return true;
+            }
+            let (text, hit) = stop.push(step.text);
+            think.push(&text, &mut out);
+            if hit {
+                hit_stop = true;
+                think.finish(&mut out);
+            }
+            if !send_all(&mut out, &mut pending) {
+                gone = true;
+                return false;
+            }
+            // the server's shutdown grace period is over: end this response
+            shut = !hit && app.stopping.load(Ordering::SeqCst);
+            !hit && !shut
+        },
+    )?;
     if !hit_stop && !gone {
         let rest = stop.finish();
         think.push(&rest, &mut out);
         think.finish(&mut out);
-        gone = !send_all(&mut out);
+        gone = !send_all(&mut out, &mut pending);
+        // tokens whose text never came (a character cut off at the end)
+        // still get their entries; after a stop string, the tokens past
+        // the returned text are left out
+        if !gone && !pending.is_empty() {
+            let logprobs = std::mem::take(&mut pending);
+            gone = tx
+                .send(Ev::Delta {
+                    reasoning: false,
+                    text: String::new(),
+                    logprobs,
+                })
+                .is_err();
+        }
     }
     slot.live_tokens
         .store(sess.kv.resident_tokens(), Ordering::Relaxed);
@@ -371,4 +411,28 @@ fn run_job<'e>(
     slot.busy.store(false, Ordering::SeqCst);
     let _ = job.tx.send(Ev::Done(done));
     Ok(())
+}
+
+/// A step's log-probabilities (`k` alternatives) with the tokens' text and
+/// bytes; `n_chars` counts the characters generated so far (the token's
+/// `text_offset`), by the UTF-8 lead bytes, so a character split between
+/// tokens counts once.
+fn step_logprobs(tok: &Tokenizer, step: &GenStep<'_>, k: usize, n_chars: &mut usize) -> Logprob {
+    let r = crate::sample::logprobs(step.logits, step.token, k);
+    let piece = |t: u32| {
+        let bytes = tok.token_bytes(t, false);
+        TokenPiece {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+        }
+    };
+    let token = piece(step.token);
+    let offset = *n_chars;
+    *n_chars += token.bytes.iter().filter(|&&b| b & 0xC0 != 0x80).count();
+    Logprob {
+        token,
+        logprob: r.logprob,
+        top: r.top.into_iter().map(|(t, l)| (piece(t), l)).collect(),
+        offset,
+    }
 }

@@ -15,7 +15,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 /// event until the worker is done.
 pub(super) fn stream_response(ctx: Arc<RespCtx>, rx: UnboundedReceiver<Ev>) -> Response {
     let head = if ctx.ep == Endpoint::Chat {
-        vec![ctx.chunk(json!({"role": "assistant", "content": ""}), None)]
+        vec![ctx.chunk(json!({"role": "assistant", "content": ""}), None, None)]
     } else {
         Vec::new()
     };
@@ -30,16 +30,20 @@ impl RespCtx {
     pub(super) fn events(&self, ev: Ev) -> Vec<String> {
         match ev {
             Ev::Started => Vec::new(),
-            Ev::Delta { reasoning, text } => {
+            Ev::Delta {
+                reasoning,
+                text,
+                logprobs,
+            } => {
                 let key = if reasoning {
                     "reasoning_content"
                 } else {
                     "content"
                 };
-                vec![self.chunk(json!({ key: text }), None)]
+                vec![self.chunk(json!({ key: text }), Some(&logprobs), None)]
             }
             Ev::Done(d) => {
-                let mut out = vec![self.chunk(json!({}), Some(d.finish))];
+                let mut out = vec![self.chunk(json!({}), None, Some(d.finish))];
                 if self.include_usage {
                     let (timings, kv) = extras(&d);
                     out.push(
