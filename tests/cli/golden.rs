@@ -359,7 +359,7 @@ fn bench_measures_each_repack_setting() {
     }
     assert_eq!(out.matches("| pp8 |").count(), 6, "{out}");
     for bad in [
-        &["bench", "--repack", "q4_1", "-p", "8", "-n", "0"][..],
+        &["bench", "--repack", "f16", "-p", "8", "-n", "0"][..],
         &["bench", "--repack", "on,", "-p", "8", "-n", "0"][..],
         &["-p", "hi", "-n", "1", "--repack", "on,off"][..],
     ] {

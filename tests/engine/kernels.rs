@@ -747,6 +747,92 @@ fn b32_prefill_tiles_match_the_scalar_model() {
     eprintln!("{checked} tile calls checked");
 }
 
+/// Q4_1×8: every row unpacks to its GGUF bytes, the scalar model equals
+/// ggml's `vec_dot` bit for bit (it keeps ggml's lanes), and the repacked
+/// decoding kernel at every level this CPU runs equals the model bit for
+/// bit, on fresh random data and at the extremes (nibbles 0 and 15
+/// against activations of ±127 and -128).
+#[test]
+fn q4_1_x8_round_trips_and_its_kernel_matches_ggml() {
+    use kvrun::backend::cpu::q4_1_x8::{decode_for, dot_scalar, ROWS};
+    use kvrun::backend::cpu::x8::{decode_scalar, X8};
+    let seed = 0x5eed_0411 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let dt = DType::Q4_1;
+    let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
+    let mut checked = 0;
+    let mut check = |nb: usize, w: &[u8], y: &[u8], what: &str| {
+        let rb = nb * dt.block_bytes();
+        let n_out = w.len() / rb;
+        let x8 = X8::new(dt, w, n_out, nb);
+        let mut row = vec![0u8; rb];
+        for i in 0..n_out {
+            x8.row_into(i, &mut row);
+            assert_eq!(row, w[i * rb..(i + 1) * rb], "{what}: row {i} round trip");
+            let m = dot_scalar(nb, &row, y);
+            let g = tr.dot(nb * 32, &row, y);
+            assert_eq!(
+                m.to_bits(),
+                g.to_bits(),
+                "{what} row {i}: model {m} vs ggml {g}"
+            );
+        }
+        for blk in 0..n_out / ROWS {
+            let model = decode_scalar(dt, nb, x8.block(blk), y);
+            for k in 0..ROWS {
+                let i = blk * ROWS + k;
+                let want = dot_scalar(nb, &w[i * rb..(i + 1) * rb], y);
+                assert_eq!(model[k].to_bits(), want.to_bits(), "{what} row {i}");
+            }
+            for level in simd_levels() {
+                let Some(f) = decode_for(level) else {
+                    continue;
+                };
+                let v = f(nb, x8.block(blk), y);
+                for k in 0..ROWS {
+                    assert_eq!(
+                        v[k].to_bits(),
+                        model[k].to_bits(),
+                        "{level} {what} row {}: {} vs {}",
+                        blk * ROWS + k,
+                        v[k],
+                        model[k]
+                    );
+                }
+                checked += 1;
+            }
+        }
+    };
+    for n_in in [32usize, 576, 1536, 3584] {
+        let (w, act) = quant_problem(dt, &mut r, 3 * ROWS, n_in, 1);
+        check(
+            n_in / 32,
+            &w,
+            &act[..tr.act_bytes(n_in)],
+            &format!("n_in {n_in}"),
+        );
+    }
+    let (nb, bb) = (4, dt.block_bytes());
+    for fill in [0x00u8, 0xff, 0x0f, 0xf0] {
+        for yv in [-128i8, -127, 127] {
+            let mut w = vec![fill; ROWS * nb * bb];
+            for (i, b) in w.chunks_exact_mut(bb).enumerate() {
+                b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 1e-3).to_le_bytes());
+                b[2..4].copy_from_slice(&f16::from_f32(-0.05 * i as f32).to_le_bytes());
+            }
+            let mut y = vec![0u8; nb * 36];
+            for (k, blk) in y.chunks_exact_mut(36).enumerate() {
+                blk[..2].copy_from_slice(&f16::from_f32(0.5 + 0.1 * k as f32).to_le_bytes());
+                blk[2..4].copy_from_slice(&f16::from_f32(3.0 - k as f32).to_le_bytes());
+                blk[4..].fill(if k % 2 == 1 { 127 } else { yv as u8 });
+            }
+            check(nb, &w, &y, &format!("extremes {fill:#x} y {yv}"));
+        }
+    }
+    eprintln!("{checked} kernel calls checked");
+}
+
 /// `matmul_q` at every kernel level this CPU runs equals ggml's `vec_dot`
 /// row by row, bit for bit: row counts not a multiple of the tile's, token
 /// counts not a multiple of its width, decoding (1 token), 1-3 threads.
@@ -818,6 +904,11 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q5_0, 40, 1536, 1),
         (DType::Q5_0, 72, 640, 11),
         (DType::Q5_0, 16, 96, 3),
+        // Q4_1×8 (8k rows): decoding, and prefill gathered from it
+        (DType::Q4_1, 64, 576, 1),
+        (DType::Q4_1, 24, 96, 2),
+        (DType::Q4_1, 16, 64, 5),
+        (DType::Q4_1, 40, 1536, 9),
     ] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (w, act) = quant_problem(dt, &mut r, n_out, n_in, n_tok);
@@ -1529,7 +1620,11 @@ fn x8_speed() {
             .unwrap()
             .act_bytes(n_in);
         let b32 = b32_x8::is_b32(dt);
-        let nb = if b32 { n_in / 32 } else { nb };
+        let nb = if b32 || dt == DType::Q4_1 {
+            n_in / 32
+        } else {
+            nb
+        };
         for &n_out in &sizes {
             let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
             let x8 = X8::new(dt, &w, n_out, nb);
@@ -1558,6 +1653,12 @@ fn x8_speed() {
                         }),
                     };
                     (x8f, rowf)
+                } else if dt == DType::Q4_1 {
+                    (
+                        kvrun::backend::cpu::q4_1_x8::decode_for(level).map(|f| Box::new(f) as X8F),
+                        kvrun::backend::cpu::qgemm_x86::q4_1_decode_for(level)
+                            .map(|f| Box::new(f) as RowF),
+                    )
                 } else {
                     (
                         decode_for(dt, level).map(|f| Box::new(f) as X8F),
@@ -1613,17 +1714,17 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
     let level = kvrun::backend::cpu::isa::level();
     for dt in kvrun::backend::cpu::x8::LAYOUTS
         .into_iter()
-        .chain([DType::Q4_1])
+        .chain([DType::Q5_1])
     {
         let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
         let want = kvrun::backend::cpu::x8::has_kernel(dt, level);
-        // Q8_0×8 has a VNNI kernel only; Q4_1 has no layout
-        let min = if dt == DType::Q8_0 {
+        // Q8_0×8 and Q4_1×8 have VNNI kernels only; Q5_1 has no layout
+        let min = if matches!(dt, DType::Q8_0 | DType::Q4_1) {
             Level::Avx512Vnni
         } else {
             Level::Avx2
         };
-        assert_eq!(want, dt != DType::Q4_1 && level >= min, "{dt} {level}");
+        assert_eq!(want, dt != DType::Q5_1 && level >= min, "{dt} {level}");
         let m = sink
             .matrix(dt, 512, 16, std::borrow::Cow::Borrowed(&w))
             .unwrap();
@@ -1659,7 +1760,9 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
             ),
             ("q8_0+Q4_0", matches!(dt, DType::Q8_0 | DType::Q4_0)),
             ("q5_0", dt == DType::Q5_0),
-            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0", true),
+            ("q4_1", dt == DType::Q4_1),
+            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0", dt != DType::Q4_1),
+            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1", true),
         ] {
             let repack = Repack::parse(setting).unwrap();
             let loader = kvrun::backend::cpu::Loader { repack, ..loader };
@@ -1675,16 +1778,17 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         ("1", "on"),
         ("false", "off"),
         ("Q6_K+q4_k+Q5_K", "Q4_K+Q5_K+Q6_K"),
-        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0", "on"),
+        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1", "on"),
+        ("q8_0+q4_1", "Q8_0+Q4_1"),
         ("Q6_K+q4_k", "Q4_K+Q6_K"),
         ("q6_k", "Q6_K"),
     ] {
         assert_eq!(Repack::parse(setting).unwrap().to_string(), shown);
     }
-    for bad in ["q4_1", "", "on+q4_k", "q4_k+"] {
+    for bad in ["q5_1", "", "on+q4_k", "q4_k+"] {
         let e = Repack::parse(bad).unwrap_err();
         assert!(
-            e.contains("not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0)"),
+            e.contains("not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1)"),
             "{bad}: {e}"
         );
     }

@@ -12,7 +12,7 @@ use super::isa::{self, Level};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
 use super::qgemm_x86::{self, MR, NT};
 use super::x8::{self, X8};
-use super::{b32_x8, qgemm_amx, qgemm_lanes, qgemm_q8_0_tokens};
+use super::{b32_x8, q4_1_x8, qgemm_amx, qgemm_lanes, qgemm_q8_0_tokens};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorView};
 use ggml_sys::CpuTraits;
@@ -299,6 +299,18 @@ pub fn matmul_q_at(
         return matmul_k_amx(pool, w, act, n_tok, out);
     }
     if let Some(x8) = &w.x8 {
+        if w.dtype == DType::Q4_1 {
+            // Q4_1×8: its own decoding kernel; prefill runs the row-major
+            // tile on each row block gathered back (both ggml's lanes)
+            if n_tok == 1 {
+                if let Some(one) = q4_1_x8::decode_for(level) {
+                    return matvec_x8(pool, w, x8, act, out, one);
+                }
+            } else if let Some(tile) = qgemm_x86::q4_1_tile_for(level) {
+                return matmul_q_tiled(pool, w, act, n_tok, out, Tile::Q4_1(tile));
+            }
+            return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
+        }
         if b32_x8::is_b32(w.dtype) {
             // Q8_0×8, Q4_0×8, Q5_0×8: their own decoding kernels; prefill
             // expands each row block to Q8_0 rows
@@ -981,18 +993,33 @@ fn matmul_q_tiled(
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
     let row_tile = tile.row_tile();
     let blocks = Chunks::new(n_out.div_ceil(row_tile));
+    let rb = w.dtype.row_bytes(n_in);
     pool.run(|_| {
         let mut w_sc = vec![qgemm_x86::TileScales::default(); ROW_TILE / MR];
+        // a repacked matrix's row block gathered back  (row_tile, rb)
+        let mut gathered = vec![0u8; if w.x8.is_some() { row_tile * rb } else { 0 }];
         let mr = tile.rows();
         while let Some(blk) = blocks.next() {
             let r0 = blk * row_tile;
             let r1 = (r0 + row_tile).min(n_out);
             let n_micro = (r1 - r0).div_ceil(mr);
+            if let Some(x8) = &w.x8 {
+                for (r, dst) in (r0..r1).zip(gathered.chunks_exact_mut(rb)) {
+                    x8.row_into(r, dst);
+                }
+            }
+            let gathered = &gathered[..];
+            let row = |r: usize| -> &[u8] {
+                if w.x8.is_some() {
+                    &gathered[(r - r0) * rb..(r - r0 + 1) * rb]
+                } else {
+                    w.plain_row(r)
+                }
+            };
             // micro tile m: rows r0 + m·mr .. (the first `mr` entries used)
             let mut rows = [[&[] as &[u8]; WIDE]; MAX_MICRO];
             for m in 0..n_micro {
-                rows[m] =
-                    std::array::from_fn(|k| w.plain_row((r0 + m * mr + k.min(mr - 1)).min(r1 - 1)));
+                rows[m] = std::array::from_fn(|k| row((r0 + m * mr + k.min(mr - 1)).min(r1 - 1)));
                 if let Tile::Q4_1(_) = tile {
                     w_sc[m].q4_1(first_mr(&rows[m]), nb);
                 }

@@ -46,6 +46,7 @@ pub mod pool;
 pub mod prefill_attn_kernels;
 pub mod prefill_avx512;
 pub mod proj_norm;
+pub mod q4_1_x8;
 pub mod q4k_x8;
 pub mod q6k_x8;
 pub mod qgemm_amx;

@@ -1,9 +1,10 @@
 //! Quantized matrices repacked eight rows at a time at load ([`X8`]): the
 //! container, the copy in and out of GGUF's row layout, and the choice of
 //! a K-quant decoding kernel. The layouts and their kernels are per type:
-//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8) and
+//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8),
 //! [`super::b32_x8`] (Q8_0×8, Q4_0×8 and Q5_0×8, whose kernels take Q8_0
-//! activations: `b32_x8::decode_for`).
+//! activations: `b32_x8::decode_for`) and [`super::q4_1_x8`] (Q4_1×8, Q8_1
+//! activations, ggml's lanes).
 //!
 //! A row block (8 rows) is stored as `nb` groups, one per (super)block, each
 //! holding exactly the bytes of the 8 rows' superblocks, rearranged so
@@ -19,7 +20,7 @@
 //! logits repacked or not, at every level.
 
 use super::qgemm_lanes::{Q8_K_BYTES, ROWS};
-use super::{b32_x8, q4k_x8, q6k_x8};
+use super::{b32_x8, q4_1_x8, q4k_x8, q6k_x8};
 use crate::tensor::DType;
 
 /// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
@@ -27,13 +28,14 @@ use crate::tensor::DType;
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
-pub const LAYOUTS: [DType; 6] = [
+pub const LAYOUTS: [DType; 7] = [
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
     DType::Q8_0,
     DType::Q4_0,
     DType::Q5_0,
+    DType::Q4_1,
 ];
 
 /// Whether `dtype` has a repacked layout.
@@ -44,7 +46,9 @@ pub fn has_layout(dtype: DType) -> bool {
 /// Whether kernel level `level` has a decoding kernel for `dtype`'s
 /// layout on this CPU (what repacking a matrix at load asks).
 pub fn has_kernel(dtype: DType, level: super::isa::Level) -> bool {
-    decode_for(dtype, level).is_some() || b32_x8::decode_for(dtype, level).is_some()
+    decode_for(dtype, level).is_some()
+        || b32_x8::decode_for(dtype, level).is_some()
+        || (q4_1_x8::is_q4_1(dtype) && q4_1_x8::decode_for(level).is_some())
 }
 
 /// Bytes of one group (8 rows × one block) of `dtype`.
@@ -80,6 +84,7 @@ impl Segments {
             DType::Q5K => q4k_x8::segments(true, r).for_each(&mut push),
             DType::Q6K => q6k_x8::segments(r).for_each(&mut push),
             d if b32_x8::is_b32(d) => b32_x8::segments(d, r).for_each(&mut push),
+            DType::Q4_1 => q4_1_x8::segments(r).for_each(&mut push),
             other => panic!("x8: no repacked layout for {other}"),
         }
         Segments { list, len }
@@ -316,13 +321,16 @@ fn copy_small(dst: &mut [u8], src: &[u8]) {
 
 /// Scalar model of a decoding call: each of the row block's 8 rows
 /// unpacked and run through `qgemm_lanes::dot_scalar` (K-quants, Q8_K
-/// activations) or `b32_x8::dot_scalar` (Q8_0 activations).
+/// activations), `b32_x8::dot_scalar` (Q8_0 activations) or
+/// `q4_1_x8::dot_scalar` (Q8_1 activations).
 pub fn decode_scalar(dtype: DType, nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
     let mut row = vec![0u8; nb * dtype.block_bytes()];
     std::array::from_fn(|r| {
         unpack(dtype, groups, r, nb, &mut row);
         if b32_x8::is_b32(dtype) {
             b32_x8::dot_scalar(dtype, nb, &row, y)
+        } else if q4_1_x8::is_q4_1(dtype) {
+            q4_1_x8::dot_scalar(nb, &row, y)
         } else {
             super::qgemm_lanes::dot_scalar(dtype, nb, &row, y)
         }
