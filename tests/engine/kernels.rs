@@ -1718,8 +1718,8 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
     {
         let (w, _) = quant_problem(dt, &mut r, 16, 512, 1);
         let want = kvrun::backend::cpu::x8::has_kernel(dt, level);
-        // Q8_0×8 and Q4_1×8 have VNNI kernels only; Q5_1 has no layout
-        let min = if matches!(dt, DType::Q8_0 | DType::Q4_1) {
+        // Q8_0×8 has a VNNI kernel only; Q5_1 has no layout
+        let min = if dt == DType::Q8_0 {
             Level::Avx512Vnni
         } else {
             Level::Avx2

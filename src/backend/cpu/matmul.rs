@@ -68,7 +68,7 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K, Q5_K, Q6_K, Q4_0 and Q5_0 with a multiple of 8 rows
+    /// fastest: Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q4_1 with a multiple of 8 rows
     /// are repacked 8 rows at a time from AVX2 up, Q8_0 from AVX-512 VNNI
     /// up ([`X8`], the same bytes rearranged; mapped pages of the original
     /// are released, so the weights are not resident twice); anything else

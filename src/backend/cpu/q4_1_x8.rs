@@ -28,7 +28,9 @@
 //! rows at once: 4 `vpdpbusd`, 4 conversions and 4 `fma` per group
 //! instead of per row, one (d, m) load and conversion for the 8 rows, and
 //! a single stream of memory instead of 8 (the row-major kernel needed
-//! software prefetch to keep ahead of its 8 streams).
+//! software prefetch to keep ahead of its 8 streams). At AVX2 (where the
+//! row-major decoding is ggml's `vec_dot`, row by row) each lane j of the
+//! 8 rows is one `maddubs` and one `madd`, as ggml's AVX2 code forms it.
 
 use crate::tensor::DType;
 use half::f16;
@@ -86,27 +88,94 @@ pub fn dot_scalar(nb: usize, row: &[u8], y: &[u8]) -> f32 {
     ((h[0] + h[2]) + (h[1] + h[3])) + summs
 }
 
-/// The decoding kernel at kernel level `level`, where this CPU runs it
-/// (from avx512vnni; below, Q4_1 is not repacked and decodes row-major).
+/// The decoding kernel at kernel level `level`, where this CPU runs it:
+/// VNNI's from avx512vnni, AVX2's at avx2 and avx512; none below.
 pub fn decode_for(level: super::isa::Level) -> Option<super::x8::X8Fn> {
     #[cfg(target_arch = "x86_64")]
-    if level.vnni() && level <= super::isa::detected() {
-        return Some(decode);
+    return super::isa::vnni_or_avx2(level, decode::<true>, decode::<false>);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        None
     }
-    let _ = level;
-    None
 }
 
 #[cfg(target_arch = "x86_64")]
-fn decode(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
+fn decode<const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
     assert!(
         groups.len() >= nb * GROUP_BYTES && y.len() >= nb * Q8_1_BYTES,
         "q4_1×8 decode: short operands"
     );
-    // SAFETY: handed out by `decode_for` only where the CPU has AVX-512
-    // F/BW/VL/VNNI, AVX2, FMA and F16C; the lengths checked above bound
-    // every load.
-    unsafe { decode_vnni(nb, groups.as_ptr(), y.as_ptr()) }
+    // SAFETY: handed out by `decode_for` only where the CPU has AVX2, FMA
+    // and F16C, and for VNNI's AVX-512 F/BW/VL/VNNI; the lengths checked
+    // above bound every load.
+    unsafe {
+        if VNNI {
+            decode_vnni(nb, groups.as_ptr(), y.as_ptr())
+        } else {
+            decode_avx2(nb, groups.as_ptr(), y.as_ptr())
+        }
+    }
+}
+
+/// The AVX2 kernel: per group and quant dword j, one `maddubs` of the 8
+/// rows' nibbles with the token's dword j broadcast (pairs within
+/// 2·15·128, exact) and one `madd` by 1 give lane j of the 8 rows, as
+/// ggml's AVX2 `vec_dot` forms it; 8 accumulators, one per lane j.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `x` holds `nb` groups, `y` `nb` Q8_1
+/// blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+    use std::arch::x86_64::*;
+    let nib = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    // acc[j]: lane j of the 8 rows
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut summs = _mm256_setzero_ps();
+    // SAFETY (every load below): b < nb, so group b and block b of y are
+    // readable (the function's contract).
+    unsafe {
+        for b in 0..nb {
+            let g = x.add(b * GROUP_BYTES);
+            let yb = y.add(b * Q8_1_BYTES);
+            let dy = f16::from_bits(yb.cast::<u16>().read_unaligned()).to_f32();
+            let sy = f16::from_bits(yb.add(2).cast::<u16>().read_unaligned()).to_f32();
+            let heads = _mm256_loadu_si256(g.cast());
+            // the 8 rows' d and m: the low and high halves of each dword
+            let d16 = _mm256_packus_epi32(
+                _mm256_and_si256(heads, _mm256_set1_epi32(0xffff)),
+                _mm256_srli_epi32::<16>(heads),
+            );
+            // (packus works per 128-bit lane: d of rows 0-3, m of 0-3, d of
+            // 4-7, m of 4-7 as 64-bit quarters; put the d's, then the m's)
+            let d16 = _mm256_permute4x64_epi64::<0b11_01_10_00>(d16);
+            let dx = _mm256_cvtph_ps(_mm256_castsi256_si128(d16));
+            let mx = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(d16));
+            summs = _mm256_fmadd_ps(mx, _mm256_set1_ps(sy), summs);
+            let dd = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
+            for k in 0..4 {
+                let q = _mm256_loadu_si256(g.add(32 + 32 * k).cast());
+                let halves = [
+                    (k, _mm256_and_si256(q, nib)),
+                    (4 + k, _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib)),
+                ];
+                for (j, w) in halves {
+                    let yj = _mm256_set1_epi32(yb.add(4 + 4 * j).cast::<i32>().read_unaligned());
+                    let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(w, yj), ones);
+                    acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes), acc[j]);
+                }
+            }
+        }
+        // ggml's hsum_float_8 over each row's lanes
+        let h: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[4 + i], acc[i]));
+        let total = _mm256_add_ps(_mm256_add_ps(h[0], h[2]), _mm256_add_ps(h[1], h[3]));
+        let mut out = [0f32; ROWS];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(total, summs));
+        out
+    }
 }
 
 /// The VNNI kernel (the module doc's decoding).
