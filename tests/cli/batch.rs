@@ -28,17 +28,15 @@ fn tmpdir(name: &str) -> PathBuf {
 
 fn kvrun(args: &[&str], stdin: Option<&str>) -> Output {
     let model = util::default_model();
+    let m = model.to_str().unwrap();
+    let base = ["batch", "-m", m, "-t", "2", "--max-tokens", "8"];
+    run(&[&base[..], args].concat(), stdin)
+}
+
+/// kvrun with exactly `args`, `stdin` written to it (or none).
+fn run(args: &[&str], stdin: Option<&str>) -> Output {
     let mut cmd = Command::new(util::kvrun_bin());
-    cmd.arg("batch")
-        .args([
-            "-m",
-            model.to_str().unwrap(),
-            "-t",
-            "2",
-            "--max-tokens",
-            "8",
-        ])
-        .args(args);
+    cmd.args(args);
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()
     } else {
@@ -571,21 +569,11 @@ fn max_tokens_minus_one_runs_to_the_context() {
     let m = model.to_str().unwrap();
     let input = "{\"id\": \"a\", \"prompt\": \"Say hi.\"}\n";
     for flag in ["-n", "--max-tokens"] {
-        let mut child = Command::new(util::kvrun_bin())
-            .args(["batch", "-m", m, "-t", "2", "-c", "64", "--ignore-eos"])
-            .args([flag, "-1", "-i", "-", "-o", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run kvrun");
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        let o = child.wait_with_output().unwrap();
+        let args = ["batch", "-m", m, "-t", "2", "-c", "64", "--ignore-eos"];
+        let o = run(
+            &[&args[..], &[flag, "-1", "-i", "-", "-o", "-"]].concat(),
+            Some(input),
+        );
         assert!(o.status.success(), "{flag} -1: {}", stderr(&o));
         let recs = records(&String::from_utf8(o.stdout).unwrap());
         assert_eq!(recs.len(), 1);

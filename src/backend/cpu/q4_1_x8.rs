@@ -44,6 +44,10 @@ const Q8_1_BYTES: usize = 36;
 /// Bytes of a group.
 pub const GROUP_BYTES: usize = ROWS * Q4_1_BYTES;
 
+/// A decoding kernel: `(nb, one row block's groups, one token's Q8_1 row)
+/// -> the 8 rows' dot products` (the shape of `x8::X8Fn`).
+pub type DecodeFn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
+
 /// Row `r`'s copies between one block and its group, `(offset in the
 /// block, offset in the group, length)`.
 pub fn segments(r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
@@ -90,7 +94,7 @@ pub fn dot_scalar(nb: usize, row: &[u8], y: &[u8]) -> f32 {
 
 /// The decoding kernel at kernel level `level`, where this CPU runs it:
 /// VNNI's from avx512vnni, AVX2's at avx2 and avx512; none below.
-pub fn decode_for(level: super::isa::Level) -> Option<super::x8::X8Fn> {
+pub fn decode_for(level: super::isa::Level) -> Option<DecodeFn> {
     #[cfg(target_arch = "x86_64")]
     return super::isa::vnni_or_avx2(level, decode::<true>, decode::<false>);
     #[cfg(not(target_arch = "x86_64"))]
@@ -118,6 +122,23 @@ fn decode<const VNNI: bool>(nb: usize, groups: &[u8], y: &[u8]) -> [f32; ROWS] {
     }
 }
 
+/// A Q8_1 block's `d` and `s` as f32.
+///
+/// # Safety
+/// `yb` points at 4 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn token_scales(yb: *const u8) -> (f32, f32) {
+    // SAFETY: the caller's contract.
+    let (d, s) = unsafe {
+        (
+            yb.cast::<u16>().read_unaligned(),
+            yb.add(2).cast::<u16>().read_unaligned(),
+        )
+    };
+    (f16::from_bits(d).to_f32(), f16::from_bits(s).to_f32())
+}
+
 /// The AVX2 kernel: per group and quant dword j, one `maddubs` of the 8
 /// rows' nibbles with the token's dword j broadcast (pairs within
 /// 2·15·128, exact) and one `madd` by 1 give lane j of the 8 rows, as
@@ -141,8 +162,7 @@ unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         for b in 0..nb {
             let g = x.add(b * GROUP_BYTES);
             let yb = y.add(b * Q8_1_BYTES);
-            let dy = f16::from_bits(yb.cast::<u16>().read_unaligned()).to_f32();
-            let sy = f16::from_bits(yb.add(2).cast::<u16>().read_unaligned()).to_f32();
+            let (dy, sy) = token_scales(yb);
             let heads = _mm256_loadu_si256(g.cast());
             // the 8 rows' d and m: the low and high halves of each dword
             let d16 = _mm256_packus_epi32(
@@ -201,8 +221,7 @@ unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         for b in 0..nb {
             let g = x.add(b * GROUP_BYTES);
             let yb = y.add(b * Q8_1_BYTES);
-            let dy = f16::from_bits(yb.cast::<u16>().read_unaligned()).to_f32();
-            let sy = f16::from_bits(yb.add(2).cast::<u16>().read_unaligned()).to_f32();
+            let (dy, sy) = token_scales(yb);
             // the 8 rows' (d, m): d·d_y per row, and summs = fma(m, s, summs)
             let heads = _mm256_loadu_si256(g.cast());
             let dx = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads));

@@ -138,32 +138,47 @@ pub fn dot_scalar(nb: usize, w: &[u8], y: &[u8]) -> f32 {
     acc
 }
 
+/// Every packer's walk over 8 tokens' Q8_0 rows (`nb` blocks; repeat a
+/// token to pad): `out` holds `nb` packed blocks of `bytes`, and
+/// `put(t, y, o)` writes token t's block `y` (34 bytes) into packed block
+/// `o`.
+fn pack_tokens(
+    nb: usize,
+    toks: &[&[u8]; TOKS],
+    out: &mut [u8],
+    bytes: usize,
+    put: impl Fn(usize, &[u8], &mut [u8]),
+) {
+    assert!(
+        toks.iter().all(|t| t.len() >= nb * Q8_0_BYTES),
+        "q8_0: activation row too short"
+    );
+    assert!(out.len() >= nb * bytes, "q8_0: packed tile too short");
+    for (b, o) in out[..nb * bytes].chunks_exact_mut(bytes).enumerate() {
+        for (t, tok) in toks.iter().enumerate() {
+            put(t, &tok[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES], o);
+        }
+    }
+}
+
+/// Quant dword `g` of a Q8_0 block.
+#[inline]
+fn dword(y: &[u8], g: usize) -> u32 {
+    u32::from_le_bytes([y[2 + 4 * g], y[3 + 4 * g], y[4 + 4 * g], y[5 + 4 * g]])
+}
+
 /// Rearrange 8 tokens' Q8_0 rows (`nb` blocks; repeat a token to pad) into
 /// the prefill tile's form, `nb · PACKED_ACT_BYTES` bytes in `out`: per
 /// block, for g in 0..8 the dwords `g` of tokens 0..8 (each byte + 128,
 /// i.e. its sign bit flipped), then the tokens' scales as f32.
 pub fn pack_acts(nb: usize, toks: &[&[u8]; TOKS], out: &mut [u8]) {
-    assert!(
-        toks.iter().all(|t| t.len() >= nb * Q8_0_BYTES),
-        "q8_0: activation row too short"
-    );
-    assert!(
-        out.len() >= nb * PACKED_ACT_BYTES,
-        "q8_0: packed tile too short"
-    );
-    for b in 0..nb {
-        let o = &mut out[b * PACKED_ACT_BYTES..(b + 1) * PACKED_ACT_BYTES];
-        for (t, tok) in toks.iter().enumerate() {
-            let y = &tok[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
-            for g in 0..8 {
-                let q = u32::from_le_bytes(y[2 + 4 * g..6 + 4 * g].try_into().unwrap());
-                let at = g * 32 + t * 4;
-                o[at..at + 4].copy_from_slice(&(q ^ 0x8080_8080).to_le_bytes());
-            }
-            let at = 256 + t * 4;
-            o[at..at + 4].copy_from_slice(&f16_at(y, 0).to_le_bytes());
+    pack_tokens(nb, toks, out, PACKED_ACT_BYTES, |t, y, o| {
+        for g in 0..8 {
+            let at = g * 32 + t * 4;
+            o[at..at + 4].copy_from_slice(&(dword(y, g) ^ 0x8080_8080).to_le_bytes());
         }
-    }
+        o[256 + t * 4..260 + t * 4].copy_from_slice(&f16_at(y, 0).to_le_bytes());
+    });
 }
 
 /// Rearrange 8 tokens' Q8_0 rows (`nb` blocks; repeat a token to pad) into
@@ -172,29 +187,15 @@ pub fn pack_acts(nb: usize, toks: &[&[u8]; TOKS], out: &mut [u8]) {
 /// (u = byte + 128), low nibbles (u & 15) then high nibbles (u >> 4), then
 /// the tokens' scales as f32.
 pub fn pack_acts_nibbles(nb: usize, toks: &[&[u8]; TOKS], out: &mut [u8]) {
-    assert!(
-        toks.iter().all(|t| t.len() >= nb * Q8_0_BYTES),
-        "q8_0: activation row too short"
-    );
-    assert!(
-        out.len() >= nb * NIBBLE_ACT_BYTES,
-        "q8_0: packed tile too short"
-    );
-    for b in 0..nb {
-        let o = &mut out[b * NIBBLE_ACT_BYTES..(b + 1) * NIBBLE_ACT_BYTES];
-        for (t, tok) in toks.iter().enumerate() {
-            let y = &tok[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
-            for g in 0..8 {
-                let u =
-                    u32::from_le_bytes(y[2 + 4 * g..6 + 4 * g].try_into().unwrap()) ^ 0x8080_8080;
-                let at = g * 64 + t * 4;
-                o[at..at + 4].copy_from_slice(&(u & 0x0f0f_0f0f).to_le_bytes());
-                o[at + 32..at + 36].copy_from_slice(&((u >> 4) & 0x0f0f_0f0f).to_le_bytes());
-            }
-            let at = 512 + t * 4;
-            o[at..at + 4].copy_from_slice(&f16_at(y, 0).to_le_bytes());
+    pack_tokens(nb, toks, out, NIBBLE_ACT_BYTES, |t, y, o| {
+        for g in 0..8 {
+            let u = dword(y, g) ^ 0x8080_8080;
+            let at = g * 64 + t * 4;
+            o[at..at + 4].copy_from_slice(&(u & 0x0f0f_0f0f).to_le_bytes());
+            o[at + 32..at + 36].copy_from_slice(&((u >> 4) & 0x0f0f_0f0f).to_le_bytes());
         }
-    }
+        o[512 + t * 4..516 + t * 4].copy_from_slice(&f16_at(y, 0).to_le_bytes());
+    });
 }
 
 /// Rearrange 8 tokens' Q8_0 rows (`nb` blocks; repeat a token to pad) for
@@ -203,28 +204,15 @@ pub fn pack_acts_nibbles(nb: usize, toks: &[&[u8]; TOKS], out: &mut [u8]) {
 /// of tokens 0..8 as they are (signed), the tokens' scales as f32, then
 /// each token's −O·Σy (the offset taken back: Σ (q − O)·y = Σ q·y − O·Σ y).
 pub fn pack_acts_signed<const O: i32>(nb: usize, toks: &[&[u8]; TOKS], out: &mut [u8]) {
-    assert!(
-        toks.iter().all(|t| t.len() >= nb * Q8_0_BYTES),
-        "q8_0: activation row too short"
-    );
-    assert!(
-        out.len() >= nb * SIGNED_ACT_BYTES,
-        "q8_0: packed tile too short"
-    );
-    for b in 0..nb {
-        let o = &mut out[b * SIGNED_ACT_BYTES..(b + 1) * SIGNED_ACT_BYTES];
-        for (t, tok) in toks.iter().enumerate() {
-            let y = &tok[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
-            for g in 0..8 {
-                let at = g * 32 + t * 4;
-                o[at..at + 4].copy_from_slice(&y[2 + 4 * g..6 + 4 * g]);
-            }
-            let at = 256 + t * 4;
-            o[at..at + 4].copy_from_slice(&f16_at(y, 0).to_le_bytes());
-            let sum: i32 = y[2..].iter().map(|&q| q as i8 as i32).sum();
-            o[at + 32..at + 36].copy_from_slice(&(-O * sum).to_le_bytes());
+    pack_tokens(nb, toks, out, SIGNED_ACT_BYTES, |t, y, o| {
+        for g in 0..8 {
+            o[g * 32 + t * 4..g * 32 + t * 4 + 4].copy_from_slice(&dword(y, g).to_le_bytes());
         }
-    }
+        let at = 256 + t * 4;
+        o[at..at + 4].copy_from_slice(&f16_at(y, 0).to_le_bytes());
+        let sum: i32 = y[2..].iter().map(|&q| q as i8 as i32).sum();
+        o[at + 32..at + 36].copy_from_slice(&(-O * sum).to_le_bytes());
+    });
 }
 
 /// The side data of 8 weight rows (`nb` blocks), `nb · SIDE_BYTES` bytes in
