@@ -291,6 +291,24 @@ pub fn decode_for(level: Level) -> Option<DecodeFn> {
     }
 }
 
+/// Quant dword `g` of block `b` of a Q8_0-shaped weight row at `row`, in
+/// every lane (the tiles' broadcast weights).
+///
+/// # Safety
+/// AVX2 is available; the row holds more than `b` blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn weight_dword(row: *const u8, b: usize, g: usize) -> std::arch::x86_64::__m256i {
+    // SAFETY: the caller's contract bounds the read; registers otherwise.
+    unsafe {
+        let w = row
+            .add(b * Q8_0_BYTES + 2 + 4 * g)
+            .cast::<i32>()
+            .read_unaligned();
+        std::arch::x86_64::_mm256_set1_epi32(w)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8]) -> [[f32; TOKS]; ROWS] {
     assert!(
@@ -335,13 +353,8 @@ unsafe fn tile_impl(
         // group by group, rows innermost: 8 independent chains
         for (g, yg) in y.iter().enumerate() {
             for r in 0..ROWS {
-                let w = unsafe {
-                    wp[r]
-                        .add(b * Q8_0_BYTES + 2 + 4 * g)
-                        .cast::<i32>()
-                        .read_unaligned()
-                };
-                isum[r] = _mm256_dpbusd_epi32(isum[r], *yg, _mm256_set1_epi32(w));
+                let w = unsafe { weight_dword(wp[r], b, g) };
+                isum[r] = _mm256_dpbusd_epi32(isum[r], *yg, w);
             }
         }
         // acc = fma(dx·dy, f32(isum), acc) for 8 tokens at once
@@ -413,13 +426,7 @@ unsafe fn tile_avx2_impl(
                 let l = unsafe { _mm256_loadu_si256(a.add(64 * g).cast()) };
                 let h = unsafe { _mm256_loadu_si256(a.add(64 * g + 32).cast()) };
                 for r in 0..PR {
-                    let w = unsafe {
-                        wp[r]
-                            .add(b * Q8_0_BYTES + 2 + 4 * g)
-                            .cast::<i32>()
-                            .read_unaligned()
-                    };
-                    let w = _mm256_set1_epi32(w);
+                    let w = unsafe { weight_dword(wp[r], b, g) };
                     lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(l, w));
                     hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(h, w));
                 }
@@ -513,13 +520,7 @@ unsafe fn tile_unsigned_impl<const Q5: bool>(
                 for g in g0..g0 + span {
                     let y = unsafe { _mm256_loadu_si256(a.add(32 * g).cast()) };
                     for r in 0..PR {
-                        let w = unsafe {
-                            wp[r]
-                                .add(b * Q8_0_BYTES + 2 + 4 * g)
-                                .cast::<i32>()
-                                .read_unaligned()
-                        };
-                        let w = _mm256_set1_epi32(w);
+                        let w = unsafe { weight_dword(wp[r], b, g) };
                         p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w, y));
                     }
                 }
