@@ -309,20 +309,25 @@ unsafe fn weight_dword(row: *const u8, b: usize, g: usize) -> std::arch::x86_64:
     }
 }
 
+/// The checks every tile's entry makes before its kernel runs: 8 weight
+/// rows and the side data of `nb` blocks, a token tile of `nb` packed
+/// blocks of `act_bytes`.
 #[cfg(target_arch = "x86_64")]
-fn tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8]) -> [[f32; TOKS]; ROWS] {
+fn check_tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8], act_bytes: usize) {
     assert!(
         rows.iter().all(|r| r.len() >= nb * Q8_0_BYTES),
         "q8_0: weight row too short"
     );
     assert!(side.len() >= nb * SIDE_BYTES, "q8_0: side data too short");
-    assert!(
-        acts.len() >= nb * PACKED_ACT_BYTES,
-        "q8_0: packed tile too short"
-    );
+    assert!(acts.len() >= nb * act_bytes, "q8_0: packed tile too short");
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8]) -> [[f32; TOKS]; ROWS] {
+    check_tile(nb, rows, side, acts, PACKED_ACT_BYTES);
     // SAFETY: handed out (prefill_for) only where the CPU has AVX-512
     // F/BW/VL/VNNI (and AVX2, FMA); every buffer holds nb blocks (checked
-    // just above), which bounds all loads.
+    // by check_tile), which bounds all loads.
     unsafe { tile_impl(nb, rows, side, acts) }
 }
 
@@ -374,18 +379,10 @@ unsafe fn tile_impl(
 
 #[cfg(target_arch = "x86_64")]
 fn tile_avx2(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8]) -> [[f32; TOKS]; ROWS] {
-    assert!(
-        rows.iter().all(|r| r.len() >= nb * Q8_0_BYTES),
-        "q8_0: weight row too short"
-    );
-    assert!(side.len() >= nb * SIDE_BYTES, "q8_0: side data too short");
-    assert!(
-        acts.len() >= nb * NIBBLE_ACT_BYTES,
-        "q8_0: packed tile too short"
-    );
+    check_tile(nb, rows, side, acts, NIBBLE_ACT_BYTES);
     // SAFETY: handed out (prefill_for) only where the CPU has AVX2, FMA and
-    // F16C; every buffer holds nb blocks (checked just above), which bounds
-    // all loads.
+    // F16C; every buffer holds nb blocks (checked by check_tile), which
+    // bounds all loads.
     unsafe { tile_avx2_impl(nb, rows, side, acts) }
 }
 
@@ -469,18 +466,10 @@ fn tile_unsigned<const Q5: bool>(
     side: &[u8],
     acts: &[u8],
 ) -> [[f32; TOKS]; ROWS] {
-    assert!(
-        rows.iter().all(|r| r.len() >= nb * Q8_0_BYTES),
-        "q8_0: weight row too short"
-    );
-    assert!(side.len() >= nb * SIDE_BYTES, "q8_0: side data too short");
-    assert!(
-        acts.len() >= nb * SIGNED_ACT_BYTES,
-        "q8_0: packed tile too short"
-    );
+    check_tile(nb, rows, side, acts, SIGNED_ACT_BYTES);
     // SAFETY: handed out (prefill_for) only where the CPU has AVX2, FMA and
-    // F16C; every buffer holds nb blocks (checked just above), which bounds
-    // all loads.
+    // F16C; every buffer holds nb blocks (checked by check_tile), which
+    // bounds all loads.
     unsafe { tile_unsigned_impl::<Q5>(nb, rows, side, acts) }
 }
 
