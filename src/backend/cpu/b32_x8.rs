@@ -429,6 +429,7 @@ unsafe fn decode_vnni<const T: u8>(
     unsafe {
         for b in 0..nb {
             let g = x.add(b * gb);
+            super::mem::prefetch_ahead(g, gb);
             let yb = y.add(b * Q8_0_BYTES);
             let yq = |k: usize| _mm256_set1_epi32(yb.add(2 + 4 * k).cast::<i32>().read_unaligned());
             // two chains of 4 products each, one started at −o·Σy
@@ -496,6 +497,7 @@ unsafe fn decode_avx2<const T: u8>(
     unsafe {
         for b in 0..nb {
             let g = x.add(b * gb);
+            super::mem::prefetch_ahead(g, gb);
             let yb = y.add(b * Q8_0_BYTES);
             let yq = |k: usize| _mm256_set1_epi32(yb.add(2 + 4 * k).cast::<i32>().read_unaligned());
             let bytes = if T == 2 {

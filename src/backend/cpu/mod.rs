@@ -87,8 +87,10 @@ impl Cpu {
     /// page is resident; from 4 KiB pages the same loop read a third less
     /// on a VM where the decoding itself then read more than that) summed
     /// after a warm-up pass, each thread streaming its own contiguous part,
-    /// pass after pass for about a second (at least 8 passes); the fastest
-    /// pass is the figure (`kvrun bench`'s roofline). A pass takes 10-20
+    /// pass after pass for about a second (at least 8 passes), every other
+    /// pass asking for the lines [`mem::AHEAD`] bytes on as the decoding
+    /// kernels do (on a Xeon VM that read more; on other machines it may
+    /// not); the fastest pass is the figure (`kvrun bench`'s roofline). A pass takes 10-20
     /// ms, so on a shared machine a mean over a few of them swings with
     /// whoever else reads memory at that moment (a 3-pass mean read 25-60
     /// GB/s on one VM within an hour, below what the decoding itself then
@@ -102,19 +104,19 @@ impl Cpu {
         buf.extend(0..n as u64);
         let nt = self.pool.n_threads();
         let sink = AtomicU64::new(0);
-        let pass = || {
+        let pass = |ahead: bool| {
             self.pool.run(|t| {
                 let (a, b) = pool::split(n, t, nt);
-                sink.fetch_add(stream_sum(&buf[a..b]), Ordering::Relaxed);
+                sink.fetch_add(stream_sum(&buf[a..b], ahead), Ordering::Relaxed);
             })
         };
-        pass();
+        pass(false);
         let start = std::time::Instant::now();
         let mut best = f64::INFINITY;
         let mut passes = 0;
         while passes < 8 || start.elapsed().as_secs_f64() < 1.0 {
             let t = std::time::Instant::now();
-            pass();
+            pass(passes % 2 == 1);
             best = best.min(t.elapsed().as_secs_f64());
             passes += 1;
         }
@@ -127,14 +129,22 @@ impl Cpu {
 /// (the bandwidth probe's loop). Explicit 32-byte loads on x86: left to
 /// the auto-vectorizer, a target-cpu=native build for AVX-512 Zen 4 turned
 /// the plain loop into gathers that read 5× slower than the memory (a 4.4
-/// GB/s "roofline" on a 26 GB/s core).
-fn stream_sum(words: &[u64]) -> u64 {
+/// GB/s "roofline" on a 26 GB/s core). With `ahead`, each 64 bytes read
+/// also asks for the line [`mem::AHEAD`] bytes on ([`mem::prefetch_ahead`]).
+fn stream_sum(words: &[u64], ahead: bool) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (detected just above; not the kernel
         // level, which `KVRUN_CPU` may cap: this is a probe of the memory).
-        return unsafe { stream_sum_avx2(words) };
+        return unsafe {
+            if ahead {
+                stream_sum_avx2::<true>(words)
+            } else {
+                stream_sum_avx2::<false>(words)
+            }
+        };
     }
+    let _ = ahead;
     stream_sum_ref(words)
 }
 
@@ -156,7 +166,7 @@ fn stream_sum_ref(words: &[u64]) -> u64 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn stream_sum_avx2(words: &[u64]) -> u64 {
+unsafe fn stream_sum_avx2<const AHEAD: bool>(words: &[u64]) -> u64 {
     use std::arch::x86_64::*;
     let chunks = words.chunks_exact(8);
     let tail = chunks
@@ -165,6 +175,9 @@ unsafe fn stream_sum_avx2(words: &[u64]) -> u64 {
         .fold(0u64, |s, &x| s.wrapping_add(x));
     let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     for c in chunks {
+        if AHEAD {
+            mem::prefetch_ahead(c.as_ptr().cast(), 64);
+        }
         // SAFETY: c holds 8 u64 (64 bytes); unaligned loads.
         unsafe {
             a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(c.as_ptr().cast()));
@@ -632,10 +645,12 @@ mod tests {
             .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
             .collect();
         for n in [0, 1, 7, 8, 9, 64, 1003] {
-            assert_eq!(
-                super::stream_sum(&words[..n]),
-                super::stream_sum_ref(&words[..n])
-            );
+            for ahead in [false, true] {
+                assert_eq!(
+                    super::stream_sum(&words[..n], ahead),
+                    super::stream_sum_ref(&words[..n])
+                );
+            }
         }
     }
 }

@@ -161,6 +161,7 @@ unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     unsafe {
         for b in 0..nb {
             let g = x.add(b * GROUP_BYTES);
+            super::mem::prefetch_ahead(g, GROUP_BYTES);
             let yb = y.add(b * Q8_1_BYTES);
             let (dy, sy) = token_scales(yb);
             let heads = _mm256_loadu_si256(g.cast());
@@ -220,6 +221,7 @@ unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     unsafe {
         for b in 0..nb {
             let g = x.add(b * GROUP_BYTES);
+            super::mem::prefetch_ahead(g, GROUP_BYTES);
             let yb = y.add(b * Q8_1_BYTES);
             let (dy, sy) = token_scales(yb);
             // the 8 rows' (d, m): d·d_y per row, and summs = fma(m, s, summs)

@@ -262,6 +262,7 @@ pub(super) unsafe fn decode_avx2<const Q5: bool>(
         let mut acc_m = _mm256_setzero_ps();
         for b in 0..nb {
             let g = x.add(b * gb);
+            super::mem::prefetch_ahead(g, gb);
             let yb = y.add(b * Q8_K_BYTES);
             // per half k (rows 4k..4k + 4): the packed scales of rows
             // 4k + 2l, 4k + 2l + 1 in 128-bit lane l, unpacked in place
@@ -399,6 +400,7 @@ pub(super) unsafe fn decode_vnni<const Q5: bool>(
         let mut acc_m = _mm256_setzero_ps();
         for b in 0..nb {
             let g = x.add(b * gb);
+            super::mem::prefetch_ahead(g, gb);
             let yb = y.add(b * Q8_K_BYTES);
             // Q5_K's fifth bits, read once per group (before the quants)
             let qh: [__m512i; 4] = std::array::from_fn(|h| {

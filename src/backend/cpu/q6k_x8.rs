@@ -138,6 +138,7 @@ pub(super) unsafe fn decode_avx2(nb: usize, x: *const u8, y: *const u8) -> [f32;
         let mut acc = _mm256_setzero_ps();
         for b in 0..nb {
             let g = x.add(b * GROUP_BYTES);
+            super::mem::prefetch_ahead(g, GROUP_BYTES);
             let yb = y.add(b * Q8_K_BYTES);
             // per half k: row 4k + j's sum in 32-bit lanes 2j, 2j + 1
             let half = |k: usize| {
@@ -211,6 +212,7 @@ pub(super) unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32;
         let mut acc = _mm256_setzero_ps();
         for b in 0..nb {
             let g = x.add(b * GROUP_BYTES);
+            super::mem::prefetch_ahead(g, GROUP_BYTES);
             let yb = y.add(b * Q8_K_BYTES);
             let sc =
                 |q: usize| _mm512_cvtepi8_epi16(_mm256_loadu_si256(g.add(G_SC + 32 * q).cast()));
