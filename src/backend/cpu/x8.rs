@@ -15,6 +15,11 @@
 //! (its `segments`), which packing and unpacking both follow, so a row always
 //! comes back as GGUF stores it (tests/engine/kernels.rs).
 //!
+//! Every decoding kernel reads its row block front to back and asks, per
+//! group, for the lines [`super::mem::AHEAD`] bytes on
+//! ([`super::mem::prefetch_ahead`]; the next row block follows in memory,
+//! so the prefetch runs on into it).
+//!
 //! The K-quant decoding kernels reproduce `qgemm_lanes::dot_scalar` bit
 //! for bit, the others `b32_x8::dot_scalar`, so a matrix gives the same
 //! logits repacked or not, at every level.
