@@ -12,8 +12,8 @@
 /// per core), synthetic R1-Distill-Qwen-7B Q4_K_M, tg32 at 2 threads,
 /// prefetching into L2 from the Q4_K×8 and Q6_K×8 kernels: none 3.7–4.2
 /// t/s, 2 KiB ahead 4.66, 4 KiB 5.07–5.21, 8 KiB 5.23, 16 KiB 5.10 (into
-/// L1 instead: 4.8–5.1). Its hardware prefetchers alone kept a kernel that
-/// also computes well below a plain streaming read.
+/// L1 instead: 4.8–5.1). With only the hardware prefetchers, a kernel
+/// that computes between its loads read well below a plain streaming loop.
 pub const AHEAD: usize = 8192;
 
 /// Ask for the cache lines of `[p + AHEAD, p + AHEAD + len)` to be brought

@@ -90,12 +90,12 @@ impl Cpu {
     /// pass after pass for about a second (at least 8 passes), every other
     /// pass asking for the lines [`mem::AHEAD`] bytes on as the decoding
     /// kernels do (on a Xeon VM that read more; on other machines it may
-    /// not); the fastest pass is the figure (`kvrun bench`'s roofline). A pass takes 10-20
-    /// ms, so on a shared machine a mean over a few of them swings with
-    /// whoever else reads memory at that moment (a 3-pass mean read 25-60
-    /// GB/s on one VM within an hour, below what the decoding itself then
-    /// read); the best pass is what the machine can deliver to these
-    /// threads.
+    /// not); the fastest pass is the figure (`kvrun bench`'s roofline). A
+    /// pass takes 10-20 ms, so on a shared machine a mean over a few of
+    /// them swings with whoever else reads memory at that moment (a 3-pass
+    /// mean read 25-60 GB/s on one VM within an hour, below what the
+    /// decoding itself then read); the best pass is what the machine can
+    /// deliver to these threads.
     pub fn read_bandwidth(&self) -> f64 {
         use std::sync::atomic::{AtomicU64, Ordering};
         let n = 64usize << 20; // u64 words
