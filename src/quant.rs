@@ -339,6 +339,125 @@ fn dequant_q6_k(b: &[u8], y: &mut [f32]) {
 }
 
 // ---------------------------------------------------------------------------
+// Affine form: small integers and one (a, b) per group
+// ---------------------------------------------------------------------------
+
+/// Elements sharing one `(a, b)` in [`affine_row`] for `dtype`, or `None`
+/// for the float types (they have no integer form).
+pub fn affine_group(dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => None,
+        // one scale per 16 weights
+        DType::Q6K => Some(16),
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => Some(32),
+        // one (scale, min) per 32-weight sub-block
+        DType::Q4K | DType::Q5K => Some(32),
+    }
+}
+
+/// One row of a quantized type as small integers `q` (one per element)
+/// and per-group steps `a`, `b` (one per [`affine_group`] elements), such
+/// that element `i` is `fma(q[i], a[i / g], b[i / g])`: equal (`==`) to
+/// what [`dequantize_row`] gives. Each type's dequantization is one
+/// exact product of its integer and a scale (the f16 scale, or for K-quants
+/// the exact product of the f16 super-block scale and the 6- or 8-bit
+/// sub-block scale) followed by at most one rounded addition, which is
+/// what the fused step rounds too:
+///
+/// | type | q | a | b |
+/// | --- | --- | --- | --- |
+/// | Q8_0 | the quant | d | 0 |
+/// | Q4_0, Q5_0 | nibble − 8, 5-bit − 16 | d | 0 |
+/// | Q4_1, Q5_1 | the 4- / 5-bit value | d | m |
+/// | Q4_K, Q5_K | the 4- / 5-bit value | d·sc | −(dmin·m) |
+/// | Q6_K | the 6-bit value − 32 | d·sc | 0 |
+///
+/// Panics on a float type or on sizes that do not fit (`q` n elements,
+/// `a` and `b` n / g).
+pub fn affine_row(dtype: DType, src: &[u8], q: &mut [i8], a: &mut [f32], b: &mut [f32]) {
+    let n = q.len();
+    check_row("affine_row", dtype, n, src.len());
+    let g = affine_group(dtype).expect("affine_row: a float type has no integer form");
+    assert!(
+        a.len() == n / g && b.len() == n / g,
+        "affine_row: {n} elements need {} steps",
+        n / g
+    );
+    let (bb, bl) = (dtype.block_bytes(), dtype.block_len());
+    let per = bl / g;
+    for (i, blk) in src.chunks_exact(bb).enumerate() {
+        let q = &mut q[i * bl..(i + 1) * bl];
+        let (a, b) = (
+            &mut a[i * per..(i + 1) * per],
+            &mut b[i * per..(i + 1) * per],
+        );
+        match dtype {
+            DType::Q8_0 => {
+                (a[0], b[0]) = (read_f16(blk, 0), 0.0);
+                for (x, &y) in q.iter_mut().zip(&blk[2..34]) {
+                    *x = y as i8;
+                }
+            }
+            DType::Q4_0 | DType::Q4_1 => {
+                let (d, m, qs) = match dtype {
+                    DType::Q4_0 => (read_f16(blk, 0), 0.0, &blk[2..18]),
+                    _ => (read_f16(blk, 0), read_f16(blk, 2), &blk[4..20]),
+                };
+                let off = if dtype == DType::Q4_0 { 8 } else { 0 };
+                (a[0], b[0]) = (d, m);
+                for j in 0..16 {
+                    q[j] = (qs[j] & 0x0f) as i8 - off;
+                    q[j + 16] = (qs[j] >> 4) as i8 - off;
+                }
+            }
+            DType::Q5_0 | DType::Q5_1 => {
+                let (d, m, v) = match dtype {
+                    DType::Q5_0 => (
+                        read_f16(blk, 0),
+                        0.0,
+                        q5_values(read_u32(blk, 2), &blk[6..22]),
+                    ),
+                    _ => (
+                        read_f16(blk, 0),
+                        read_f16(blk, 2),
+                        q5_values(read_u32(blk, 4), &blk[8..24]),
+                    ),
+                };
+                let off = if dtype == DType::Q5_0 { 16 } else { 0 };
+                (a[0], b[0]) = (d, m);
+                for (x, &y) in q.iter_mut().zip(&v) {
+                    *x = y as i8 - off;
+                }
+            }
+            DType::Q4K | DType::Q5K => {
+                let (d, dmin) = (read_f16(blk, 0), read_f16(blk, 2));
+                let v = match dtype {
+                    DType::Q4K => q4_k_values(&blk[16..144]),
+                    _ => q5_k_values(&blk[16..48], &blk[48..176]),
+                };
+                let (sc, mn) = k_scales_mins(&blk[4..16]);
+                for sb in 0..8 {
+                    a[sb] = d * sc[sb] as f32;
+                    b[sb] = -(dmin * mn[sb] as f32);
+                }
+                for (x, &y) in q.iter_mut().zip(&v) {
+                    *x = y as i8;
+                }
+            }
+            DType::Q6K => {
+                let d = read_f16(blk, 208);
+                for (s, x) in a.iter_mut().enumerate() {
+                    *x = d * blk[192 + s] as i8 as f32;
+                }
+                b.fill(0.0);
+                q.copy_from_slice(&q6_k_values(&blk[0..128], &blk[128..192]));
+            }
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Activation formats and quantizers
 // ---------------------------------------------------------------------------
 

@@ -201,6 +201,13 @@ pub trait Backend: std::fmt::Debug + Send + Sync + Sized + 'static {
     fn mat_row(&self, m: &Self::Mat<'_>, r: usize, out: &mut [f32]);
     /// Shape (n_out, n_in) of a matrix.
     fn mat_shape(&self, m: &Self::Mat<'_>) -> (usize, usize);
+    /// A matrix's rows as the file stores them (n_out rows in its type's
+    /// block layout) into `out`, and that type; `None` where the backend
+    /// does not hand them out (then `mat_row` is the way to read it).
+    fn mat_bytes(&self, m: &Self::Mat<'_>, out: &mut Vec<u8>) -> Option<DType> {
+        let _ = (m, out);
+        None
+    }
 
     // ---- the forward pass
     /// x[i] = table[tokens[i]]                                  (n, dim)

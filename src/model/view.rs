@@ -7,6 +7,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Config, Weights};
 use crate::signals::Dims;
+use crate::tensor::DType;
 
 impl From<&Config> for Dims {
     fn from(c: &Config) -> Dims {
@@ -24,6 +25,13 @@ impl From<&Config> for Dims {
 pub trait WeightSource {
     /// Layer `l`'s output projection W_O into `out`, (dim, q_dim) row-major.
     fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()>;
+    /// Layer `l`'s W_O as the file stores it (dim rows of q_dim values in
+    /// the returned type's block layout), where the source can hand it
+    /// out; `None` otherwise (`wo_f32` then).
+    fn wo_bytes(&self, l: usize, out: &mut Vec<u8>) -> Result<Option<DType>> {
+        let _ = (l, out);
+        Ok(None)
+    }
 }
 
 /// The weights of backend `B`, read through it.
@@ -54,6 +62,15 @@ impl<B: Backend> WeightSource for BackendWeights<'_, '_, B> {
             self.backend.mat_row(&lw.wo, i, row);
         }
         Ok(())
+    }
+
+    fn wo_bytes(&self, l: usize, out: &mut Vec<u8>) -> Result<Option<DType>> {
+        let lw = self
+            .weights
+            .layers
+            .get(l)
+            .ok_or_else(|| Error::Other(format!("layer {l} out of range")))?;
+        Ok(self.backend.mat_bytes(&lw.wo, out))
     }
 }
 
@@ -104,6 +121,19 @@ impl<'a> ModelView<'a> {
     /// `l` counts cache layers (`Config::cache_layers`), as scorers do: on a
     /// model with sliding-window layers it is mapped to its model layer.
     pub fn wo_f32(&self, l: usize, out: &mut Vec<f32>) -> Result<()> {
+        let (src, layer) = self.source(l)?;
+        src.wo_f32(layer, out)
+    }
+
+    /// Cache layer `l`'s W_O as the file stores it, where the weights can
+    /// be handed out so (see [`WeightSource::wo_bytes`]).
+    pub fn wo_bytes(&self, l: usize, out: &mut Vec<u8>) -> Result<Option<DType>> {
+        let (src, layer) = self.source(l)?;
+        src.wo_bytes(layer, out)
+    }
+
+    /// The weights and the model layer of cache layer `l`.
+    fn source(&self, l: usize) -> Result<(&'a dyn WeightSource, usize)> {
         let layer = match self.config.features.swa {
             Some(_) => *self
                 .config
@@ -112,8 +142,9 @@ impl<'a> ModelView<'a> {
                 .ok_or_else(|| Error::Other(format!("cache layer {l} out of range")))?,
             None => l,
         };
-        self.weights
-            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?
-            .wo_f32(layer, out)
+        let src = self
+            .weights
+            .ok_or_else(|| Error::Other("model view has no weights (config only)".into()))?;
+        Ok((src, layer))
     }
 }

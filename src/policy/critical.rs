@@ -207,12 +207,21 @@ pub struct Critical {
     group: usize,
     hd: usize,
     dim: usize,
-    /// (n_layers, n_heads) blocks of `blk` floats: head q's (hd, dim)
-    /// block, whose row j is column q·hd + j of W_O (what head q's output
-    /// dimension j adds to the stream), packed by `proj_norm::pack`.
+    /// Per layer, where its W_O blocks are and in which form.
+    forms: Vec<Form>,
+    /// The f32 layers' blocks: per layer n_heads blocks of `blk` floats,
+    /// head q's (hd, dim) block, whose row j is column q·hd + j of W_O
+    /// (what head q's output dimension j adds to the stream), packed by
+    /// `proj_norm::pack`.
     wt: Vec<f32>,
-    /// Floats of one packed block.
+    /// Floats of one packed f32 block.
     blk: usize,
+    /// The affine layers' blocks (`proj_norm::pack_affine`): quants and
+    /// steps, per layer n_heads blocks each.
+    wq: Vec<i8>,
+    wab: Vec<f32>,
+    /// Whether `prepare` may keep a layer in the affine form.
+    compact: bool,
     /// Token-uniform: (n_slots, n_layers · n_kv) N per slot and stream;
     /// streams: (n_slots,) N per pool row.
     norm: Vec<f32>,
@@ -229,6 +238,74 @@ pub struct Critical {
     res: Vec<f32>,
 }
 
+/// One layer's W_O blocks: f32 panels, or the affine form of a quantized
+/// W_O (`quant::affine_row`: a byte per weight and two floats per group of
+/// g, 1.25–1.5 bytes a weight instead of 4), which gives the same N bit for
+/// bit (`prepare` checks every weight against the dequantized W_O and keeps
+/// the f32 panels for a layer where any differs). Computing N reads a
+/// layer's blocks once per batch of entries; with eviction at every step
+/// that is once per token, so the smaller form is also the faster one.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    /// Head q's block at `wt[off + q·blk..]`.
+    F32 { off: usize },
+    /// Head q's quants at `wq[q0 + q·nq..]`, its steps at `wab[a0 + q·nab..]`.
+    Affine {
+        g: usize,
+        q0: usize,
+        nq: usize,
+        a0: usize,
+        nab: usize,
+    },
+}
+
+/// W_O of one layer in the affine form (integers (dim, q_dim) row-major,
+/// steps a and b (dim, q_dim / g)) where the source hands out its bytes,
+/// its type has that form, and the form rebuilds every weight of `wo` (the
+/// dequantized W_O) exactly; `None` otherwise.
+#[allow(clippy::type_complexity)]
+fn affine_wo(
+    model: &ModelView<'_>,
+    l: usize,
+    wo: &[f32],
+    (dim, q_dim, hd): (usize, usize, usize),
+    raw: &mut Vec<u8>,
+) -> Result<Option<(usize, Vec<i8>, Vec<f32>, Vec<f32>)>> {
+    let Some(dtype) = model.wo_bytes(l, raw)? else {
+        return Ok(None);
+    };
+    let Some(g) = crate::quant::affine_group(dtype) else {
+        return Ok(None);
+    };
+    if !hd.is_multiple_of(g)
+        || !q_dim.is_multiple_of(dtype.block_len())
+        || raw.len() != dim * dtype.row_bytes(q_dim)
+        || wo.len() != dim * q_dim
+    {
+        return Ok(None);
+    }
+    let (rb, ng) = (dtype.row_bytes(q_dim), q_dim / g);
+    let mut q = vec![0i8; dim * q_dim];
+    let (mut a, mut b) = (vec![0f32; dim * ng], vec![0f32; dim * ng]);
+    for d in 0..dim {
+        crate::quant::affine_row(
+            dtype,
+            &raw[d * rb..(d + 1) * rb],
+            &mut q[d * q_dim..(d + 1) * q_dim],
+            &mut a[d * ng..(d + 1) * ng],
+            &mut b[d * ng..(d + 1) * ng],
+        );
+    }
+    // every weight rebuilt exactly, or this layer stays f32 (q_dim is a
+    // multiple of g, so element i's group is i / g)
+    let exact = wo
+        .iter()
+        .zip(&q)
+        .enumerate()
+        .all(|(i, (&w, &x))| (x as f32).mul_add(a[i / g], b[i / g]) == w);
+    Ok(exact.then_some((g, q, a, b)))
+}
+
 impl Critical {
     /// A rescorer with `opts` (weights read at `prepare`).
     pub fn new(opts: CriticalOptions) -> Critical {
@@ -239,8 +316,12 @@ impl Critical {
             group: 1,
             hd: 0,
             dim: 0,
+            forms: Vec::new(),
             wt: Vec::new(),
             blk: 0,
+            wq: Vec::new(),
+            wab: Vec::new(),
+            compact: true,
             norm: Vec::new(),
             tok: Vec::new(),
             pending: Vec::new(),
@@ -252,14 +333,48 @@ impl Critical {
         }
     }
 
+    /// A rescorer that keeps every layer's W_O as f32 panels (the form
+    /// before the affine one: for comparisons; N is the same).
+    pub fn with_f32_weights(opts: CriticalOptions) -> Critical {
+        Critical {
+            compact: false,
+            ..Critical::new(opts)
+        }
+    }
+
+    /// Layers whose W_O `prepare` kept in the affine form.
+    pub fn affine_layers(&self) -> usize {
+        self.forms
+            .iter()
+            .filter(|f| matches!(f, Form::Affine { .. }))
+            .count()
+    }
+
+    /// Bytes of the W_O copies `prepare` made.
+    pub fn weight_bytes(&self) -> usize {
+        4 * (self.wt.len() + self.wab.len()) + self.wq.len()
+    }
+
     /// N of layer `l`, KV head `h`, for value rows `v` ((t, hd)), into `out` (t).
     pub fn norms_of(&self, l: usize, h: usize, v: &[f32], out: &mut [f32]) {
         out.fill(0.0);
         let blk = self.blk;
         let scale = 1.0 / self.group as f32;
         for q in h * self.group..(h + 1) * self.group {
-            let o = (l * self.n_kv * self.group + q) * blk;
-            proj_norm::projected_l1(v, self.hd, &self.wt[o..o + blk], self.dim, scale, out);
+            match self.forms[l] {
+                Form::F32 { off } => {
+                    let o = off + q * blk;
+                    proj_norm::projected_l1(v, self.hd, &self.wt[o..o + blk], self.dim, scale, out);
+                }
+                Form::Affine { g, q0, nq, a0, nab } => {
+                    let w = proj_norm::Affine {
+                        g,
+                        q: &self.wq[q0 + q * nq..q0 + (q + 1) * nq],
+                        ab: &self.wab[a0 + q * nab..a0 + (q + 1) * nab],
+                    };
+                    proj_norm::projected_l1_affine(v, self.hd, &w, self.dim, scale, out);
+                }
+            }
         }
     }
 
@@ -375,8 +490,8 @@ impl Rescorer for Critical {
         self.hd = hd;
         self.dim = dim;
         self.blk = proj_norm::packed_len(hd, dim);
-        self.wt = vec![0.0; nl * nh * self.blk];
-        let (mut wo, mut wt) = (Vec::new(), vec![0f32; q_dim * dim]);
+        (self.forms, self.wt, self.wq, self.wab) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut wo, mut raw, mut wt) = (Vec::new(), Vec::new(), Vec::new());
         for l in 0..nl {
             model.wo_f32(l, &mut wo)?;
             if wo.len() != dim * q_dim {
@@ -385,20 +500,51 @@ impl Rescorer for Critical {
                     wo.len()
                 )));
             }
+            let affine = match self.compact {
+                true => affine_wo(model, l, &wo, (dim, q_dim, hd), &mut raw)?,
+                false => None,
+            };
+            if let Some((g, q, a, b)) = affine {
+                // head h's block: row j is column h·hd + j of W_O, and rows
+                // jg·g .. of column d share step (d, (h·hd)/g + jg)
+                let (nq, nab) = proj_norm::affine_len(hd, dim, g);
+                let (q0, a0, ng) = (self.wq.len(), self.wab.len(), q_dim / g);
+                self.wq.resize(q0 + nh * nq, 0);
+                self.wab.resize(a0 + nh * nab, 0.0);
+                for h in 0..nh {
+                    proj_norm::pack_affine(
+                        hd,
+                        dim,
+                        g,
+                        |j, d| q[d * q_dim + h * hd + j],
+                        |jg, d| {
+                            let s = d * ng + h * hd / g + jg;
+                            (a[s], b[s])
+                        },
+                        &mut self.wq[q0 + h * nq..q0 + (h + 1) * nq],
+                        &mut self.wab[a0 + h * nab..a0 + (h + 1) * nab],
+                    );
+                }
+                self.forms.push(Form::Affine { g, q0, nq, a0, nab });
+                continue;
+            }
             // transpose (dim, q_dim) into (q_dim, dim): row q·hd + j is head
             // q's output dimension j; then pack each head's (hd, dim) block
+            wt.resize(q_dim * dim, 0.0);
             for (i, row) in wo.chunks_exact(q_dim).enumerate() {
                 for (c, &x) in row.iter().enumerate() {
                     wt[c * dim + i] = x;
                 }
             }
-            let dst = &mut self.wt[l * nh * self.blk..(l + 1) * nh * self.blk];
+            let off = self.wt.len();
+            self.wt.resize(off + nh * self.blk, 0.0);
             for (src, d) in wt
                 .chunks_exact(hd * dim)
-                .zip(dst.chunks_exact_mut(self.blk))
+                .zip(self.wt[off..].chunks_exact_mut(self.blk))
             {
                 proj_norm::pack(src, hd, dim, d);
             }
+            self.forms.push(Form::F32 { off });
         }
         self.norm = vec![0.0; cache.n_slots * nl * nkv];
         self.tok = vec![0.0; cache.n_slots];

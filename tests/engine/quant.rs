@@ -243,6 +243,50 @@ fn dequantize_matches_ggml() {
     println!("dequantize: {checked} elements bit-identical");
 }
 
+/// `affine_row` rebuilds `dequantize_row` (itself ggml's `to_float` bit
+/// for bit) for every quantized type: each element `fma(q, a, b)` equals
+/// it, on rows from ggml's quantizer and on random bytes (every scale bit,
+/// sign and high bit). CriticalKV keeps W_O in this form.
+#[test]
+fn affine_form_rebuilds_the_dequantized_row() {
+    let mut rng = Rng::for_test("affine_form_rebuilds_the_dequantized_row");
+    let mut checked = 0usize;
+    for dt in DType::ALL {
+        let Some(g) = affine_group(dt) else {
+            assert!(
+                matches!(dt, DType::F32 | DType::F16 | DType::BF16),
+                "{dt} has no affine form"
+            );
+            continue;
+        };
+        assert!(dt.block_len().is_multiple_of(g), "{dt}: group {g}");
+        for (k, &n) in [512usize, 4096, 512, 4096].iter().enumerate() {
+            let bytes = match k {
+                0 | 1 => encode_weights(dt, &random_row(&mut rng, n)),
+                _ => random_bytes_row(&mut rng, dt, n, false),
+            };
+            let mut want = vec![0f32; n];
+            dequantize_row(dt, &bytes, &mut want);
+            let mut q = vec![0i8; n];
+            let (mut a, mut b) = (vec![0f32; n / g], vec![0f32; n / g]);
+            affine_row(dt, &bytes, &mut q, &mut a, &mut b);
+            for i in 0..n {
+                let got = (q[i] as f32).mul_add(a[i / g], b[i / g]);
+                assert!(
+                    got == want[i],
+                    "{dt} row {k} element {i}: fma({}, {:e}, {:e}) = {got:e}, dequantized {:e}",
+                    q[i],
+                    a[i / g],
+                    b[i / g],
+                    want[i]
+                );
+            }
+            checked += n;
+        }
+    }
+    println!("affine form: {checked} elements rebuilt exactly");
+}
+
 // ---------------------------------------------------------------------------
 // 2. Activation quantizers, byte for byte
 // ---------------------------------------------------------------------------

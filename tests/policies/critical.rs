@@ -248,15 +248,15 @@ fn engine_norms_match(requant: Option<DType>) {
     let backend = Cpu::new(2);
     let bw = BackendWeights::new(&backend, &w);
     let view = ModelView::new(&w.config, &bw);
+    let shape = CacheShape {
+        n_slots: s.kv.cells.n_slots(),
+        budget: 64,
+    };
     let mut crit = Critical::new(OPTS);
-    crit.prepare(
-        &view,
-        CacheShape {
-            n_slots: s.kv.cells.n_slots(),
-            budget: 64,
-        },
-    )
-    .unwrap();
+    crit.prepare(&view, shape).unwrap();
+    let mut crit_f32 = Critical::with_f32_weights(OPTS);
+    crit_f32.prepare(&view, shape).unwrap();
+    same_norms_as_f32(&crit, &crit_f32, c.n_layers, nkv, hd, &format!("{dtype}"));
     let (slots, pos) = s.kv.live();
     let (slots, pos) = (slots.to_vec(), pos.to_vec());
     let signals = Signals::default();
@@ -300,6 +300,48 @@ fn engine_norms_match(requant: Option<DType>) {
     );
 }
 
+/// `crit` keeps every layer's W_O in the affine form, in under half the
+/// bytes of `f32` (the f32 panels), and both give the same N bit for bit
+/// on random value rows (1..=9 at a time: the kernels' full and ragged
+/// token blocks) for every layer and KV head.
+fn same_norms_as_f32(
+    crit: &Critical,
+    f32: &Critical,
+    nl: usize,
+    nkv: usize,
+    hd: usize,
+    what: &str,
+) {
+    assert_eq!(crit.affine_layers(), nl, "{what}: layers kept affine");
+    assert_eq!(f32.affine_layers(), 0, "{what}: the f32 rescorer");
+    assert!(
+        2 * crit.weight_bytes() < f32.weight_bytes(),
+        "{what}: affine {} bytes vs f32 {}",
+        crit.weight_bytes(),
+        f32.weight_bytes()
+    );
+    let mut rng = Rng::new(0xaff1);
+    for l in 0..nl {
+        for h in 0..nkv {
+            let n = 1 + (l + h) % 9;
+            let v: Vec<f32> = (0..n * hd)
+                .map(|_| rng.next_f64() as f32 * 2.0 - 1.0)
+                .collect();
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            crit.norms_of(l, h, &v, &mut a);
+            f32.norms_of(l, h, &v, &mut b);
+            for t in 0..n {
+                assert!(
+                    a[t].to_bits() == b[t].to_bits() && a[t] > 0.0,
+                    "{what}: layer {l} head {h} entry {t}: affine {} vs f32 {}",
+                    a[t],
+                    b[t]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn projected_norm_matches_the_dequantized_wo_q4_1() {
     engine_norms_match(None);
@@ -326,10 +368,31 @@ impl WeightSource for KQuantWo {
         }
         Ok(())
     }
+
+    fn wo_bytes(&self, l: usize, out: &mut Vec<u8>) -> kvrun::Result<Option<DType>> {
+        out.clear();
+        out.extend_from_slice(&self.mats[l].gguf_bytes());
+        Ok(Some(self.mats[l].dtype))
+    }
 }
 
 #[test]
 fn projected_norm_matches_the_dequantized_wo_q4_k() {
+    k_quant_norms_match(DType::Q4K);
+}
+
+#[test]
+fn projected_norm_matches_the_dequantized_wo_q5_k() {
+    k_quant_norms_match(DType::Q5K);
+}
+
+/// Q6_K: one scale per 16 weights, so the affine form's groups are 16.
+#[test]
+fn projected_norm_matches_the_dequantized_wo_q6_k() {
+    k_quant_norms_match(DType::Q6K);
+}
+
+fn k_quant_norms_match(dt: DType) {
     let g = Gguf::open(&util::default_model()).unwrap();
     let base = Weights::from_gguf(&g).unwrap().config.clone();
     // a GQA shape whose W_O rows are whole K-quant blocks: 8 query heads of
@@ -351,23 +414,23 @@ fn projected_norm_matches_the_dequantized_wo_q4_k() {
         let f: Vec<f32> = (0..dim * q_dim)
             .map(|_| rng.next_f64() as f32 - 0.5)
             .collect();
-        let q = ggml_sys::quantize_ref(DType::Q4K.ggml_id(), &f);
+        let q = ggml_sys::quantize_ref(dt.ggml_id(), &f);
         let mut d = vec![0f32; dim * q_dim];
-        ggml_sys::dequantize(DType::Q4K.ggml_id(), &q, &mut d);
+        ggml_sys::dequantize(dt.ggml_id(), &q, &mut d);
         deq.push(d);
-        mats.push(kvrun::backend::cpu::QMat::new(DType::Q4K, q_dim, dim, Cow::Owned(q)).unwrap());
+        mats.push(kvrun::backend::cpu::QMat::new(dt, q_dim, dim, Cow::Owned(q)).unwrap());
     }
     let src = KQuantWo { mats };
     let view = ModelView::new(&c, &src);
+    let shape = CacheShape {
+        n_slots: 8,
+        budget: 8,
+    };
     let mut crit = Critical::new(OPTS);
-    crit.prepare(
-        &view,
-        CacheShape {
-            n_slots: 8,
-            budget: 8,
-        },
-    )
-    .unwrap();
+    crit.prepare(&view, shape).unwrap();
+    let mut crit_f32 = Critical::with_f32_weights(OPTS);
+    crit_f32.prepare(&view, shape).unwrap();
+    same_norms_as_f32(&crit, &crit_f32, 2, 2, hd, &format!("{dt}"));
     let mut worst = 0f64;
     for (l, deq) in deq.iter().enumerate() {
         for h in 0..2 {
@@ -382,7 +445,7 @@ fn projected_norm_matches_the_dequantized_wo_q4_k() {
             }
         }
     }
-    assert!(worst < 1e-4, "Q4_K: N differs by {worst}");
+    assert!(worst < 1e-4, "{dt}: N differs by {worst}");
 }
 
 /// Every projected-norm kernel this CPU runs (portable, AVX2, AVX-512)
@@ -452,6 +515,99 @@ fn projected_l1_kernels_match_the_reference_at_every_level() {
     }
     let names: Vec<_> = run.iter().map(|(l, _)| l.name()).collect();
     eprintln!("levels {names:?}: worst relative difference {worst:.2e}");
+}
+
+/// The affine-form kernel of every level this CPU runs against the f32
+/// kernel of the same level on the same weights (`expand_affine`, then
+/// `pack`), bit for bit: group lengths 16 and 32, integers over all of
+/// i8 or small, steps with and without b, ragged token counts 1..13 and
+/// widths off the panel; `out` starts non-zero.
+#[test]
+fn affine_kernels_equal_the_f32_kernels_bit_for_bit() {
+    use kvrun::backend::cpu::isa::{detected, Level};
+    use kvrun::backend::cpu::proj_norm::{
+        affine_kernel_for, affine_len, expand_affine, kernel_for, pack, pack_affine, packed_len,
+        Affine,
+    };
+    let seed = 0xaf ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut rng = Rng::new(seed);
+    let mut levels = Vec::new();
+    for level in Level::ALL {
+        match (kernel_for(level), affine_kernel_for(level)) {
+            (Some(f), Some(a)) => levels.push((level, f, a)),
+            (None, None) => assert!(level > detected(), "no {level} kernel on a CPU that has it"),
+            _ => panic!("{level}: an f32 kernel without an affine one or the reverse"),
+        }
+    }
+    let mut compared = 0usize;
+    for (hd, dim, g, wide) in [
+        (64, 576, 32, false),
+        (128, 520, 16, true),
+        (64, 100, 32, true),
+        (48, 40, 16, false),
+    ] {
+        let ng = hd / g;
+        let q: Vec<i8> = (0..hd * dim)
+            .map(|_| match wide {
+                true => rng.next_u64() as i8,
+                false => (rng.next_u64() % 32) as i8 - 16,
+            })
+            .collect();
+        let ab: Vec<(f32, f32)> = (0..ng * dim)
+            .map(|i| {
+                let a = (rng.next_f64() as f32 - 0.5) * 0.01;
+                let b = if i % 3 == 0 {
+                    0.0
+                } else {
+                    (rng.next_f64() as f32 - 0.5) * 0.02
+                };
+                (a, b)
+            })
+            .collect();
+        let (nq, nab) = affine_len(hd, dim, g);
+        let (mut pq, mut pab) = (vec![0i8; nq], vec![0f32; nab]);
+        pack_affine(
+            hd,
+            dim,
+            g,
+            |j, d| q[j * dim + d],
+            |jg, d| ab[jg * dim + d],
+            &mut pq,
+            &mut pab,
+        );
+        let aff = Affine {
+            g,
+            q: &pq,
+            ab: &pab,
+        };
+        let w = expand_affine(&aff, hd, dim);
+        assert_eq!(w[dim + 1], (q[dim + 1] as f32).mul_add(ab[1].0, ab[1].1));
+        let mut packed = vec![0f32; packed_len(hd, dim)];
+        pack(&w, hd, dim, &mut packed);
+        for n in 1..=13 {
+            let v: Vec<f32> = (0..n * hd)
+                .map(|_| rng.next_f64() as f32 * 2.0 - 1.0)
+                .collect();
+            let base: Vec<f32> = (0..n).map(|t| t as f32 * 0.25).collect();
+            for (level, f, a) in &levels {
+                let (mut want, mut got) = (base.clone(), base.clone());
+                f(&v, hd, &packed, dim, 0.5, &mut want);
+                a(&v, hd, &aff, dim, 0.5, &mut got);
+                for t in 0..n {
+                    assert!(
+                        got[t].to_bits() == want[t].to_bits(),
+                        "{level} hd {hd} dim {dim} g {g} n {n} t {t}: affine {} vs f32 {}",
+                        got[t],
+                        want[t]
+                    );
+                    compared += 1;
+                }
+            }
+        }
+    }
+    let names: Vec<_> = levels.iter().map(|(l, _, _)| l.name()).collect();
+    eprintln!("levels {names:?}: {compared} sums identical");
 }
 
 // ------------------------------------------------------------ 3. budgets on the real model

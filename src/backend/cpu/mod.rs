@@ -409,6 +409,12 @@ impl Backend for Cpu {
         (m.n_out, m.n_in)
     }
 
+    fn mat_bytes(&self, m: &QMat<'_>, out: &mut Vec<u8>) -> Option<DType> {
+        out.clear();
+        out.extend_from_slice(&m.gguf_bytes());
+        Some(m.dtype)
+    }
+
     fn embed(&self, table: &QMat<'_>, tokens: &[u32], x: &mut Vec<f32>) {
         let dim = table.n_in;
         for (i, &t) in tokens.iter().enumerate() {

@@ -162,9 +162,189 @@ pub fn projected_l1(v: &[f32], hd: usize, packed: &[f32], dim: usize, scale: f32
     k(v, hd, packed, dim, scale, out)
 }
 
+/// A (hd, dim) block in the affine form, packed by [`pack_affine`]: the
+/// weight at (j, d) is `fma(q, a, b)` with q a signed byte and (a, b) the
+/// steps of column d for rows j in groups of `g`. A quantized W_O gives
+/// this form exactly (`quant::affine_row`), in 1 + 8/g bytes a weight
+/// instead of 4, and the kernels rebuild each weight vector in registers
+/// (a byte load, a conversion, one `fma`) before the same steps as on the
+/// f32 panels: on the same weights both forms give the same bits.
+///
+/// Layout, per panel p of [`PANEL`] columns (zero past `dim`):
+/// - `q`: hd rows of PANEL bytes (`affine_len`'s first count);
+/// - `ab`: per group of g rows, PANEL floats a then PANEL floats b.
+#[derive(Clone, Copy, Debug)]
+pub struct Affine<'a> {
+    pub g: usize,
+    pub q: &'a [i8],
+    pub ab: &'a [f32],
+}
+
+/// Sizes of a packed affine (hd, dim) block with groups of `g` rows:
+/// (quant bytes, step floats).
+pub fn affine_len(hd: usize, dim: usize, g: usize) -> (usize, usize) {
+    let np = dim.div_ceil(PANEL);
+    (np * PANEL * hd, np * (hd / g.max(1)) * 2 * PANEL)
+}
+
+/// Pack an affine (hd, dim) block: `q(j, d)` the integer of row j, column
+/// d; `ab(jg, d)` the steps of rows jg·g .. (jg + 1)·g, column d. `hd`
+/// must be a multiple of `g`.
+pub fn pack_affine(
+    hd: usize,
+    dim: usize,
+    g: usize,
+    q: impl Fn(usize, usize) -> i8,
+    ab: impl Fn(usize, usize) -> (f32, f32),
+    out_q: &mut [i8],
+    out_ab: &mut [f32],
+) {
+    assert!(
+        g > 0 && hd.is_multiple_of(g),
+        "proj_norm::pack_affine: hd {hd} is not a multiple of g {g}"
+    );
+    let (nq, nab) = affine_len(hd, dim, g);
+    assert!(
+        out_q.len() == nq && out_ab.len() == nab,
+        "proj_norm::pack_affine: bad output lengths"
+    );
+    out_q.fill(0);
+    out_ab.fill(0.0);
+    let ng = hd / g;
+    for d in 0..dim {
+        let (p, c) = (d / PANEL, d % PANEL);
+        for j in 0..hd {
+            out_q[(p * hd + j) * PANEL + c] = q(j, d);
+        }
+        for jg in 0..ng {
+            let (a, b) = ab(jg, d);
+            let base = (p * ng + jg) * 2 * PANEL + c;
+            out_ab[base] = a;
+            out_ab[base + PANEL] = b;
+        }
+    }
+}
+
+/// The weights of a packed affine block as a row-major (hd, dim) f32 block
+/// (what `pack` would take), each `fma(q, a, b)`.
+pub fn expand_affine(w: &Affine<'_>, hd: usize, dim: usize) -> Vec<f32> {
+    let ng = hd / w.g;
+    let mut out = vec![0f32; hd * dim];
+    for j in 0..hd {
+        for d in 0..dim {
+            let (p, c) = (d / PANEL, d % PANEL);
+            let base = (p * ng + j / w.g) * 2 * PANEL + c;
+            let q = w.q[(p * hd + j) * PANEL + c] as f32;
+            out[j * dim + d] = q.mul_add(w.ab[base], w.ab[base + PANEL]);
+        }
+    }
+    out
+}
+
+fn check_affine(v: &[f32], hd: usize, w: &Affine<'_>, dim: usize, out: &[f32]) {
+    assert!(
+        v.len() >= out.len() * hd,
+        "proj_norm: {} value floats for {} rows of {hd}",
+        v.len(),
+        out.len()
+    );
+    assert!(
+        w.g > 0 && hd.is_multiple_of(w.g),
+        "proj_norm: hd {hd} is not a multiple of the group {}",
+        w.g
+    );
+    let (nq, nab) = affine_len(hd, dim, w.g);
+    assert!(
+        w.q.len() == nq && w.ab.len() == nab,
+        "proj_norm: affine block of the wrong size"
+    );
+}
+
+/// A kernel on the affine panels: `(v, hd, block, dim, scale, out)`.
+pub type AffineFn = fn(&[f32], usize, &Affine<'_>, usize, f32, &mut [f32]);
+
+/// The portable kernel on the affine panels: [`projected_l1_portable`]'s
+/// loop with each weight row of a panel rebuilt first.
+pub fn projected_l1_affine_portable(
+    v: &[f32],
+    hd: usize,
+    w: &Affine<'_>,
+    dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    const TB: usize = 4;
+    check_affine(v, hd, w, dim, out);
+    let ng = hd / w.g;
+    let nt = out.len();
+    let np = w.q.len() / (hd * PANEL).max(1);
+    let mut t0 = 0;
+    while t0 < nt {
+        let tb = (nt - t0).min(TB);
+        let mut sums = [0f32; TB];
+        for p in 0..np {
+            let mut acc = [[0f32; PANEL]; TB];
+            for j in 0..hd {
+                let base = (p * ng + j / w.g) * 2 * PANEL;
+                let (a, b) = (
+                    &w.ab[base..base + PANEL],
+                    &w.ab[base + PANEL..base + 2 * PANEL],
+                );
+                let qr = &w.q[(p * hd + j) * PANEL..(p * hd + j + 1) * PANEL];
+                let mut wr = [0f32; PANEL];
+                for c in 0..PANEL {
+                    wr[c] = (qr[c] as f32).mul_add(a[c], b[c]);
+                }
+                for (t, acc) in acc.iter_mut().enumerate().take(tb) {
+                    let x = v[(t0 + t) * hd + j];
+                    for (y, &w) in acc.iter_mut().zip(&wr) {
+                        *y = x.mul_add(w, *y);
+                    }
+                }
+            }
+            for (s, a) in sums.iter_mut().zip(&acc).take(tb) {
+                *s += a.iter().map(|y| y.abs()).sum::<f32>();
+            }
+        }
+        for (o, s) in out[t0..t0 + tb].iter_mut().zip(sums) {
+            *o += s * scale;
+        }
+        t0 += tb;
+    }
+}
+
+/// The affine kernel for SIMD level `level`, if this CPU runs it.
+pub fn affine_kernel_for(level: Level) -> Option<AffineFn> {
+    if level > detected() {
+        return None;
+    }
+    match level {
+        Level::Portable => Some(projected_l1_affine_portable),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => Some(x86::projected_l1_affine_avx2),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 | Level::Avx512Vnni | Level::Amx => Some(x86::projected_l1_affine_avx512),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+/// [`projected_l1`] on an affine block, at this process's SIMD level.
+pub fn projected_l1_affine(
+    v: &[f32],
+    hd: usize,
+    w: &Affine<'_>,
+    dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let k = affine_kernel_for(super::isa::level()).unwrap_or(projected_l1_affine_portable);
+    k(v, hd, w, dim, scale, out)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{check, PANEL};
+    use super::{check, check_affine, Affine, PANEL};
     use std::arch::x86_64::*;
 
     /// The few vector operations the kernel needs, on `W` f32 lanes.
@@ -179,6 +359,8 @@ mod x86 {
         unsafe fn zero() -> Self::V;
         unsafe fn load(p: *const f32) -> Self::V;
         unsafe fn splat(p: *const f32) -> Self::V;
+        /// `W` signed bytes at `p` as floats (exact).
+        unsafe fn load_i8(p: *const i8) -> Self::V;
         /// a · b + c
         unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
         /// s + |x|
@@ -206,6 +388,11 @@ mod x86 {
         unsafe fn splat(p: *const f32) -> __m256 {
             // SAFETY: one float readable at p, AVX available (the contract).
             unsafe { _mm256_broadcast_ss(&*p) }
+        }
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m256 {
+            // SAFETY: 8 bytes readable at p, AVX2 available (the contract).
+            unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
         }
         #[inline(always)]
         unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
@@ -251,6 +438,11 @@ mod x86 {
             unsafe { _mm512_set1_ps(p.read()) }
         }
         #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m512 {
+            // SAFETY: 16 bytes readable at p, avx512f available (the contract).
+            unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+        }
+        #[inline(always)]
         unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
             // SAFETY: avx512f available (the contract).
             unsafe { _mm512_fmadd_ps(a, b, c) }
@@ -267,43 +459,116 @@ mod x86 {
         }
     }
 
+    /// Where the weight vectors of a column block come from: row j of
+    /// W in `group()`-row groups, each group opening a state (`Copy`
+    /// registers) its rows are read with.
+    ///
+    /// # Safety
+    /// The methods need L's features; `p < np`, `c0 + NV·W ≤ PANEL`,
+    /// `jg < hd / group()`, `j < hd` (the packed block's bounds).
+    trait Src<L: Lanes> {
+        type S: Copy;
+        fn group(&self) -> usize;
+        unsafe fn state(&self, p: usize, c0: usize, jg: usize) -> Self::S;
+        /// Vector k (W lanes from column c0 + k·W) of row j of panel p.
+        unsafe fn load(&self, s: &Self::S, p: usize, c0: usize, j: usize, k: usize) -> L::V;
+    }
+
+    /// The f32 panels (`pack`): one group of hd rows, no state.
+    struct F32Src {
+        w: *const f32,
+        hd: usize,
+    }
+
+    impl<L: Lanes> Src<L> for F32Src {
+        type S = ();
+        fn group(&self) -> usize {
+            self.hd
+        }
+        #[inline(always)]
+        unsafe fn state(&self, _: usize, _: usize, _: usize) {}
+        #[inline(always)]
+        unsafe fn load(&self, _: &(), p: usize, c0: usize, j: usize, k: usize) -> L::V {
+            // SAFETY: in bounds of the packed block (the trait's contract).
+            unsafe { L::load(self.w.add((p * self.hd + j) * PANEL + c0 + k * L::W)) }
+        }
+    }
+
+    /// The affine panels (`pack_affine`): groups of g rows sharing the
+    /// steps (a, b) of every column, loaded into registers once a group.
+    struct AffineSrc {
+        q: *const i8,
+        ab: *const f32,
+        hd: usize,
+        g: usize,
+    }
+
+    /// Column vectors per block of the kernels (both levels use 2).
+    const NV_MAX: usize = 2;
+
+    impl<L: Lanes> Src<L> for AffineSrc {
+        type S = [[L::V; NV_MAX]; 2];
+        fn group(&self) -> usize {
+            self.g
+        }
+        #[inline(always)]
+        unsafe fn state(&self, p: usize, c0: usize, jg: usize) -> Self::S {
+            let base = ((p * (self.hd / self.g) + jg) * 2) * PANEL + c0;
+            // SAFETY: in bounds of the packed steps (the trait's contract;
+            // a kernel reads at most NV_MAX vectors from c0).
+            std::array::from_fn(|ab| {
+                std::array::from_fn(|k| unsafe {
+                    L::load(self.ab.add(base + ab * PANEL + k * L::W))
+                })
+            })
+        }
+        #[inline(always)]
+        unsafe fn load(&self, s: &Self::S, p: usize, c0: usize, j: usize, k: usize) -> L::V {
+            // SAFETY: in bounds of the packed quants (the trait's contract).
+            unsafe {
+                let q = L::load_i8(self.q.add((p * self.hd + j) * PANEL + c0 + k * L::W));
+                L::fma(q, s[0][k], s[1][k])
+            }
+        }
+    }
+
     /// T tokens (rows of `v`, hd apart) against every column block of the
     /// packed block `w` (`np` panels); adds scale · Σ|acc| to `out[0..T]`.
     /// A column block is NV vectors of L::W lanes, PANEL / (NV·W) per panel.
     ///
     /// # Safety
-    /// `v` must hold T · hd floats, `w` np · hd · PANEL, `out` T; the CPU
-    /// must have L's features.
+    /// `v` must hold T · hd floats, `w` np panels of hd rows, `out` T; the
+    /// CPU must have L's features; NV ≤ NV_MAX.
     #[inline(always)]
-    unsafe fn tokens<L: Lanes, const T: usize, const NV: usize>(
+    unsafe fn tokens<L: Lanes, W: Src<L>, const T: usize, const NV: usize>(
         v: *const f32,
         hd: usize,
-        w: *const f32,
+        w: &W,
         np: usize,
         scale: f32,
         out: *mut f32,
     ) {
         let cb = NV * L::W;
         let per = PANEL / cb;
+        let grp = w.group();
         // SAFETY: L's features are present (the caller's contract); every
         // load stays inside v (rows t < T, columns j < hd) or w (panel
-        // b / per < np, row j < hd, columns (b % per)·cb + k·W + W ≤ PANEL);
-        // out holds T floats.
+        // b / per < np, group jg < hd / grp, row j < hd, columns
+        // (b % per)·cb + k·W + W ≤ PANEL); out holds T floats.
         unsafe {
             let mut sums = [L::zero(); T];
             for b in 0..np * per {
-                let base = w.add((b / per) * hd * PANEL + (b % per) * cb);
+                let (p, c0) = (b / per, (b % per) * cb);
                 let mut acc = [[L::zero(); NV]; T];
-                for j in 0..hd {
-                    let row = base.add(j * PANEL);
-                    let mut wv = [L::zero(); NV];
-                    for (k, x) in wv.iter_mut().enumerate() {
-                        *x = L::load(row.add(k * L::W));
-                    }
-                    for (t, a) in acc.iter_mut().enumerate() {
-                        let x = L::splat(v.add(t * hd + j));
-                        for (y, &wk) in a.iter_mut().zip(&wv) {
-                            *y = L::fma(x, wk, *y);
+                for jg in 0..hd / grp {
+                    let st = w.state(p, c0, jg);
+                    for j in jg * grp..(jg + 1) * grp {
+                        let wv: [L::V; NV] = std::array::from_fn(|k| w.load(&st, p, c0, j, k));
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            let x = L::splat(v.add(t * hd + j));
+                            for (y, &wk) in a.iter_mut().zip(&wv) {
+                                *y = L::fma(x, wk, *y);
+                            }
                         }
                     }
                 }
@@ -324,34 +589,34 @@ mod x86 {
     /// # Safety
     /// As [`tokens`], for `out.len()` tokens; TB ≤ 8.
     #[inline(always)]
-    unsafe fn all_tokens<L: Lanes, const TB: usize, const NV: usize>(
+    unsafe fn all_tokens<L: Lanes, W: Src<L>, const TB: usize, const NV: usize>(
         v: &[f32],
         hd: usize,
-        w: &[f32],
+        w: &W,
+        np: usize,
         scale: f32,
         out: &mut [f32],
     ) {
-        let np = w.len() / (hd * PANEL).max(1);
         let n = out.len();
-        let (vp, wp, op) = (v.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+        let (vp, op) = (v.as_ptr(), out.as_mut_ptr());
         // SAFETY: v holds n · hd floats and w np panels (the caller's
         // contract), out n: each call covers tokens t0 .. t0 + its T ≤ n.
         unsafe {
             let mut t0 = 0;
             while t0 + TB <= n {
-                tokens::<L, TB, NV>(vp.add(t0 * hd), hd, wp, np, scale, op.add(t0));
+                tokens::<L, W, TB, NV>(vp.add(t0 * hd), hd, w, np, scale, op.add(t0));
                 t0 += TB;
             }
             let (vp, op) = (vp.add(t0 * hd), op.add(t0));
             match n - t0 {
                 0 => {}
-                1 => tokens::<L, 1, NV>(vp, hd, wp, np, scale, op),
-                2 => tokens::<L, 2, NV>(vp, hd, wp, np, scale, op),
-                3 => tokens::<L, 3, NV>(vp, hd, wp, np, scale, op),
-                4 => tokens::<L, 4, NV>(vp, hd, wp, np, scale, op),
-                5 => tokens::<L, 5, NV>(vp, hd, wp, np, scale, op),
-                6 => tokens::<L, 6, NV>(vp, hd, wp, np, scale, op),
-                7 => tokens::<L, 7, NV>(vp, hd, wp, np, scale, op),
+                1 => tokens::<L, W, 1, NV>(vp, hd, w, np, scale, op),
+                2 => tokens::<L, W, 2, NV>(vp, hd, w, np, scale, op),
+                3 => tokens::<L, W, 3, NV>(vp, hd, w, np, scale, op),
+                4 => tokens::<L, W, 4, NV>(vp, hd, w, np, scale, op),
+                5 => tokens::<L, W, 5, NV>(vp, hd, w, np, scale, op),
+                6 => tokens::<L, W, 6, NV>(vp, hd, w, np, scale, op),
+                7 => tokens::<L, W, 7, NV>(vp, hd, w, np, scale, op),
                 r => unreachable!("ragged block of {r} ≥ 8 tokens"),
             }
         }
@@ -359,16 +624,77 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     fn avx2_impl(v: &[f32], hd: usize, w: &[f32], scale: f32, out: &mut [f32]) {
+        let np = w.len() / (hd * PANEL).max(1);
+        let src = F32Src { w: w.as_ptr(), hd };
         // SAFETY: this function's features are AVX2 + FMA, Avx2's; the
         // lengths were checked by the caller.
-        unsafe { all_tokens::<Avx2, 6, 2>(v, hd, w, scale, out) }
+        unsafe { all_tokens::<Avx2, _, 6, 2>(v, hd, &src, np, scale, out) }
     }
 
     #[target_feature(enable = "avx2,fma,avx512f")]
     fn avx512_impl(v: &[f32], hd: usize, w: &[f32], scale: f32, out: &mut [f32]) {
+        let np = w.len() / (hd * PANEL).max(1);
+        let src = F32Src { w: w.as_ptr(), hd };
         // SAFETY: this function's features include avx512f, Avx512's; the
         // lengths were checked by the caller.
-        unsafe { all_tokens::<Avx512, 8, 2>(v, hd, w, scale, out) }
+        unsafe { all_tokens::<Avx512, _, 8, 2>(v, hd, &src, np, scale, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn avx2_affine_impl(v: &[f32], hd: usize, w: &Affine<'_>, scale: f32, out: &mut [f32]) {
+        let np = w.q.len() / (hd * PANEL).max(1);
+        let src = AffineSrc {
+            q: w.q.as_ptr(),
+            ab: w.ab.as_ptr(),
+            hd,
+            g: w.g,
+        };
+        // SAFETY: as avx2_impl; the block's lengths were checked by the caller.
+        unsafe { all_tokens::<Avx2, _, 6, 2>(v, hd, &src, np, scale, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    fn avx512_affine_impl(v: &[f32], hd: usize, w: &Affine<'_>, scale: f32, out: &mut [f32]) {
+        let np = w.q.len() / (hd * PANEL).max(1);
+        let src = AffineSrc {
+            q: w.q.as_ptr(),
+            ab: w.ab.as_ptr(),
+            hd,
+            g: w.g,
+        };
+        // SAFETY: as avx512_impl; the block's lengths were checked by the caller.
+        unsafe { all_tokens::<Avx512, _, 8, 2>(v, hd, &src, np, scale, out) }
+    }
+
+    /// The AVX2 + FMA kernel on the affine panels.
+    pub(super) fn projected_l1_affine_avx2(
+        v: &[f32],
+        hd: usize,
+        w: &Affine<'_>,
+        dim: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        check_affine(v, hd, w, dim, out);
+        assert!(super::detected() >= super::Level::Avx2);
+        // SAFETY: the CPU has AVX2 and FMA (level avx2 or above, asserted).
+        unsafe { avx2_affine_impl(v, hd, w, scale, out) }
+    }
+
+    /// The AVX-512 kernel on the affine panels.
+    pub(super) fn projected_l1_affine_avx512(
+        v: &[f32],
+        hd: usize,
+        w: &Affine<'_>,
+        dim: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        check_affine(v, hd, w, dim, out);
+        assert!(super::detected() >= super::Level::Avx512);
+        // SAFETY: the CPU has AVX2, FMA and AVX-512 F (level avx512 or
+        // above, asserted).
+        unsafe { avx512_affine_impl(v, hd, w, scale, out) }
     }
 
     /// The AVX2 + FMA kernel (handed out by `kernel_for` only where the

@@ -575,6 +575,17 @@ impl Backend for Cuda {
     fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
         (m.n_out, m.n_in)
     }
+    fn mat_bytes(&self, m: &DevMat, out: &mut Vec<u8>) -> Option<DType> {
+        out.clear();
+        out.resize(m.n_out * m.row_bytes, 0);
+        self.dev.note(
+            "reading back a weight matrix",
+            self.dev
+                .stream
+                .memcpy_dtoh(&m.data.slice(0..m.n_out * m.row_bytes), &mut out[..]),
+        );
+        Some(m.dtype)
+    }
 
     fn embed(&self, table: &DevMat, tokens: &[u32], x: &mut DevBuf) {
         let d = self.dev();
