@@ -747,6 +747,82 @@ fn b32_prefill_tiles_match_the_scalar_model() {
     eprintln!("{checked} tile calls checked");
 }
 
+/// Q8_0×8 read in place: `pack_side_x8` on a row block's groups gives
+/// `pack_side`'s bytes on the gathered rows, and the tile's Q8_0×8 form
+/// equals the row tile and the scalar model bit for bit (random data, and
+/// all quants at -128 or 127 against activations of -128 and 127).
+#[test]
+fn q8_0_x8_tile_reads_the_repacked_rows_in_place() {
+    use kvrun::backend::cpu::b32_x8::dot_scalar;
+    use kvrun::backend::cpu::qgemm_q8_0_tokens::{
+        pack_side, pack_side_x8, prefill_for, tile_x8_for, Q8_0_BYTES, ROWS, SIDE_BYTES, TOKS,
+    };
+    use kvrun::backend::cpu::x8::X8;
+    let seed = 0x5eed_0808 ^ std::process::id() as u64;
+    eprintln!("seed {seed}");
+    let mut r = Rng::new(seed);
+    let dt = DType::Q8_0;
+    let mut checked = 0;
+    let mut check = |nb: usize, w: &[u8], act: &[u8], what: &str| {
+        let rb = nb * Q8_0_BYTES;
+        let n_out = w.len() / rb;
+        let x8 = X8::new(dt, w, n_out, nb);
+        let toks: [&[u8]; TOKS] = std::array::from_fn(|k| &act[k * rb..(k + 1) * rb]);
+        for blk in 0..n_out / ROWS {
+            let rows: [&[u8]; ROWS] =
+                std::array::from_fn(|k| &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]);
+            let (mut side, mut side_x8) = (vec![0u8; nb * SIDE_BYTES], vec![1u8; nb * SIDE_BYTES]);
+            pack_side(nb, &rows, &mut side);
+            pack_side_x8(nb, x8.block(blk), &mut side_x8);
+            assert_eq!(side, side_x8, "{what} block {blk}: side data");
+            for level in simd_levels() {
+                let Some(tile_x8) = tile_x8_for(level) else {
+                    assert!(!level.vnni(), "{level}: no Q8_0×8 tile");
+                    continue;
+                };
+                let prefill = prefill_for(dt, level).expect("a prefill tile");
+                let mut packed = vec![0u8; nb * prefill.act_bytes];
+                (prefill.pack)(nb, &toks, &mut packed);
+                let want = (prefill.tile)(nb, &rows, &side, &packed);
+                let got = tile_x8(nb, x8.block(blk), &side_x8, &packed);
+                for i in 0..ROWS {
+                    for t in 0..TOKS {
+                        let m = dot_scalar(dt, nb, rows[i], toks[t]);
+                        assert!(
+                            got[i][t].to_bits() == want[i][t].to_bits()
+                                && got[i][t].to_bits() == m.to_bits(),
+                            "{level} {what} ({i},{t}): in place {} vs rows {} vs model {m}",
+                            got[i][t],
+                            want[i][t]
+                        );
+                    }
+                }
+                checked += 1;
+            }
+        }
+    };
+    for (n_out, n_in) in [(8usize, 32usize), (16, 640), (24, 3584)] {
+        let (w, act) = quant_problem(dt, &mut r, n_out, n_in, TOKS);
+        check(n_in / 32, &w, &act, &format!("{n_out}x{n_in}"));
+    }
+    let nb = 4;
+    for fill in [0x80u8, 0x7f] {
+        for y in [-128i8, 127] {
+            let mut w = vec![fill; ROWS * nb * Q8_0_BYTES];
+            for (i, b) in w.chunks_exact_mut(Q8_0_BYTES).enumerate() {
+                b[..2].copy_from_slice(&f16::from_f32(0.01 + i as f32 * 1e-3).to_le_bytes());
+            }
+            let mut act = vec![0u8; TOKS * nb * Q8_0_BYTES];
+            for (k, blk) in act.chunks_exact_mut(Q8_0_BYTES).enumerate() {
+                blk[..2].copy_from_slice(&f16::from_f32(0.5 + k as f32 * 0.01).to_le_bytes());
+                blk[2..].fill(y as u8);
+            }
+            check(nb, &w, &act, &format!("extremes {fill:#x} y {y}"));
+        }
+    }
+    eprintln!("{checked} tile calls checked");
+}
+
 /// Q4_1×8: every row unpacks to its GGUF bytes, the scalar model equals
 /// ggml's `vec_dot` bit for bit (it keeps ggml's lanes), and the repacked
 /// decoding kernel at every level this CPU runs equals the model bit for

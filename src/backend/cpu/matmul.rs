@@ -435,8 +435,9 @@ pub fn matmul_q_at(
 /// them; the last one padded with its last token), then the threads take
 /// `LANES_ROW_TILE`-row blocks as they come free, pack their micro tiles'
 /// side data (scales, corrections) and stream every packed token tile past
-/// them (weights from L2). Q4_0 and Q5_0 rows, and repacked rows, are
-/// first expanded (gathered) into Q8_0 rows, once per row block.
+/// them (weights from L2). Q8_0×8 row blocks are read in place by the
+/// VNNI tile's Q8_0×8 form; Q4_0 and Q5_0 rows (repacked or not) are first
+/// expanded (gathered) into Q8_0 rows, once per row block.
 fn matmul_q8_0_tokens(
     pool: &ThreadPool,
     w: &QMat<'_>,
@@ -475,7 +476,14 @@ fn matmul_q8_0_tokens(
     let packed = &packed[..];
     let o = SharedMut::new(&mut out[..n_tok * n_out]);
     let blocks = Chunks::new(n_out.div_ceil(LANES_ROW_TILE));
-    let in_place = w.dtype == DType::Q8_0 && w.x8.is_none();
+    // a Q8_0×8 matrix is read in place by the VNNI tile's Q8_0×8 form
+    let direct = match (&w.x8, w.dtype, form) {
+        (Some(x8), DType::Q8_0, Rows::Signed) => {
+            qgemm_q8_0_tokens::tile_x8_for(level).map(|t| (x8, t))
+        }
+        _ => None,
+    };
+    let in_place = (w.dtype == DType::Q8_0 && w.x8.is_none()) || direct.is_some();
     let qrb = nb * b32_x8::Q8_0_BYTES;
     pool.run(|_| {
         let side_bytes = nb * SIDE_BYTES;
@@ -489,6 +497,27 @@ fn matmul_q8_0_tokens(
             let r0 = blk * LANES_ROW_TILE;
             let r1 = (r0 + LANES_ROW_TILE).min(n_out);
             let n_micro = (r1 - r0).div_ceil(ROWS);
+            if let Some((x8, tile_x8)) = direct {
+                // micro tile m: row block r0 / ROWS + m of the repacked
+                // matrix (whose rows are a multiple of ROWS)
+                let groups = |m: usize| x8.block(r0 / ROWS + m);
+                for m in 0..n_micro {
+                    let sd = &mut side[m * side_bytes..(m + 1) * side_bytes];
+                    qgemm_q8_0_tokens::pack_side_x8(nb, groups(m), sd);
+                }
+                for tt in 0..n_tt {
+                    let a = &packed[tt * tile_bytes..(tt + 1) * tile_bytes];
+                    let n_t = TOKS.min(n_tok - tt * TOKS);
+                    for m in 0..n_micro {
+                        let sd = &side[m * side_bytes..(m + 1) * side_bytes];
+                        let res = tile_x8(nb, groups(m), sd, a);
+                        let rm = r0 + m * ROWS;
+                        // SAFETY: block blk (rows r0..r1) was handed to this thread only.
+                        unsafe { store_tile(o, n_out, &res, (rm, ROWS), (tt * TOKS, n_t)) };
+                    }
+                }
+                continue;
+            }
             if !in_place {
                 // Q4_0/Q5_0 rows to the tile's form
                 let expand = |dt, row: &[u8], dst: &mut [u8]| match form {

@@ -9,6 +9,15 @@
 //! floats, zero past `dim` (a zero column adds |0| = 0, so no kernel needs
 //! a column tail).
 //!
+//! A quantized W_O has a second, smaller form ([`Affine`], packed by
+//! [`pack_affine`]): the same panels with a signed byte per weight and,
+//! per group of g rows, a step pair (a, b) per column, the weight being
+//! `fma(q, a, b)` (`quant::affine_row` gives that form exactly). The
+//! kernels are generic over where a weight vector comes from: an f32 load,
+//! or a byte load, a conversion and that `fma`, the steps held in
+//! registers for the group. Everything after is the same code, so on the
+//! same weights the two forms give the same bits.
+//!
 //! The SIMD kernels are register-blocked: a block of T tokens × one column
 //! block is accumulated in registers over the whole reduction over j (each
 //! weight vector loaded once per T tokens, each value broadcast once per

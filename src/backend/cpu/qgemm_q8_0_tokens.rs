@@ -112,6 +112,17 @@ pub struct Prefill {
     pub tile: TileFn,
 }
 
+/// The VNNI tile on the 8 rows of one Q8_0×8 row block as they lie in the
+/// repacked matrix (`b32_x8`'s layout): `(nb, the block's nb groups, side
+/// data, packed token tile)`. It reads row r's quant dword g of block b
+/// from group b (lane r of its 32-byte run g) where [`TileFn`] reads it from
+/// row r, and is otherwise the same code, so the two give the same bits;
+/// prefill then needs no gathered copy of a repacked matrix.
+pub type TileX8Fn = fn(usize, &[u8], &[u8], &[u8]) -> [[f32; TOKS]; ROWS];
+
+/// Bytes of a Q8_0×8 group (8 rows' scales, then their quants).
+pub const X8_GROUP_BYTES: usize = 16 + 8 * 32;
+
 /// A decoding kernel: `(nb, 8 weight rows, one token's Q8_0 row) ->
 /// out[row][0]` (the call shape of the other 1-token kernels).
 pub type DecodeFn = fn(usize, &[&[u8]; ROWS], &[&[u8]; 1]) -> [[f32; 1]; ROWS];
@@ -235,6 +246,43 @@ pub fn pack_side(nb: usize, rows: &[&[u8]; ROWS], out: &mut [u8]) {
     }
 }
 
+/// [`pack_side`] for the 8 rows of a Q8_0×8 row block, read from its `nb`
+/// groups in place (the same bytes out).
+pub fn pack_side_x8(nb: usize, groups: &[u8], out: &mut [u8]) {
+    assert!(
+        groups.len() >= nb * X8_GROUP_BYTES,
+        "q8_0: Q8_0×8 block too short"
+    );
+    assert!(out.len() >= nb * SIDE_BYTES, "q8_0: side data too short");
+    for b in 0..nb {
+        let (o, g) = (
+            &mut out[b * SIDE_BYTES..(b + 1) * SIDE_BYTES],
+            &groups[b * X8_GROUP_BYTES..(b + 1) * X8_GROUP_BYTES],
+        );
+        for r in 0..ROWS {
+            // row r's quants: 4 bytes at 16 + 32k + 4r for k in 0..8
+            let s: i32 = (0..8)
+                .flat_map(|k| &g[16 + 32 * k + 4 * r..20 + 32 * k + 4 * r])
+                .map(|&q| q as i8 as i32)
+                .sum();
+            o[4 * r..4 * r + 4].copy_from_slice(&f16_at(g, 2 * r).to_le_bytes());
+            o[32 + 4 * r..36 + 4 * r].copy_from_slice(&(-128 * s).to_le_bytes());
+        }
+    }
+}
+
+/// The Q8_0×8 prefill tile where the CPU runs it: the VNNI level only
+/// (the only one that repacks Q8_0).
+pub fn tile_x8_for(level: Level) -> Option<TileX8Fn> {
+    #[cfg(target_arch = "x86_64")]
+    return vnni_or_avx2(level, Some(tile_x8 as TileX8Fn), None).flatten();
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        None
+    }
+}
+
 /// The prefill tile for rows of `dtype` (Q8_0, Q4_0 or Q5_0) where the CPU
 /// runs it, levels avx2 and up: VNNI's from avx512vnni (the Q8_0 form of
 /// every type), at AVX2 the nibble-plane tile for Q8_0 and the
@@ -325,22 +373,48 @@ fn check_tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8], act_byt
 #[cfg(target_arch = "x86_64")]
 fn tile(nb: usize, rows: &[&[u8]; ROWS], side: &[u8], acts: &[u8]) -> [[f32; TOKS]; ROWS] {
     check_tile(nb, rows, side, acts, PACKED_ACT_BYTES);
+    // row r's quant dword g of block b at rows[r] + 34b + 2 + 4g
+    let wp: [*const u8; ROWS] = std::array::from_fn(|r| rows[r][2..].as_ptr());
     // SAFETY: handed out (prefill_for) only where the CPU has AVX-512
     // F/BW/VL/VNNI (and AVX2, FMA); every buffer holds nb blocks (checked
     // by check_tile), which bounds all loads.
-    unsafe { tile_impl(nb, rows, side, acts) }
+    unsafe { tile_impl::<Q8_0_BYTES, 4>(nb, wp, side, acts) }
 }
 
 #[cfg(target_arch = "x86_64")]
+fn tile_x8(nb: usize, groups: &[u8], side: &[u8], acts: &[u8]) -> [[f32; TOKS]; ROWS] {
+    assert!(
+        groups.len() >= nb * X8_GROUP_BYTES,
+        "q8_0: Q8_0×8 block too short"
+    );
+    assert!(side.len() >= nb * SIDE_BYTES, "q8_0: side data too short");
+    assert!(
+        acts.len() >= nb * PACKED_ACT_BYTES,
+        "q8_0: packed tile too short"
+    );
+    // row r's quant dword g of block b at groups + 272b + 16 + 4r + 32g
+    let wp: [*const u8; ROWS] = std::array::from_fn(|r| groups[16 + 4 * r..].as_ptr());
+    // SAFETY: handed out (tile_x8_for) only where the CPU has AVX-512
+    // F/BW/VL/VNNI (and AVX2, FMA); the groups, side data and tokens hold
+    // nb blocks (asserted), which bounds all loads.
+    unsafe { tile_impl::<X8_GROUP_BYTES, 32>(nb, wp, side, acts) }
+}
+
+/// The VNNI tile over weight rows whose quant dword g of block b is at
+/// `wp[r] + BS·b + GS·g`.
+///
+/// # Safety
+/// The CPU has the features below; every `wp[r]` can be read for nb blocks
+/// at that stride, `side` and `acts` hold nb blocks.
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn tile_impl(
+unsafe fn tile_impl<const BS: usize, const GS: usize>(
     nb: usize,
-    rows: &[&[u8]; ROWS],
+    wp: [*const u8; ROWS],
     side: &[u8],
     acts: &[u8],
 ) -> [[f32; TOKS]; ROWS] {
     use std::arch::x86_64::*;
-    let wp: [*const u8; ROWS] = std::array::from_fn(|r| rows[r].as_ptr());
     // per row: 8 tokens' float sums in the lanes
     let mut acc = [_mm256_setzero_ps(); ROWS];
     for b in 0..nb {
@@ -358,7 +432,9 @@ unsafe fn tile_impl(
         // group by group, rows innermost: 8 independent chains
         for (g, yg) in y.iter().enumerate() {
             for r in 0..ROWS {
-                let w = unsafe { weight_dword(wp[r], b, g) };
+                let w = unsafe {
+                    _mm256_set1_epi32(wp[r].add(BS * b + GS * g).cast::<i32>().read_unaligned())
+                };
                 isum[r] = _mm256_dpbusd_epi32(isum[r], *yg, w);
             }
         }
