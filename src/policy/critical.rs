@@ -47,8 +47,7 @@
 //! multiply-adds once, done by the register-blocked kernels of
 //! `backend::cpu::proj_norm` (AVX2 / AVX-512, per `KVRUN_CPU`). With
 //! eviction at every step those read the layer's blocks once per token, so
-//! the bytes a weight set that cost: on a 2-core Xeon the affine form took
-//! critical-h2o's decoding of a 1.5B Q8_0 at depth 2048 from X to Y t/s.
+//! the bytes a weight set that cost (README, "W_O in a byte a weight").
 
 use super::wrap::Rescorer;
 use super::{CacheShape, Entries, ModelView, ScoreCtx, Step};
