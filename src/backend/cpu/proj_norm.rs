@@ -109,29 +109,30 @@ fn check(v: &[f32], hd: usize, packed: &[f32], dim: usize, out: &[f32]) {
     );
 }
 
-/// The portable kernel on the packed layout: 4 tokens × one panel in
-/// arrays over the reduction.
-pub fn projected_l1_portable(
+/// The portable loop: 4 tokens × one panel in arrays over the reduction,
+/// row j of panel p's weights (PANEL floats) written by `row(p, j, ..)`.
+fn portable_loop(
     v: &[f32],
     hd: usize,
-    packed: &[f32],
-    dim: usize,
+    np: usize,
     scale: f32,
     out: &mut [f32],
+    row: impl Fn(usize, usize, &mut [f32; PANEL]),
 ) {
     const TB: usize = 4;
-    check(v, hd, packed, dim, out);
     let nt = out.len();
     let mut t0 = 0;
+    let mut wr = [0f32; PANEL];
     while t0 < nt {
         let tb = (nt - t0).min(TB);
         let mut sums = [0f32; TB];
-        for wp in packed.chunks_exact(hd * PANEL) {
+        for p in 0..np {
             let mut acc = [[0f32; PANEL]; TB];
-            for (j, wr) in wp.chunks_exact(PANEL).enumerate() {
+            for j in 0..hd {
+                row(p, j, &mut wr);
                 for (t, a) in acc.iter_mut().enumerate().take(tb) {
                     let x = v[(t0 + t) * hd + j];
-                    for (y, &w) in a.iter_mut().zip(wr) {
+                    for (y, &w) in a.iter_mut().zip(&wr) {
                         *y = x.mul_add(w, *y);
                     }
                 }
@@ -147,21 +148,48 @@ pub fn projected_l1_portable(
     }
 }
 
-/// The kernel for SIMD level `level`, if this CPU runs it (the portable
-/// loop for `Portable`; AVX-512 serves both AVX-512 levels).
-pub fn kernel_for(level: Level) -> Option<KernelFn> {
+/// The portable kernel on the packed layout ([`portable_loop`]).
+pub fn projected_l1_portable(
+    v: &[f32],
+    hd: usize,
+    packed: &[f32],
+    dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    check(v, hd, packed, dim, out);
+    let np = packed.len() / (hd * PANEL).max(1);
+    portable_loop(v, hd, np, scale, out, |p, j, wr| {
+        wr.copy_from_slice(&packed[(p * hd + j) * PANEL..(p * hd + j + 1) * PANEL]);
+    });
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+/// The kernel of `level` among the three (`None` where this CPU lacks it;
+/// AVX-512 serves both AVX-512 levels and AMX).
+fn pick<K>(level: Level, portable: K, avx2: K, avx512: K) -> Option<K> {
     if level > detected() {
         return None;
     }
     match level {
-        Level::Portable => Some(projected_l1_portable),
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => Some(x86::projected_l1_avx2),
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Vnni | Level::Amx => Some(x86::projected_l1_avx512),
-        #[allow(unreachable_patterns)]
-        _ => None,
+        Level::Portable => Some(portable),
+        Level::Avx2 => Some(avx2),
+        Level::Avx512 | Level::Avx512Vnni | Level::Amx => Some(avx512),
     }
+}
+
+/// The kernel for SIMD level `level`, if this CPU runs it (the portable
+/// loop for `Portable`; AVX-512 serves both AVX-512 levels).
+pub fn kernel_for(level: Level) -> Option<KernelFn> {
+    #[cfg(target_arch = "x86_64")]
+    return pick::<KernelFn>(
+        level,
+        projected_l1_portable,
+        x86::projected_l1_avx2,
+        x86::projected_l1_avx512,
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    return (level == Level::Portable).then_some(projected_l1_portable as KernelFn);
 }
 
 /// `out[t] += scale · Σ_d |Σ_j v[t][j]·W[j][d]|` for the packed block
@@ -272,8 +300,8 @@ fn check_affine(v: &[f32], hd: usize, w: &Affine<'_>, dim: usize, out: &[f32]) {
 /// A kernel on the affine panels: `(v, hd, block, dim, scale, out)`.
 pub type AffineFn = fn(&[f32], usize, &Affine<'_>, usize, f32, &mut [f32]);
 
-/// The portable kernel on the affine panels: [`projected_l1_portable`]'s
-/// loop with each weight row of a panel rebuilt first.
+/// The portable kernel on the affine panels: [`portable_loop`] with each
+/// weight row of a panel rebuilt first.
 pub fn projected_l1_affine_portable(
     v: &[f32],
     hd: usize,
@@ -282,60 +310,33 @@ pub fn projected_l1_affine_portable(
     scale: f32,
     out: &mut [f32],
 ) {
-    const TB: usize = 4;
     check_affine(v, hd, w, dim, out);
     let ng = hd / w.g;
-    let nt = out.len();
     let np = w.q.len() / (hd * PANEL).max(1);
-    let mut t0 = 0;
-    while t0 < nt {
-        let tb = (nt - t0).min(TB);
-        let mut sums = [0f32; TB];
-        for p in 0..np {
-            let mut acc = [[0f32; PANEL]; TB];
-            for j in 0..hd {
-                let base = (p * ng + j / w.g) * 2 * PANEL;
-                let (a, b) = (
-                    &w.ab[base..base + PANEL],
-                    &w.ab[base + PANEL..base + 2 * PANEL],
-                );
-                let qr = &w.q[(p * hd + j) * PANEL..(p * hd + j + 1) * PANEL];
-                let mut wr = [0f32; PANEL];
-                for c in 0..PANEL {
-                    wr[c] = (qr[c] as f32).mul_add(a[c], b[c]);
-                }
-                for (t, acc) in acc.iter_mut().enumerate().take(tb) {
-                    let x = v[(t0 + t) * hd + j];
-                    for (y, &w) in acc.iter_mut().zip(&wr) {
-                        *y = x.mul_add(w, *y);
-                    }
-                }
-            }
-            for (s, a) in sums.iter_mut().zip(&acc).take(tb) {
-                *s += a.iter().map(|y| y.abs()).sum::<f32>();
-            }
+    portable_loop(v, hd, np, scale, out, |p, j, wr| {
+        let base = (p * ng + j / w.g) * 2 * PANEL;
+        let (a, b) = (
+            &w.ab[base..base + PANEL],
+            &w.ab[base + PANEL..base + 2 * PANEL],
+        );
+        let qr = &w.q[(p * hd + j) * PANEL..(p * hd + j + 1) * PANEL];
+        for c in 0..PANEL {
+            wr[c] = (qr[c] as f32).mul_add(a[c], b[c]);
         }
-        for (o, s) in out[t0..t0 + tb].iter_mut().zip(sums) {
-            *o += s * scale;
-        }
-        t0 += tb;
-    }
+    });
 }
 
 /// The affine kernel for SIMD level `level`, if this CPU runs it.
 pub fn affine_kernel_for(level: Level) -> Option<AffineFn> {
-    if level > detected() {
-        return None;
-    }
-    match level {
-        Level::Portable => Some(projected_l1_affine_portable),
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => Some(x86::projected_l1_affine_avx2),
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 | Level::Avx512Vnni | Level::Amx => Some(x86::projected_l1_affine_avx512),
-        #[allow(unreachable_patterns)]
-        _ => None,
-    }
+    #[cfg(target_arch = "x86_64")]
+    return pick::<AffineFn>(
+        level,
+        projected_l1_affine_portable,
+        x86::projected_l1_affine_avx2,
+        x86::projected_l1_affine_avx512,
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    return (level == Level::Portable).then_some(projected_l1_affine_portable as AffineFn);
 }
 
 /// [`projected_l1`] on an affine block, at this process's SIMD level.
