@@ -632,48 +632,56 @@ mod x86 {
         }
     }
 
+    /// Every token through the AVX2 kernel on the weights of `w`.
+    ///
+    /// # Safety
+    /// `v` holds `out.len()` · hd floats and `w` np panels of hd rows.
     #[target_feature(enable = "avx2,fma")]
-    fn avx2_impl(v: &[f32], hd: usize, w: &[f32], scale: f32, out: &mut [f32]) {
-        let np = w.len() / (hd * PANEL).max(1);
-        let src = F32Src { w: w.as_ptr(), hd };
+    unsafe fn avx2_run<W: Src<Avx2>>(
+        v: &[f32],
+        hd: usize,
+        w: &W,
+        np: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         // SAFETY: this function's features are AVX2 + FMA, Avx2's; the
-        // lengths were checked by the caller.
-        unsafe { all_tokens::<Avx2, _, 6, 2>(v, hd, &src, np, scale, out) }
+        // lengths are the caller's contract.
+        unsafe { all_tokens::<Avx2, W, 6, 2>(v, hd, w, np, scale, out) }
     }
 
+    /// Every token through the AVX-512 kernel on the weights of `w`.
+    ///
+    /// # Safety
+    /// As [`avx2_run`].
     #[target_feature(enable = "avx2,fma,avx512f")]
-    fn avx512_impl(v: &[f32], hd: usize, w: &[f32], scale: f32, out: &mut [f32]) {
-        let np = w.len() / (hd * PANEL).max(1);
-        let src = F32Src { w: w.as_ptr(), hd };
+    unsafe fn avx512_run<W: Src<Avx512>>(
+        v: &[f32],
+        hd: usize,
+        w: &W,
+        np: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         // SAFETY: this function's features include avx512f, Avx512's; the
-        // lengths were checked by the caller.
-        unsafe { all_tokens::<Avx512, _, 8, 2>(v, hd, &src, np, scale, out) }
+        // lengths are the caller's contract.
+        unsafe { all_tokens::<Avx512, W, 8, 2>(v, hd, w, np, scale, out) }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    fn avx2_affine_impl(v: &[f32], hd: usize, w: &Affine<'_>, scale: f32, out: &mut [f32]) {
-        let np = w.q.len() / (hd * PANEL).max(1);
+    /// The f32 panels of `w` as a kernel source, and their count.
+    fn f32_src(w: &[f32], hd: usize) -> (F32Src, usize) {
+        (F32Src { w: w.as_ptr(), hd }, w.len() / (hd * PANEL).max(1))
+    }
+
+    /// The affine panels of `w` as a kernel source, and their count.
+    fn affine_src(w: &Affine<'_>, hd: usize) -> (AffineSrc, usize) {
         let src = AffineSrc {
             q: w.q.as_ptr(),
             ab: w.ab.as_ptr(),
             hd,
             g: w.g,
         };
-        // SAFETY: as avx2_impl; the block's lengths were checked by the caller.
-        unsafe { all_tokens::<Avx2, _, 6, 2>(v, hd, &src, np, scale, out) }
-    }
-
-    #[target_feature(enable = "avx2,fma,avx512f")]
-    fn avx512_affine_impl(v: &[f32], hd: usize, w: &Affine<'_>, scale: f32, out: &mut [f32]) {
-        let np = w.q.len() / (hd * PANEL).max(1);
-        let src = AffineSrc {
-            q: w.q.as_ptr(),
-            ab: w.ab.as_ptr(),
-            hd,
-            g: w.g,
-        };
-        // SAFETY: as avx512_impl; the block's lengths were checked by the caller.
-        unsafe { all_tokens::<Avx512, _, 8, 2>(v, hd, &src, np, scale, out) }
+        (src, w.q.len() / (hd * PANEL).max(1))
     }
 
     /// The AVX2 + FMA kernel on the affine panels.
@@ -687,8 +695,10 @@ mod x86 {
     ) {
         check_affine(v, hd, w, dim, out);
         assert!(super::detected() >= super::Level::Avx2);
-        // SAFETY: the CPU has AVX2 and FMA (level avx2 or above, asserted).
-        unsafe { avx2_affine_impl(v, hd, w, scale, out) }
+        let (src, np) = affine_src(w, hd);
+        // SAFETY: the CPU has AVX2 and FMA (level avx2 or above, asserted);
+        // the block's lengths were checked.
+        unsafe { avx2_run(v, hd, &src, np, scale, out) }
     }
 
     /// The AVX-512 kernel on the affine panels.
@@ -702,9 +712,10 @@ mod x86 {
     ) {
         check_affine(v, hd, w, dim, out);
         assert!(super::detected() >= super::Level::Avx512);
+        let (src, np) = affine_src(w, hd);
         // SAFETY: the CPU has AVX2, FMA and AVX-512 F (level avx512 or
-        // above, asserted).
-        unsafe { avx512_affine_impl(v, hd, w, scale, out) }
+        // above, asserted); the block's lengths were checked.
+        unsafe { avx512_run(v, hd, &src, np, scale, out) }
     }
 
     /// The AVX2 + FMA kernel (handed out by `kernel_for` only where the
@@ -719,8 +730,10 @@ mod x86 {
     ) {
         check(v, hd, w, dim, out);
         assert!(super::detected() >= super::Level::Avx2);
-        // SAFETY: the CPU has AVX2 and FMA (level avx2 or above, asserted).
-        unsafe { avx2_impl(v, hd, w, scale, out) }
+        let (src, np) = f32_src(w, hd);
+        // SAFETY: the CPU has AVX2 and FMA (level avx2 or above, asserted);
+        // the lengths were checked.
+        unsafe { avx2_run(v, hd, &src, np, scale, out) }
     }
 
     /// The AVX-512 kernel (handed out by `kernel_for` only where the CPU
@@ -735,8 +748,9 @@ mod x86 {
     ) {
         check(v, hd, w, dim, out);
         assert!(super::detected() >= super::Level::Avx512);
+        let (src, np) = f32_src(w, hd);
         // SAFETY: the CPU has AVX2, FMA and AVX-512 F (level avx512 or
-        // above, asserted).
-        unsafe { avx512_impl(v, hd, w, scale, out) }
+        // above, asserted); the lengths were checked.
+        unsafe { avx512_run(v, hd, &src, np, scale, out) }
     }
 }
