@@ -254,14 +254,9 @@ pub struct Critical {
 enum Form {
     /// Head q's block at `wt[off + q·blk..]`.
     F32 { off: usize },
-    /// Head q's quants at `wq[q0 + q·nq..]`, its steps at `wab[a0 + q·nab..]`.
-    Affine {
-        g: usize,
-        q0: usize,
-        nq: usize,
-        a0: usize,
-        nab: usize,
-    },
+    /// Head q's quants at `wq[q0 + q·nq..]`, its steps at `wab[a0 +
+    /// q·nab..]`, (nq, nab) = `proj_norm::affine_len(hd, dim, g)`.
+    Affine { g: usize, q0: usize, a0: usize },
 }
 
 /// W_O of one layer in the affine form (integers (dim, q_dim) row-major,
@@ -371,7 +366,8 @@ impl Critical {
                     let o = off + q * blk;
                     proj_norm::projected_l1(v, self.hd, &self.wt[o..o + blk], self.dim, scale, out);
                 }
-                Form::Affine { g, q0, nq, a0, nab } => {
+                Form::Affine { g, q0, a0 } => {
+                    let (nq, nab) = proj_norm::affine_len(self.hd, self.dim, g);
                     let w = proj_norm::Affine {
                         g,
                         q: &self.wq[q0 + q * nq..q0 + (q + 1) * nq],
@@ -530,7 +526,7 @@ impl Rescorer for Critical {
                         &mut self.wab[a0 + h * nab..a0 + (h + 1) * nab],
                     );
                 }
-                self.forms.push(Form::Affine { g, q0, nq, a0, nab });
+                self.forms.push(Form::Affine { g, q0, a0 });
                 continue;
             }
             // transpose (dim, q_dim) into (q_dim, dim): row q·hd + j is head
