@@ -9,6 +9,7 @@
 //! The llama.cpp side needs the `oracle` Cargo feature (on by default);
 //! without it the table has kvrun's rows only and one line says why.
 
+use crate::backend::cpu::mem::{set_prefetch, Prefetch};
 use crate::backend::Backend;
 use crate::cmd::args::{loader_for, resolve_model, resolve_threads, KvArgs, ModelArgs};
 use crate::error::{Error, Result};
@@ -286,38 +287,51 @@ pub fn run_bench(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The ways of loading the weights a bench compares: every pair of a
-/// `--mmap` and a `--repack` setting, each loaded once, their sessions
-/// taking turns.
+/// The ways of loading and running the weights a bench compares: every
+/// pair of a `--mmap` and a `--repack` setting, each loaded once, each run
+/// with every `--prefetch` setting (which needs no load of its own), their
+/// sessions taking turns.
 struct LoadSettings {
     /// (read in place from the map, which matrices are repacked)
     list: Vec<(bool, crate::backend::cpu::Repack)>,
-    /// whether several `--mmap` / `--repack` settings were given
-    several: (bool, bool),
+    /// (index into `list`, prefetch distance): one entry per way of running
+    runs: Vec<(usize, Prefetch)>,
+    /// whether several `--mmap` / `--repack` / `--prefetch` settings were given
+    several: (bool, bool, bool),
 }
 
 impl LoadSettings {
     fn of(m: &ModelArgs) -> Result<LoadSettings> {
         let (mmaps, repacks) = (m.mmap_list()?, m.repack_list()?);
+        let prefetches = m.prefetch_list()?;
+        let list: Vec<_> = mmaps
+            .iter()
+            .flat_map(|&on| repacks.iter().map(move |&r| (on, r)))
+            .collect();
+        let runs = (0..list.len())
+            .flat_map(|vi| prefetches.iter().map(move |&p| (vi, p)))
+            .collect();
         Ok(LoadSettings {
-            list: mmaps
-                .iter()
-                .flat_map(|&on| repacks.iter().map(move |&r| (on, r)))
-                .collect(),
-            several: (mmaps.len() > 1, repacks.len() > 1),
+            list,
+            runs,
+            several: (mmaps.len() > 1, repacks.len() > 1, prefetches.len() > 1),
         })
     }
 
-    /// What tells setting `i` apart in an engine's name: nothing when
-    /// there is one.
+    /// What tells run `i` apart in an engine's name: nothing when there
+    /// is one.
     fn label(&self, i: usize) -> String {
-        let (mapped, repack) = self.list[i];
+        let (vi, prefetch) = self.runs[i];
+        let (mapped, repack) = self.list[vi];
         let mut l = String::new();
         if self.several.0 {
             l += &format!(" mmap={}", mapped as u8);
         }
         if self.several.1 {
             l += &format!(" repack={repack}");
+        }
+        if self.several.2 {
+            l += &format!(" prefetch={}", prefetch.label());
         }
         l
     }
@@ -347,6 +361,12 @@ fn bench_one(
                 "a list of settings is for CPU runs (a GPU keeps its own layout)",
             ));
         }
+        if settings.several.2 {
+            return Err(Error::arg(
+                "--prefetch",
+                "a list of settings is for CPU runs (the CPU's decoding kernels)",
+            ));
+        }
     }
     // a CPU model's bandwidth is probed before it loads and again after its
     // runs (the machine may be busier at one of them)
@@ -370,9 +390,9 @@ fn bench_one(
         .iter()
         .map(|&(on, r)| crate::load::Loaded::open_with(&path, &loader_for(on, r, device)))
         .collect::<Result<_>>()?;
-    // sessions: per load setting (an index into `loaded`), per policy
-    let sessions: Vec<(usize, &str)> = (0..loaded.len())
-        .flat_map(|vi| policies.iter().map(move |p| (vi, *p)))
+    // sessions: per way of running (an index into `settings.runs`), per policy
+    let sessions: Vec<(usize, &str)> = (0..settings.runs.len())
+        .flat_map(|ri| policies.iter().map(move |p| (ri, *p)))
         .collect();
     let model = &loaded[0];
     let w = model.weights();
@@ -480,7 +500,7 @@ fn bench_one(
     };
     for (i, (t, _)) in tests.iter().enumerate() {
         let first = mean_sd(&ours[i][0]).0;
-        for (si, &(vi, p)) in sessions.iter().enumerate() {
+        for (si, &(ri, p)) in sessions.iter().enumerate() {
             let (m, sd) = mean_sd(&ours[i][si]);
             let ratio = theirs[i].as_ref().map(|r| m / mean_sd(r).0);
             let engine =
@@ -488,7 +508,7 @@ fn bench_one(
                     "kvrun".to_owned()
                 } else {
                     format!("kvrun {p}")
-                } + &settings.label(vi);
+                } + &settings.label(ri);
             let (rb, bps) = roof(t, m, kv_peak[si]);
             out.rows.push(row(
                 format!(
@@ -523,6 +543,12 @@ fn bench_one(
         out.notes.push("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)".into());
     }
     out.notes.extend(kv_lines.into_iter().map(Note::Text));
+    if device == crate::backend::Device::Cpu && !settings.several.2 {
+        out.notes.push(Note::Text(format!(
+            "kvrun decoding prefetch (--prefetch): {}",
+            settings.runs[0].1.label()
+        )));
+    }
     if a.interleave && !no_llama && cfg!(feature = "oracle") {
         out.notes.push(
             "interleaved: each repetition ran kvrun, then llama.cpp, with both models loaded"
@@ -741,9 +767,10 @@ fn llama_side(
 struct KvrunSide<'r> {
     a: &'r BenchArgs,
     path: &'r std::path::Path,
-    /// (index into the weights `run` gets, policy), one per session
+    /// (index into `settings.runs`, policy), one per session
     sessions: &'r [(usize, &'r str)],
-    /// the `--mmap` and `--repack` settings of each of those weights
+    /// the `--mmap`, `--repack` and `--prefetch` settings of each way of
+    /// running (the weights `run` gets are indexed as `settings.list`)
     settings: &'r LoadSettings,
     tests: &'r [(String, usize)],
     n_ctx: usize,
@@ -781,8 +808,8 @@ impl KvrunSide<'_> {
         } = *self;
         let n_ctx_ours = n_ctx + a.n_gen * (a.reps + 1);
         let mut sessions = Vec::new();
-        for &(vi, p) in list {
-            let w = ws[vi];
+        for &(ri, p) in list {
+            let w = ws[settings.runs[ri].0];
             let kv = KvArgs {
                 policy: p.to_owned(),
                 // a budget beyond the context holds the context
@@ -826,7 +853,10 @@ impl KvrunSide<'_> {
             // cache is in its steady state; prefilling the depth again per
             // repetition would dominate the run); everything else starts afresh
             let fresh_each = pp || a.depth == 0;
-            for s in sessions.iter_mut() {
+            // each session runs with its own --prefetch distance
+            let prefetch = |si: usize| set_prefetch(settings.runs[list[si].0].1);
+            for (si, s) in sessions.iter_mut().enumerate() {
+                prefetch(si);
                 setup(s)?;
                 run(s)?;
             }
@@ -836,6 +866,7 @@ impl KvrunSide<'_> {
             let mut res = vec![Vec::with_capacity(a.reps); sessions.len()];
             for _ in 0..a.reps {
                 for (pi, s) in sessions.iter_mut().enumerate() {
+                    prefetch(pi);
                     if fresh_each {
                         setup(s)?;
                     }
@@ -852,8 +883,8 @@ impl KvrunSide<'_> {
         let kv_lines: Vec<String> = list
             .iter()
             .zip(&sessions)
-            .map(|(&(vi, p), sess)| {
-                let setting = settings.label(vi);
+            .map(|(&(ri, p), sess)| {
+                let setting = settings.label(ri);
                 format!(
                     "kvrun KV{setting}: policy {p} budget {} peak resident {} tokens ({:.1} MiB), evicted {}, attention exports {}",
                     a.kv.kv_budget

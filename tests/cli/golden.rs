@@ -376,6 +376,71 @@ fn bench_measures_each_repack_setting() {
     );
 }
 
+/// `kvrun bench --prefetch off,8k,auto` runs the one loaded model with
+/// each decoding prefetch distance in turn and labels each row; the one
+/// setting of a plain bench is named in a note; a bad distance, or a list
+/// where one run takes one setting, is a one-line error. The distance
+/// changes no result: the same greedy text with each.
+#[test]
+fn bench_measures_each_prefetch_setting() {
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--prefetch", "off,8k,auto"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("| vs full prefetch=off |"), "{out}");
+    for setting in ["prefetch=off", "prefetch=8192", "prefetch=auto ("] {
+        for test in ["pp8", "tg4"] {
+            let engine = format!("| kvrun {setting}");
+            assert!(
+                out.lines()
+                    .any(|l| l.contains(&engine) && l.contains(&format!("| {test} |"))),
+                "no {engine} {test} row in {out}"
+            );
+        }
+    }
+    assert_eq!(out.matches("| tg4 |").count(), 3, "{out}");
+    assert!(
+        !out.contains("every --mmap and --repack setting's weights loaded at once"),
+        "a prefetch list must not load the model again: {out}"
+    );
+    for bad in [
+        &["bench", "--prefetch", "100", "-p", "8", "-n", "0"][..],
+        &["bench", "--prefetch", "soon", "-p", "8", "-n", "0"][..],
+        &["-p", "hi", "-n", "1", "--prefetch", "off,auto"][..],
+    ] {
+        let (_, err, ok) = kvrun(bad);
+        assert!(!ok, "{bad:?}");
+        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
+        assert!(err.contains("--prefetch"), "{bad:?}: {err}");
+    }
+    let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--prefetch", "4096"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("| kvrun | tg4 |") && !out.contains("prefetch="),
+        "{out}"
+    );
+    assert!(
+        out.contains("kvrun decoding prefetch (--prefetch): 4096"),
+        "{out}"
+    );
+    let m = util::default_model();
+    let text = |p: &str| {
+        let (out, err, ok) = kvrun(&[
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "The capital of France is",
+            "-n",
+            "24",
+            "--temp",
+            "0",
+            "--prefetch",
+            p,
+        ]);
+        assert!(ok, "{err}");
+        out
+    };
+    assert_eq!(text("off"), text("16k"));
+}
+
 /// `kvrun bench --interleave` measures llama.cpp repetition by repetition
 /// beside kvrun: both engines get a row per test with their own number of
 /// repetitions behind it, the table says the run was interleaved, and no

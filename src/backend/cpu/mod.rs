@@ -88,8 +88,8 @@ impl Cpu {
     /// on a VM where the decoding itself then read more than that) summed
     /// after a warm-up pass, each thread streaming its own contiguous part,
     /// pass after pass for about a second (at least 8 passes), every other
-    /// pass asking for the lines [`mem::AHEAD`] bytes on as the decoding
-    /// kernels do (on a Xeon VM that read more; on other machines it may
+    /// pass asking for the lines [`mem::INTEL_AHEAD`] bytes on as the decoding
+    /// kernels do on Intel (on a Xeon VM that read more; on other machines it may
     /// not); the fastest pass is the figure (`kvrun bench`'s roofline). A
     /// pass takes 10-20 ms, so on a shared machine a mean over a few of
     /// them swings with whoever else reads memory at that moment (a 3-pass
@@ -130,7 +130,7 @@ impl Cpu {
 /// the auto-vectorizer, a target-cpu=native build for AVX-512 Zen 4 turned
 /// the plain loop into gathers that read 5× slower than the memory (a 4.4
 /// GB/s "roofline" on a 26 GB/s core). With `ahead`, each 64 bytes read
-/// also asks for the line [`mem::AHEAD`] bytes on ([`mem::prefetch_ahead`]).
+/// also asks for the line [`mem::INTEL_AHEAD`] bytes on ([`mem::prefetch_at`]).
 fn stream_sum(words: &[u64], ahead: bool) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
@@ -176,7 +176,7 @@ unsafe fn stream_sum_avx2<const AHEAD: bool>(words: &[u64]) -> u64 {
     let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     for c in chunks {
         if AHEAD {
-            mem::prefetch_ahead(c.as_ptr().cast(), 64);
+            mem::prefetch_at(c.as_ptr().cast(), 64, mem::INTEL_AHEAD);
         }
         // SAFETY: c holds 8 u64 (64 bytes); unaligned loads.
         unsafe {

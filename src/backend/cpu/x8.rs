@@ -16,9 +16,10 @@
 //! comes back as GGUF stores it (tests/engine/kernels.rs).
 //!
 //! Every decoding kernel reads its row block front to back and asks, per
-//! group, for the lines [`super::mem::AHEAD`] bytes on
+//! group, for the lines [`super::mem::ahead`] bytes on
 //! ([`super::mem::prefetch_ahead`]; the next row block follows in memory,
-//! so the prefetch runs on into it).
+//! so the prefetch runs on into it; the distance is chosen per CPU, 0 = the
+//! hardware prefetchers alone).
 //!
 //! The K-quant decoding kernels reproduce `qgemm_lanes::dot_scalar` bit
 //! for bit, the others `b32_x8::dot_scalar`, so a matrix gives the same
