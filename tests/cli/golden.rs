@@ -376,6 +376,48 @@ fn bench_measures_each_repack_setting() {
     );
 }
 
+/// Regression: in a `kvrun bench -m` list each model's peak RSS starts from
+/// what is live, not from what the allocator kept of the models before it
+/// (the default model after Gemma 3 270M twice read 198 MiB against 144
+/// MiB after it once, until the heaps were trimmed before each reset).
+#[test]
+fn bench_peak_rss_is_each_models_own() {
+    let d = util::default_model();
+    let g = util::gemma_model();
+    let (d, g) = (d.to_str().unwrap(), g.to_str().unwrap());
+    let list = format!("{g},{d},{g},{d}");
+    let (out, err, ok) = kvrun(&[
+        "bench",
+        "-m",
+        &list,
+        "--no-llama",
+        "-t",
+        "2",
+        "-r",
+        "1",
+        "-p",
+        "64",
+        "-n",
+        "8",
+    ]);
+    assert!(ok, "{err}");
+    let peaks: Vec<f64> = out
+        .lines()
+        .filter(|l| l.starts_with(d) && l.contains("peak RSS after the kvrun runs"))
+        .map(|l| {
+            let mib = l.rsplit(": ").next().unwrap().trim_end_matches(" MiB");
+            mib.parse().unwrap_or_else(|_| panic!("{l}"))
+        })
+        .collect();
+    assert_eq!(peaks.len(), 2, "{out}");
+    assert!(
+        (peaks[1] - peaks[0]).abs() <= 16.0,
+        "the default model's peak RSS moved from {} to {} MiB after Gemma ran again: {out}",
+        peaks[0],
+        peaks[1]
+    );
+}
+
 /// `kvrun bench --prefetch off,8k,auto` runs the one loaded model with
 /// each decoding prefetch distance in turn and labels each row; the one
 /// setting of a plain bench is named in a note; a bad distance, or a list
