@@ -284,6 +284,16 @@ fn small_bench(extra: &[&str]) -> (String, String, bool) {
     kvrun(&args)
 }
 
+/// Each of `runs` fails with a one-line error naming `flag`.
+fn one_line_errors(flag: &str, runs: &[&[&str]]) {
+    for bad in runs {
+        let (_, err, ok) = kvrun(bad);
+        assert!(!ok, "{bad:?}");
+        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
+        assert!(err.contains(flag), "{bad:?}: {err}");
+    }
+}
+
 /// `kvrun bench --mmap 0,1` (llama-bench's flag) loads the model once per
 /// setting and measures both in the same run: a row per setting and test,
 /// the second compared with the first, and a KV line each. Bad settings,
@@ -317,15 +327,13 @@ fn bench_measures_each_mmap_setting() {
         out.contains("every --mmap and --repack setting's weights loaded at once"),
         "{out}"
     );
-    for bad in [
-        &["bench", "--mmap", "maybe", "-p", "8", "-n", "0"][..],
-        &["-p", "hi", "-n", "1", "--mmap", "0,1"][..],
-    ] {
-        let (_, err, ok) = kvrun(bad);
-        assert!(!ok, "{bad:?}");
-        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
-        assert!(err.contains("--mmap"), "{bad:?}: {err}");
-    }
+    one_line_errors(
+        "--mmap",
+        &[
+            &["bench", "--mmap", "maybe", "-p", "8", "-n", "0"][..],
+            &["-p", "hi", "-n", "1", "--mmap", "0,1"][..],
+        ],
+    );
     // one setting: the usual table, no label
     let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--mmap", "off"]);
     assert!(ok, "{err}");
@@ -358,16 +366,14 @@ fn bench_measures_each_repack_setting() {
         }
     }
     assert_eq!(out.matches("| pp8 |").count(), 6, "{out}");
-    for bad in [
-        &["bench", "--repack", "f16", "-p", "8", "-n", "0"][..],
-        &["bench", "--repack", "on,", "-p", "8", "-n", "0"][..],
-        &["-p", "hi", "-n", "1", "--repack", "on,off"][..],
-    ] {
-        let (_, err, ok) = kvrun(bad);
-        assert!(!ok, "{bad:?}");
-        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
-        assert!(err.contains("--repack"), "{bad:?}: {err}");
-    }
+    one_line_errors(
+        "--repack",
+        &[
+            &["bench", "--repack", "f16", "-p", "8", "-n", "0"][..],
+            &["bench", "--repack", "on,", "-p", "8", "-n", "0"][..],
+            &["-p", "hi", "-n", "1", "--repack", "on,off"][..],
+        ],
+    );
     let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--repack", "off"]);
     assert!(ok, "{err}");
     assert!(
@@ -443,16 +449,14 @@ fn bench_measures_each_prefetch_setting() {
         !out.contains("every --mmap and --repack setting's weights loaded at once"),
         "a prefetch list must not load the model again: {out}"
     );
-    for bad in [
-        &["bench", "--prefetch", "100", "-p", "8", "-n", "0"][..],
-        &["bench", "--prefetch", "soon", "-p", "8", "-n", "0"][..],
-        &["-p", "hi", "-n", "1", "--prefetch", "off,auto"][..],
-    ] {
-        let (_, err, ok) = kvrun(bad);
-        assert!(!ok, "{bad:?}");
-        assert_eq!(err.trim().lines().count(), 1, "{bad:?}: {err}");
-        assert!(err.contains("--prefetch"), "{bad:?}: {err}");
-    }
+    one_line_errors(
+        "--prefetch",
+        &[
+            &["bench", "--prefetch", "100", "-p", "8", "-n", "0"][..],
+            &["bench", "--prefetch", "soon", "-p", "8", "-n", "0"][..],
+            &["-p", "hi", "-n", "1", "--prefetch", "off,auto"][..],
+        ],
+    );
     let (out, err, ok) = small_bench(&["-r", "1", "--no-llama", "--prefetch", "4096"]);
     assert!(ok, "{err}");
     assert!(
