@@ -119,13 +119,20 @@ pub fn set_prefetch(p: Prefetch) {
 #[inline(always)]
 pub fn ahead() -> usize {
     match AHEAD.load(Ordering::Relaxed) {
-        usize::MAX => {
-            let a = auto_ahead();
-            AHEAD.store(a, Ordering::Relaxed);
-            a
-        }
+        usize::MAX => first_ahead(),
         a => a,
     }
+}
+
+/// The first read of [`ahead`]: auto, unless a [`set_prefetch`] got there
+/// in between (out of line, so the kernels inline only the load).
+#[cold]
+#[inline(never)]
+fn first_ahead() -> usize {
+    let auto = auto_ahead();
+    AHEAD
+        .compare_exchange(usize::MAX, auto, Ordering::Relaxed, Ordering::Relaxed)
+        .map_or_else(|set| set, |_| auto)
 }
 
 /// Ask for the cache lines of `[p + ahead(), p + ahead() + len)` to be
