@@ -120,7 +120,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 /// `malloc_trim`): after three models in one `kvrun bench -m` run, the
 /// heaps kept about 0.9 GiB of the earlier models' buffers, which the
 /// next model's peak counted as its own (1034 MiB for the 94 MiB default
-/// model, 146 MiB run alone).
+/// model, 142 MiB run alone).
 fn reset_peak_rss() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only releases free memory of the allocator's
