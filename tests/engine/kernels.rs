@@ -442,6 +442,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
     use kvrun::backend::cpu::qgemm_lanes::{
         dot_scalar, lanes_scalar, packed_for, PACKED_BYTES, ROWS, TOKS,
     };
+    use kvrun::backend::cpu::x8::{group_map, X8};
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
@@ -474,10 +475,19 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
             }
             for level in simd_levels() {
                 // the packed-row-block kernel (AVX2 and up): packed once, same bits
-                if let Some((pack, kernel)) = packed_for(dt, level) {
+                if let Some(fns) = packed_for(dt, level) {
                     let mut p = vec![0u8; nb * PACKED_BYTES];
-                    pack(nb, &rows, &mut p);
-                    let v = kernel(nb, &p, &toks);
+                    (fns.pack)(nb, &rows, &mut p);
+                    // packed straight from the repacked row block: the
+                    // same bytes (the engine's prefill of a repacked matrix)
+                    let x8 = X8::new(dt, &w, ROWS, nb);
+                    let mut p8 = vec![0u8; nb * PACKED_BYTES];
+                    (fns.pack_x8)(nb, x8.block(0), &group_map(dt), &mut p8);
+                    assert!(
+                        p8 == p,
+                        "{dt} {level} n_in {n_in}: packed from the row block"
+                    );
+                    let v = (fns.kernel)(nb, &p, &toks);
                     for i in 0..ROWS {
                         for t in 0..TOKS {
                             let m = model[i][t];
@@ -842,6 +852,24 @@ fn q4_1_x8_round_trips_and_its_kernel_matches_ggml() {
         let rb = nb * dt.block_bytes();
         let n_out = w.len() / rb;
         let x8 = X8::new(dt, w, n_out, nb);
+        // whole row blocks at once (prefill's gather: AVX2's transpose
+        // where this CPU has it), rows a ragged stride apart
+        let stride = rb + 12;
+        let mut rows = vec![0xa5u8; ROWS * stride];
+        for blk in 0..n_out / ROWS {
+            x8.block_rows_into(blk, &mut rows, stride);
+            for k in 0..ROWS {
+                let i = blk * ROWS + k;
+                assert_eq!(
+                    rows[k * stride..k * stride + rb],
+                    w[i * rb..(i + 1) * rb],
+                    "{what}: row {i} of its block"
+                );
+                assert!(rows[k * stride + rb..(k + 1) * stride]
+                    .iter()
+                    .all(|&b| b == 0xa5));
+            }
+        }
         let mut row = vec![0u8; rb];
         for i in 0..n_out {
             x8.row_into(i, &mut row);
@@ -1576,6 +1604,15 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
             let (rb, ab) = (dt.row_bytes(n_in), tr.act_bytes(n_in));
             let (w, act) = quant_problem(dt, &mut r, n_out, n_in, 1);
             let x8 = X8::new(dt, &w, n_out, nb);
+            let mut rows = vec![0u8; ROWS * rb];
+            for blk in 0..n_out / ROWS {
+                x8.block_rows_into(blk, &mut rows, rb);
+                let at = blk * ROWS * rb;
+                assert!(
+                    rows == w[at..at + ROWS * rb],
+                    "{dt} n_in {n_in}: row block {blk}"
+                );
+            }
             let mut row = vec![0u8; rb];
             let sb = dt.block_bytes();
             for i in 0..n_out {

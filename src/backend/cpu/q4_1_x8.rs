@@ -261,6 +261,62 @@ unsafe fn decode_vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
     }
 }
 
+/// The 8 rows of a row block's `nb` groups as GGUF stores them: row `r`'s
+/// blocks at `out[r · stride..]`, a whole group at a time (one 8 × 8
+/// dword transpose: the 8 rows' `(d, m)` and their 4 quant dwords are 5
+/// vectors with the rows in lanes); where the CPU lacks AVX2, `false` and
+/// nothing written. Q4_1 prefill gathers its row blocks back this way
+/// (`matmul_q_tiled`); row by row along the layout's copy list, that cost
+/// SmolLM2's prefill in chunks of 32 tokens (a budgeted cache) a fifth.
+pub fn unpack_rows(nb: usize, groups: &[u8], out: &mut [u8], stride: usize) -> bool {
+    let rb = nb * Q4_1_BYTES;
+    assert!(
+        groups.len() >= nb * GROUP_BYTES && stride >= rb && out.len() >= (ROWS - 1) * stride + rb,
+        "q4_1×8 unpack: short operands"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::isa::detected() >= super::isa::Level::Avx2 {
+        // SAFETY: the CPU has AVX2 (just checked); the lengths checked
+        // above bound every load and store.
+        unsafe { unpack_rows_avx2(nb, groups.as_ptr(), out.as_mut_ptr(), stride) };
+        return true;
+    }
+    false
+}
+
+/// [`unpack_rows`]'s body.
+///
+/// # Safety
+/// The CPU has AVX2; `g` holds `nb` groups and `out` 8 rows of `nb` blocks
+/// `stride` bytes apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn unpack_rows_avx2(nb: usize, g: *const u8, out: *mut u8, stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY (every load and store): b < nb and r < 8, inside the caller's
+    // bounds.
+    unsafe {
+        for b in 0..nb {
+            let p = g.add(b * GROUP_BYTES);
+            // (d, m) of the 8 rows, then quant dwords 0..4 (Layout)
+            let v: [__m256i; 8] = std::array::from_fn(|i| {
+                if i < 5 {
+                    _mm256_loadu_si256(p.add(32 * i).cast())
+                } else {
+                    _mm256_setzero_si256()
+                }
+            });
+            // t[r]: row r's block in dwords 0..5
+            let t = super::qgemm_lanes::transpose8(v);
+            for (r, t) in t.iter().enumerate() {
+                let o = out.add(r * stride + b * Q4_1_BYTES);
+                _mm_storeu_si128(o.cast(), _mm256_castsi256_si128(*t));
+                _mm_storeu_si32(o.add(16), _mm256_extracti128_si256::<1>(*t));
+            }
+        }
+    }
+}
+
 /// Whether `dtype` is Q4_1 (the type of this layout).
 pub fn is_q4_1(dtype: DType) -> bool {
     dtype == DType::Q4_1

@@ -91,13 +91,18 @@ pub const Q8_K_BYTES: usize = 292;
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(super) unsafe fn unpack16(q: *const u8) -> [u32; 4] {
+    // SAFETY: q points to 12 readable bytes (the caller's contract).
+    unpack16_bytes(unsafe { q.cast::<[u8; 12]>().read_unaligned() })
+}
+
+/// [`unpack16`] of the 12 bytes themselves.
+#[inline(always)]
+pub(super) fn unpack16_bytes(q: [u8; 12]) -> [u32; 4] {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
-    let mut u = [0u32; 4];
-    // SAFETY: q points to 12 readable bytes (the caller's contract); u
-    // holds 16.
-    unsafe { std::ptr::copy_nonoverlapping(q, u.as_mut_ptr().cast::<u8>(), 12) };
+    let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let mut u = [w(0), w(1), w(2), 0];
     u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
     let aux = u[1] & KMASK1;
     u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
@@ -273,7 +278,7 @@ pub(super) trait Format {
     ///
     /// # Safety
     /// AVX2 + F16C; every pointer is a whole superblock.
-    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256);
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256);
 
     /// Byte offsets in a superblock that touch each of its cache lines,
     /// wherever it starts (at most 64 apart, the last byte included).
@@ -288,7 +293,7 @@ pub(super) trait Format {
     ///
     /// # Safety
     /// As [`Format::heads`].
-    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]);
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]);
 
     /// Units of runs unpacked together (the runs that share transposed
     /// chunks), and runs per unit (`UNITS · RUNS` = 8).
@@ -300,7 +305,7 @@ pub(super) trait Format {
     ///
     /// # Safety
     /// As [`Format::heads`].
-    unsafe fn begin(x: &[*const u8; ROWS]) -> [__m256i; 8];
+    unsafe fn begin<S: Src>(x: &S) -> [__m256i; 8];
 
     /// The quants of unit `u`: `q[k][g]` = group `g` (weights 4g..4g+3) of
     /// the 32-weight run `RUNS·u + k` (k < RUNS), unsigned, row r in 32-bit
@@ -308,7 +313,7 @@ pub(super) trait Format {
     ///
     /// # Safety
     /// As [`Format::heads`].
-    unsafe fn unit(x: &[*const u8; ROWS], u: usize, state: &[__m256i; 8]) -> Runs;
+    unsafe fn unit<S: Src>(x: &S, u: usize, state: &[__m256i; 8]) -> Runs;
 
     /// One row's superblock, row-major (the decoding kernel, [`rows`]):
     /// its 8 runs of 32 unsigned quants in weight order; per run the i16
@@ -355,34 +360,174 @@ pub(super) struct Q5k;
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Q6k;
 
-/// The rows' f16 at byte `off` of their superblocks, as 8 float lanes.
-///
-/// # Safety
-/// AVX2 + F16C; `x[r] + off` holds 2 readable bytes.
+/// Where a kernel reads the superblocks of its 8 rows from: GGUF's rows
+/// (`[*const u8; ROWS]`, one pointer per row's superblock) or a repacked
+/// group ([`X8Group`]). [`Format`]'s methods read through this alone, so
+/// packing a micro tile ([`pack_rows`], [`pack_x8`]) gives the same bytes
+/// from either.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn f16_lanes(x: &[*const u8; ROWS], off: usize) -> __m256 {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    let h: [i16; ROWS] =
-        std::array::from_fn(|r| unsafe { x[r].add(off).cast::<i16>().read_unaligned() });
-    // SAFETY: h holds 8 i16.
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())) }
+pub(super) trait Src {
+    /// Row `r`'s `N` bytes at byte `off` of its superblock (`off` and `N`
+    /// even).
+    ///
+    /// # Safety
+    /// Bytes `off..off + N` lie in the superblock.
+    unsafe fn bytes<const N: usize>(&self, r: usize, off: usize) -> [u8; N];
+
+    /// The 32-byte chunk at byte `off` of the 8 rows' superblocks,
+    /// transposed: dword g of lane r = bytes 4g..4g+3 of row r's chunk.
+    ///
+    /// # Safety
+    /// AVX2; bytes `off..off + 32` lie in the superblock.
+    unsafe fn chunk(&self, off: usize) -> [__m256i; 8];
+
+    /// The rows' f16 at byte `off` of their superblocks, as 8 float lanes.
+    ///
+    /// # Safety
+    /// AVX2 + F16C; bytes `off..off + 2` lie in the superblock.
+    #[inline(always)]
+    unsafe fn f16_lanes(&self, off: usize) -> __m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        let h: [i16; ROWS] =
+            std::array::from_fn(|r| i16::from_le_bytes(unsafe { self.bytes::<2>(r, off) }));
+        // SAFETY: h holds 8 i16.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())) }
+    }
 }
 
-/// The 32-byte chunk at byte `off` of the 8 rows' superblocks, transposed:
-/// dword g of lane r = bytes 4g..4g+3 of row r's chunk.
-///
-/// # Safety
-/// AVX2; `x[r] + off` holds 32 readable bytes.
+/// GGUF's layout: row `r`'s superblock at `self[r]`.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn chunk(x: &[*const u8; ROWS], off: usize) -> [__m256i; 8] {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    transpose8(std::array::from_fn(|r| unsafe {
-        _mm256_loadu_si256(x[r].add(off).cast())
-    }))
+impl Src for [*const u8; ROWS] {
+    #[inline(always)]
+    unsafe fn bytes<const N: usize>(&self, r: usize, off: usize) -> [u8; N] {
+        // SAFETY: the caller's contract.
+        unsafe { self[r].add(off).cast::<[u8; N]>().read_unaligned() }
+    }
+
+    #[inline(always)]
+    unsafe fn chunk(&self, off: usize) -> [__m256i; 8] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        transpose8(std::array::from_fn(|r| unsafe {
+            _mm256_loadu_si256(self[r].add(off).cast())
+        }))
+    }
+}
+
+/// Where a repacked layout (`x8::X8`) keeps each row's superblock bytes
+/// in a group: `at[r][i]` is the group offset of bytes 2i, 2i + 1 of row
+/// r's superblock, and `chunks[i]` the `(start, stride)` of the 32-byte
+/// chunk at superblock byte 2i where the layout stores it as four 64-byte
+/// loads `start + stride·h` (byte 8r + j = the chunk's byte 8h + j of row
+/// r), 0 stride where it does not. Built by `x8::group_map` from the
+/// layout's own copy list, and checked there, so every offset lies in the
+/// group.
+#[derive(Clone, Debug)]
+pub struct GroupMap {
+    dtype: DType,
+    at: [[u16; MAP_LEN]; ROWS],
+    chunks: [(u16, u16); MAP_LEN],
+}
+
+/// Entries of a [`GroupMap`] row: 2-byte steps over the largest
+/// superblock (Q6_K: 210 bytes).
+const MAP_LEN: usize = 128;
+
+impl GroupMap {
+    /// The map of a `dtype` group whose row `r`'s superblock byte `b` lies
+    /// at `at(r, b)`: panics unless every byte of every row maps into the
+    /// group (`8 ×` the superblock), one to one, in even-aligned pairs.
+    pub fn new(dtype: DType, at: impl Fn(usize, usize) -> usize) -> GroupMap {
+        let sb = block_bytes(dtype);
+        let gb = ROWS * sb;
+        assert!(sb <= 2 * MAP_LEN && sb % 2 == 0);
+        let mut seen = vec![false; gb];
+        let mut map = [[0u16; MAP_LEN]; ROWS];
+        for (r, row) in map.iter_mut().enumerate() {
+            for b in 0..sb {
+                let g = at(r, b);
+                assert!(g < gb && !seen[g], "{dtype} group map: byte {b} of row {r}");
+                seen[g] = true;
+                if b % 2 == 0 {
+                    row[b / 2] = g as u16;
+                } else {
+                    assert_eq!(g, row[b / 2] as usize + 1, "{dtype} group map: pair {b}");
+                }
+            }
+        }
+        // the chunks stored as four 64-byte loads of 8 bytes per row
+        let mut chunks = [(0u16, 0u16); MAP_LEN];
+        for off in (0..sb.saturating_sub(31)).step_by(2) {
+            let start = map[0][off / 2] as usize;
+            let stride = (map[0][(off + 8) / 2] as usize).wrapping_sub(start);
+            let fits = (0..4).all(|h| {
+                (0..ROWS).all(|r| {
+                    (0..8).all(|j| at(r, off + 8 * h + j) == start + stride * h + 8 * r + j)
+                })
+            });
+            if fits && stride > 0 {
+                chunks[off / 2] = (start as u16, stride as u16);
+            }
+        }
+        GroupMap {
+            dtype,
+            at: map,
+            chunks,
+        }
+    }
+
+    /// The type whose groups this maps.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+/// One repacked group (8 rows × one superblock) read through its
+/// [`GroupMap`].
+#[cfg(target_arch = "x86_64")]
+struct X8Group<'a> {
+    g: *const u8,
+    map: &'a GroupMap,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Src for X8Group<'_> {
+    #[inline(always)]
+    unsafe fn bytes<const N: usize>(&self, r: usize, off: usize) -> [u8; N] {
+        let mut out = [0u8; N];
+        for i in (0..N).step_by(2) {
+            let at = self.map.at[r][(off + i) / 2] as usize;
+            // SAFETY: `g` is a whole group and the map's offsets lie in it
+            // (GroupMap::new); `out` holds i + 2 bytes.
+            unsafe { std::ptr::copy_nonoverlapping(self.g.add(at), out.as_mut_ptr().add(i), 2) };
+        }
+        out
+    }
+
+    #[inline(always)]
+    unsafe fn chunk(&self, off: usize) -> [__m256i; 8] {
+        use std::arch::x86_64::*;
+        let (start, stride) = self.map.chunks[off / 2];
+        assert!(stride > 0, "{}: no chunk at {off}", self.map.dtype);
+        let (start, stride) = (start as usize, stride as usize);
+        // SAFETY (intrinsics): AVX2, the caller's contract; the four loads
+        // lie in the group (GroupMap::new checked every byte).
+        unsafe {
+            // dwords 0, 2, 4, 6 then 1, 3, 5, 7: bytes 0..4 of rows 0..3 of a
+            // half, then bytes 4..8
+            let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+            let mut t = [_mm256_setzero_si256(); 8];
+            for h in 0..4 {
+                let p = self.g.add(start + stride * h);
+                let lo = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(p.cast()), split);
+                let hi = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(p.add(32).cast()), split);
+                t[2 * h] = _mm256_permute2x128_si256::<0x20>(lo, hi);
+                t[2 * h + 1] = _mm256_permute2x128_si256::<0x31>(lo, hi);
+            }
+            t
+        }
+    }
 }
 
 /// Q4_K and Q5_K: 6-bit scales and mins packed in 12 bytes at byte 4.
@@ -391,15 +536,15 @@ unsafe fn chunk(x: &[*const u8; ROWS], off: usize) -> [__m256i; 8] {
 /// As [`Format::scales`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn scales_mins(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+unsafe fn scales_mins<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
     use std::arch::x86_64::*;
     // per row the 8 scales and 8 mins (bytes), transposed to per sub-block
     // × 8 rows
     let mut scb = [0u64; ROWS];
     let mut mnb = [0u64; ROWS];
     for r in 0..ROWS {
-        // SAFETY: x[r] + 4 is the block's 12 scale bytes.
-        let u = unsafe { unpack16(x[r].add(4)) };
+        // SAFETY: bytes 4..16 are the block's 12 scale bytes.
+        let u = unpack16_bytes(unsafe { x.bytes::<12>(r, 4) });
         scb[r] = u[0] as u64 | (u[1] as u64) << 32;
         mnb[r] = u[2] as u64 | (u[3] as u64) << 32;
     }
@@ -441,13 +586,13 @@ impl Format for Q4k {
     const MINS: bool = true;
 
     #[inline(always)]
-    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256) {
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
         // SAFETY: the trait's contract; d at byte 0, dmin at 2.
-        unsafe { (f16_lanes(x, 0), f16_lanes(x, 2)) }
+        unsafe { (x.f16_lanes(0), x.f16_lanes(2)) }
     }
 
     #[inline(always)]
-    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
         // SAFETY: the trait's contract.
         unsafe { scales_mins(x) }
     }
@@ -456,20 +601,20 @@ impl Format for Q4k {
     const RUNS: usize = 2;
 
     #[inline(always)]
-    unsafe fn begin(_: &[*const u8; ROWS]) -> [__m256i; 8] {
+    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
         // SAFETY: AVX2 (the trait's contract).
         unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
     }
 
     #[inline(always)]
-    unsafe fn unit(x: &[*const u8; ROWS], c: usize, _: &[__m256i; 8]) -> Runs {
+    unsafe fn unit<S: Src>(x: &S, c: usize, _: &[__m256i; 8]) -> Runs {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics): the trait's contract; the 128 quant bytes
         // are at 16..144: chunk c holds run 2c in its low nibbles and run
         // 2c + 1 in its high nibbles.
         unsafe {
             let low = _mm256_set1_epi8(0x0f);
-            let t = chunk(x, 16 + 32 * c);
+            let t = x.chunk(16 + 32 * c);
             let mut q = [[_mm256_setzero_si256(); 8]; 4];
             for g in 0..8 {
                 q[0][g] = _mm256_and_si256(t[g], low);
@@ -508,13 +653,13 @@ impl Format for Q5k {
     const MINS: bool = true;
 
     #[inline(always)]
-    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256) {
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
         // SAFETY: the trait's contract; d at byte 0, dmin at 2.
-        unsafe { (f16_lanes(x, 0), f16_lanes(x, 2)) }
+        unsafe { (x.f16_lanes(0), x.f16_lanes(2)) }
     }
 
     #[inline(always)]
-    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
         // SAFETY: the trait's contract.
         unsafe { scales_mins(x) }
     }
@@ -523,13 +668,13 @@ impl Format for Q5k {
     const RUNS: usize = 2;
 
     #[inline(always)]
-    unsafe fn begin(x: &[*const u8; ROWS]) -> [__m256i; 8] {
+    unsafe fn begin<S: Src>(x: &S) -> [__m256i; 8] {
         // SAFETY: the trait's contract; the fifth bits are at 16..48.
-        unsafe { chunk(x, 16) }
+        unsafe { x.chunk(16) }
     }
 
     #[inline(always)]
-    unsafe fn unit(x: &[*const u8; ROWS], c: usize, h: &[__m256i; 8]) -> Runs {
+    unsafe fn unit<S: Src>(x: &S, c: usize, h: &[__m256i; 8]) -> Runs {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics): the trait's contract; the low nibbles are
         // laid out as Q4_K's at 48..176, the fifth bit of run s is bit s of
@@ -538,7 +683,7 @@ impl Format for Q5k {
         // byte).
         unsafe {
             let (low, bit4) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x10));
-            let t = chunk(x, 48 + 32 * c);
+            let t = x.chunk(48 + 32 * c);
             let at4 = |v: __m256i, bit: i32| {
                 let v = if bit < 4 {
                     _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - bit))
@@ -602,23 +747,23 @@ impl Format for Q6k {
     const MINS: bool = false;
 
     #[inline(always)]
-    unsafe fn heads(x: &[*const u8; ROWS]) -> (__m256, __m256) {
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
         // SAFETY: the trait's contract; d is the last 2 bytes.
         unsafe {
-            let d = f16_lanes(x, 208);
+            let d = x.f16_lanes(208);
             (d, d)
         }
     }
 
     #[inline(always)]
-    unsafe fn scales(x: &[*const u8; ROWS]) -> ([__m256i; 16], [__m256i; 8]) {
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
         use std::arch::x86_64::*;
         // 16 signed scales per row at 192..208, transposed (8 × 8 bytes
         // twice): st[h][k] holds scales 8h + 2k, 8h + 2k + 1 of the 8 rows
         let half = |h: usize| {
-            // SAFETY: x[r] + 192 + 8h holds 8 readable bytes.
-            transpose8x8_bytes(std::array::from_fn(|r| unsafe {
-                x[r].add(192 + 8 * h).cast::<u64>().read_unaligned()
+            // SAFETY: bytes 192 + 8h.. + 8 lie in the superblock.
+            transpose8x8_bytes(std::array::from_fn(|r| {
+                u64::from_le_bytes(unsafe { x.bytes::<8>(r, 192 + 8 * h) })
             }))
         };
         let st = [half(0), half(1)];
@@ -646,13 +791,13 @@ impl Format for Q6k {
     const RUNS: usize = 4;
 
     #[inline(always)]
-    unsafe fn begin(_: &[*const u8; ROWS]) -> [__m256i; 8] {
+    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
         // SAFETY: AVX2 (the trait's contract).
         unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
     }
 
     #[inline(always)]
-    unsafe fn unit(x: &[*const u8; ROWS], n: usize, _: &[__m256i; 8]) -> Runs {
+    unsafe fn unit<S: Src>(x: &S, n: usize, _: &[__m256i; 8]) -> Runs {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics): the trait's contract. Half n of the block
         // (runs 4n..4n+3) takes low-bit chunks a = ql[64n..], b = ql[64n +
@@ -661,9 +806,9 @@ impl Format for Q6k {
         // 2k + 1 of h as bits 4-5.
         unsafe {
             let (low, two) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0x30));
-            let a = chunk(x, 64 * n);
-            let b = chunk(x, 64 * n + 32);
-            let h = chunk(x, 128 + 32 * n);
+            let a = x.chunk(64 * n);
+            let b = x.chunk(64 * n + 32);
+            let h = x.chunk(128 + 32 * n);
             let mut q = [[_mm256_setzero_si256(); 8]; 4];
             for g in 0..8 {
                 let hi = |v: __m256i| _mm256_and_si256(v, two);
@@ -765,7 +910,7 @@ unsafe fn lanes_vnni_impl<const N: usize, F: Format>(
 /// 8 × 8 transpose of 32-bit lanes: lane r of output g = lane g of input r.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+pub(super) fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
     use std::arch::x86_64::*;
     // SAFETY: register-only AVX2 ops; callers are AVX2 target-feature
     // functions this is inlined into.
@@ -1008,14 +1153,27 @@ const PACKED_Q: usize = PACKED_OFF + 8 * 32;
 /// Packs 8 rows (`nb` superblocks) once, so every token tile after the
 /// first skips their transposes and unpacking.
 pub type PackFn = fn(usize, &[&[u8]; ROWS], &mut [u8]);
+/// Packs the 8 rows of one repacked row block (`x8::X8::block`: `nb`
+/// groups, read through their [`GroupMap`]) into the same bytes as
+/// [`PackFn`] from the rows themselves, without gathering them back first.
+pub type PackX8Fn = fn(usize, &[u8], &GroupMap, &mut [u8]);
 /// A prefill kernel over a packed micro tile: `(nb, packed rows (nb ·
 /// PACKED_BYTES), 8 token rows) -> out[r][t]`, bit for bit [`lanes_for`]'s.
 pub type PackedFn = fn(usize, &[u8], &[&[u8]; TOKS]) -> [[f32; TOKS]; ROWS];
 
-/// The packing prefill pair for `dtype` at SIMD level `level` where the CPU
+/// A type's packing prefill: the packing from GGUF's rows, the one from a
+/// repacked row block, and the kernel over what both write.
+#[derive(Clone, Copy, Debug)]
+pub struct Packed {
+    pub pack: PackFn,
+    pub pack_x8: PackX8Fn,
+    pub kernel: PackedFn,
+}
+
+/// The packing prefill for `dtype` at SIMD level `level` where the CPU
 /// runs it: `vpdpbusd` at avx512vnni, `maddubs` + `madd` at avx2 and
 /// avx512 (one packed layout for both); `None` for other types and levels.
-pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<(PackFn, PackedFn)> {
+pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<Packed> {
     let vnni = super::isa::vnni_or_avx2(level, true, false)?;
     #[cfg(target_arch = "x86_64")]
     match dtype {
@@ -1028,13 +1186,21 @@ pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<(PackFn, Pac
     None
 }
 
-/// Format `F`'s packing and packed kernel, with `vpdpbusd` or without.
+/// Format `F`'s packings and packed kernel, with `vpdpbusd` or without.
 #[cfg(target_arch = "x86_64")]
-fn packed_pair<F: Format>(vnni: bool) -> (PackFn, PackedFn) {
+fn packed_pair<F: Format>(vnni: bool) -> Packed {
     if vnni {
-        (pack_rows::<F, true>, lanes_packed::<F, true>)
+        Packed {
+            pack: pack_rows::<F, true>,
+            pack_x8: pack_x8::<F, true>,
+            kernel: lanes_packed::<F, true>,
+        }
     } else {
-        (pack_rows::<F, false>, lanes_packed::<F, false>)
+        Packed {
+            pack: pack_rows::<F, false>,
+            pack_x8: pack_x8::<F, false>,
+            kernel: lanes_packed::<F, false>,
+        }
     }
 }
 
@@ -1063,30 +1229,89 @@ fn pack_rows<F: Format, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], out: &mu
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn pack_rows_vnni<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
     // SAFETY: the caller's contract (pack_rows).
-    unsafe { pack_rows_body::<F>(nb, w, out) }
+    unsafe { pack_body::<F, _>(nb, |b| row_src::<F>(w, b), out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pack_rows_avx2<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
     // SAFETY: the caller's contract (pack_rows).
-    unsafe { pack_rows_body::<F>(nb, w, out) }
+    unsafe { pack_body::<F, _>(nb, |b| row_src::<F>(w, b), out) }
 }
 
-/// [`PACKED_BYTES`] per superblock, written from the rows as
-/// [`lanes_body`] unpacks them (so both packed kernels reproduce it).
-///
-/// # Safety
-/// AVX2, FMA and F16C enabled where this is inlined; every row holds `nb`
-/// superblocks and `out` `nb` packed ones.
+/// Superblock `b` of the 8 rows (the caller keeps `b` < the rows' blocks).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn pack_rows_body<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
+fn row_src<F: Format>(w: &[&[u8]; ROWS], b: usize) -> [*const u8; ROWS] {
+    std::array::from_fn(|r| w[r].as_ptr().wrapping_add(b * F::BYTES))
+}
+
+#[cfg(target_arch = "x86_64")]
+fn pack_x8<F: Format, const VNNI: bool>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
+    let gb = ROWS * F::BYTES;
+    assert_eq!(
+        map.dtype,
+        F::DTYPE,
+        "{} pack: a map of {}",
+        F::DTYPE,
+        map.dtype
+    );
+    assert!(g.len() >= nb * gb, "{} pack: row block too short", F::DTYPE);
+    assert!(
+        out.len() >= nb * PACKED_BYTES,
+        "{} pack: buffer too short",
+        F::DTYPE
+    );
+    // SAFETY: as pack_rows's; `g` holds nb whole groups (checked just
+    // above) and the map's offsets lie in a group (GroupMap::new).
+    unsafe {
+        if VNNI {
+            pack_x8_vnni::<F>(nb, g, map, out)
+        } else {
+            pack_x8_avx2::<F>(nb, g, map, out)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn pack_x8_vnni<F: Format>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
+    // SAFETY: the caller's contract (pack_x8).
+    unsafe { pack_body::<F, _>(nb, |b| x8_src::<F>(g, map, b), out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_x8_avx2<F: Format>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
+    // SAFETY: the caller's contract (pack_x8).
+    unsafe { pack_body::<F, _>(nb, |b| x8_src::<F>(g, map, b), out) }
+}
+
+/// Group `b` of a row block (the caller keeps `b` < its groups).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn x8_src<'a, F: Format>(g: &[u8], map: &'a GroupMap, b: usize) -> X8Group<'a> {
+    X8Group {
+        g: g.as_ptr().wrapping_add(b * ROWS * F::BYTES),
+        map,
+    }
+}
+
+/// [`PACKED_BYTES`] per superblock, written from the rows' superblocks
+/// `src(b)` as [`lanes_body`] unpacks them (so both packed kernels
+/// reproduce it).
+///
+/// # Safety
+/// AVX2, FMA and F16C enabled where this is inlined; `src(b)` reads whole
+/// superblocks for every b < `nb`, and `out` holds `nb` packed ones.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pack_body<F: Format, S: Src>(nb: usize, src: impl Fn(usize) -> S, out: &mut [u8]) {
     use std::arch::x86_64::*;
     // SAFETY (all loads and stores): b < nb; the caller's contract.
     unsafe {
         for b in 0..nb {
-            let x: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr().add(b * F::BYTES));
+            let x = src(b);
             let o = out.as_mut_ptr().add(b * PACKED_BYTES);
             let (xd, xm) = F::heads(&x);
             _mm256_storeu_ps(o.cast(), xd);

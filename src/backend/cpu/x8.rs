@@ -25,7 +25,7 @@
 //! for bit, the others `b32_x8::dot_scalar`, so a matrix gives the same
 //! logits repacked or not, at every level.
 
-use super::qgemm_lanes::{Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{GroupMap, Q8_K_BYTES, ROWS};
 use super::{b32_x8, q4_1_x8, q4k_x8, q6k_x8};
 use crate::tensor::DType;
 
@@ -284,12 +284,50 @@ impl X8 {
         self.superblocks_into(r, 0, self.nb, out);
     }
 
+    /// The 8 rows of row block `blk` as GGUF stores them, row `8·blk + r`
+    /// at `out[r · stride..]`: the group-at-a-time transpose for Q4_1
+    /// where the CPU has one, row by row otherwise.
+    pub fn block_rows_into(&self, blk: usize, out: &mut [u8], stride: usize) {
+        let groups = self.block(blk);
+        if q4_1_x8::is_q4_1(self.dtype) && q4_1_x8::unpack_rows(self.nb, groups, out, stride) {
+            return;
+        }
+        let rb = self.nb * self.dtype.block_bytes();
+        for r in 0..ROWS {
+            unpack(
+                self.dtype,
+                groups,
+                r,
+                self.nb,
+                &mut out[r * stride..r * stride + rb],
+            );
+        }
+    }
+
     /// Superblocks `s0..s0 + k` of row `r` as GGUF stores them into `out`.
     pub fn superblocks_into(&self, r: usize, s0: usize, k: usize, out: &mut [u8]) {
         assert!(r < self.n_out && s0 + k <= self.nb);
         let groups = &self.block(r / ROWS)[s0 * group_bytes(self.dtype)..];
         unpack(self.dtype, groups, r % ROWS, k, out);
     }
+}
+
+/// Where `dtype`'s layout keeps every byte of the 8 rows' superblocks in a
+/// group, for the K-quant prefill's packing straight from a row block
+/// (`qgemm_lanes::PackX8Fn`): read from the same copy list as packing and
+/// unpacking, and checked one to one by `GroupMap::new`.
+pub fn group_map(dtype: DType) -> GroupMap {
+    assert!(has_layout(dtype), "x8: no repacked layout for {dtype}");
+    let sb = dtype.block_bytes();
+    let mut at = vec![[usize::MAX; ROWS]; sb];
+    for r in 0..ROWS {
+        for &(from, to, n) in Segments::of(dtype, r).list() {
+            for i in 0..n {
+                at[from + i][r] = to + i;
+            }
+        }
+    }
+    GroupMap::new(dtype, |r, b| at[b][r])
 }
 
 /// Row `r` (< 8) of the first `k` groups of `groups` into `out`, `k`
