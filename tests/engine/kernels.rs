@@ -555,7 +555,8 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
 #[test]
 fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
     use kvrun::backend::cpu::b32_x8::{
-        block_sums, decode_for, decode_rows_for, dot_scalar, row_to_q8_0_at, Q8_0_BYTES, ROWS,
+        block_sums, block_to_q8_0_at, decode_for, decode_rows_for, dot_scalar, row_to_q8_0_at,
+        row_to_unsigned_at, Q8_0_BYTES, ROWS,
     };
     use kvrun::backend::cpu::x8::{decode_scalar, X8};
     let seed = 0x5eed_0b32 ^ std::process::id() as u64;
@@ -581,6 +582,32 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
             let model = decode_scalar(dt, nb, x8.block(blk), y);
             let rows: [&[u8]; ROWS] =
                 std::array::from_fn(|k| &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]);
+            // prefill's expansion of a whole row block straight from its
+            // groups (rows a ragged stride apart): the rows' own expansion,
+            // signed and unsigned, at every level (the copy list below AVX2)
+            if dt != DType::Q8_0 {
+                let qrb = nb * Q8_0_BYTES;
+                let stride = qrb + 6;
+                for signed in [true, false] {
+                    for level in std::iter::once(Level::Portable).chain(simd_levels()) {
+                        let mut out = vec![0x5au8; ROWS * stride];
+                        block_to_q8_0_at(level, dt, nb, x8.block(blk), &mut out, stride, signed);
+                        for k in 0..ROWS {
+                            let mut want = vec![0u8; qrb];
+                            if signed {
+                                row_to_q8_0_at(Level::Portable, dt, nb, rows[k], &mut want);
+                            } else {
+                                row_to_unsigned_at(Level::Portable, dt, nb, rows[k], &mut want);
+                            }
+                            let got = &out[k * stride..(k + 1) * stride];
+                            assert!(
+                                got[..qrb] == want[..] && got[qrb..].iter().all(|&b| b == 0x5a),
+                                "{dt} {level} {what} signed {signed}: row {k} of block {blk}"
+                            );
+                        }
+                    }
+                }
+            }
             for k in 0..ROWS {
                 let want = dot_scalar(dt, nb, rows[k], y);
                 assert_eq!(model[k].to_bits(), want.to_bits(), "{dt} {what} row {k}");

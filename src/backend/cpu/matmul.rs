@@ -491,8 +491,6 @@ fn matmul_q8_0_tokens(
         let mut side = vec![0u8; LANES_ROW_TILE / ROWS * side_bytes];
         // a block's rows as Q8_0 where they are not in place  (LANES_ROW_TILE, qrb)
         let mut q8 = vec![0u8; if in_place { 0 } else { LANES_ROW_TILE * qrb }];
-        // one row as GGUF stores it (a repacked Q4_0 or Q5_0 row)
-        let mut gguf = vec![0u8; if in_place { 0 } else { w.dtype.row_bytes(n_in) }];
         while let Some(blk) = blocks.next() {
             let r0 = blk * LANES_ROW_TILE;
             let r1 = (r0 + LANES_ROW_TILE).min(n_out);
@@ -524,14 +522,29 @@ fn matmul_q8_0_tokens(
                     Rows::Signed => b32_x8::row_to_q8_0_at(level, dt, nb, row, dst),
                     Rows::Unsigned => b32_x8::row_to_unsigned_at(level, dt, nb, row, dst),
                 };
-                for (r, dst) in (r0..r1).zip(q8.chunks_exact_mut(qrb)) {
-                    match (&w.x8, w.dtype) {
-                        (Some(x8), DType::Q8_0) => x8.row_into(r, dst),
-                        (Some(x8), dt) => {
-                            x8.row_into(r, &mut gguf);
-                            expand(dt, &gguf, dst);
+                match &w.x8 {
+                    // whole row blocks (LANES_ROW_TILE and a repacked
+                    // matrix's rows are multiples of 8), expanded straight
+                    // from their groups
+                    Some(x8) => {
+                        let rows = &mut q8[..(r1 - r0) * qrb];
+                        for (i, dst) in rows.chunks_exact_mut(b32_x8::ROWS * qrb).enumerate() {
+                            let blk = r0 / b32_x8::ROWS + i;
+                            if w.dtype == DType::Q8_0 {
+                                x8.block_rows_into(blk, dst, qrb);
+                            } else {
+                                let signed = matches!(form, Rows::Signed);
+                                let groups = x8.block(blk);
+                                b32_x8::block_to_q8_0_at(
+                                    level, w.dtype, nb, groups, dst, qrb, signed,
+                                );
+                            }
                         }
-                        (None, dt) => expand(dt, w.plain_row(r), dst),
+                    }
+                    None => {
+                        for (r, dst) in (r0..r1).zip(q8.chunks_exact_mut(qrb)) {
+                            expand(w.dtype, w.plain_row(r), dst);
+                        }
                     }
                 }
             }
