@@ -441,7 +441,7 @@ impl GroupMap {
     pub fn new(dtype: DType, at: impl Fn(usize, usize) -> usize) -> GroupMap {
         let sb = block_bytes(dtype);
         let gb = ROWS * sb;
-        assert!(sb <= 2 * MAP_LEN && sb % 2 == 0);
+        assert!(sb <= 2 * MAP_LEN && sb.is_multiple_of(2));
         let mut seen = vec![false; gb];
         let mut map = [[0u16; MAP_LEN]; ROWS];
         for (r, row) in map.iter_mut().enumerate() {
@@ -1207,6 +1207,43 @@ fn packed_pair<F: Format>(vnni: bool) -> Packed {
 #[cfg(target_arch = "x86_64")]
 fn pack_rows<F: Format, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
     check::<0>(F::DTYPE, nb, w, &[]);
+    let src = |b: usize| -> [*const u8; ROWS] {
+        std::array::from_fn(|r| w[r].as_ptr().wrapping_add(b * F::BYTES))
+    };
+    // SAFETY: every row holds nb superblocks (checked just above).
+    unsafe { pack_from::<F, _, VNNI>(nb, src, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn pack_x8<F: Format, const VNNI: bool>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
+    let gb = ROWS * F::BYTES;
+    assert!(
+        map.dtype == F::DTYPE && g.len() >= nb * gb,
+        "{} pack: a row block of {} groups of {} expected",
+        F::DTYPE,
+        nb,
+        map.dtype
+    );
+    let src = |b: usize| X8Group {
+        g: g.as_ptr().wrapping_add(b * gb),
+        map,
+    };
+    // SAFETY: `g` holds nb whole groups (checked just above) and the map's
+    // offsets lie in a group (GroupMap::new).
+    unsafe { pack_from::<F, _, VNNI>(nb, src, out) }
+}
+
+/// Packs `nb` superblocks of 8 rows from `src(b)` into `out`, at VNNI's
+/// level or AVX2's.
+///
+/// # Safety
+/// `src(b)` reads whole superblocks for every b < `nb`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn pack_from<F: Format, S: Src, const VNNI: bool>(
+    nb: usize,
+    src: impl Fn(usize) -> S,
+    out: &mut [u8],
+) {
     assert!(
         out.len() >= nb * PACKED_BYTES,
         "{} pack: buffer too short",
@@ -1214,87 +1251,29 @@ fn pack_rows<F: Format, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], out: &mu
     );
     // SAFETY: handed out (packed_for) only where the CPU has AVX2, FMA and
     // F16C, and with VNNI only at level avx512vnni (AVX-512 F/BW/VL/VNNI);
-    // every row holds nb superblocks and `out` nb packed ones (checked just
-    // above), which bounds all accesses.
+    // `out` holds nb packed superblocks (checked just above) and `src`
+    // whole superblocks (the caller's contract).
     unsafe {
         if VNNI {
-            pack_rows_vnni::<F>(nb, w, out)
+            pack_vnni::<F, S>(nb, src, out)
         } else {
-            pack_rows_avx2::<F>(nb, w, out)
+            pack_avx2::<F, S>(nb, src, out)
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pack_rows_vnni<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
-    // SAFETY: the caller's contract (pack_rows).
-    unsafe { pack_body::<F, _>(nb, |b| row_src::<F>(w, b), out) }
+unsafe fn pack_vnni<F: Format, S: Src>(nb: usize, src: impl Fn(usize) -> S, out: &mut [u8]) {
+    // SAFETY: the caller's contract (pack_from).
+    unsafe { pack_body::<F, S>(nb, src, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack_rows_avx2<F: Format>(nb: usize, w: &[&[u8]; ROWS], out: &mut [u8]) {
-    // SAFETY: the caller's contract (pack_rows).
-    unsafe { pack_body::<F, _>(nb, |b| row_src::<F>(w, b), out) }
-}
-
-/// Superblock `b` of the 8 rows (the caller keeps `b` < the rows' blocks).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn row_src<F: Format>(w: &[&[u8]; ROWS], b: usize) -> [*const u8; ROWS] {
-    std::array::from_fn(|r| w[r].as_ptr().wrapping_add(b * F::BYTES))
-}
-
-#[cfg(target_arch = "x86_64")]
-fn pack_x8<F: Format, const VNNI: bool>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
-    let gb = ROWS * F::BYTES;
-    assert_eq!(
-        map.dtype,
-        F::DTYPE,
-        "{} pack: a map of {}",
-        F::DTYPE,
-        map.dtype
-    );
-    assert!(g.len() >= nb * gb, "{} pack: row block too short", F::DTYPE);
-    assert!(
-        out.len() >= nb * PACKED_BYTES,
-        "{} pack: buffer too short",
-        F::DTYPE
-    );
-    // SAFETY: as pack_rows's; `g` holds nb whole groups (checked just
-    // above) and the map's offsets lie in a group (GroupMap::new).
-    unsafe {
-        if VNNI {
-            pack_x8_vnni::<F>(nb, g, map, out)
-        } else {
-            pack_x8_avx2::<F>(nb, g, map, out)
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pack_x8_vnni<F: Format>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
-    // SAFETY: the caller's contract (pack_x8).
-    unsafe { pack_body::<F, _>(nb, |b| x8_src::<F>(g, map, b), out) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack_x8_avx2<F: Format>(nb: usize, g: &[u8], map: &GroupMap, out: &mut [u8]) {
-    // SAFETY: the caller's contract (pack_x8).
-    unsafe { pack_body::<F, _>(nb, |b| x8_src::<F>(g, map, b), out) }
-}
-
-/// Group `b` of a row block (the caller keeps `b` < its groups).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn x8_src<'a, F: Format>(g: &[u8], map: &'a GroupMap, b: usize) -> X8Group<'a> {
-    X8Group {
-        g: g.as_ptr().wrapping_add(b * ROWS * F::BYTES),
-        map,
-    }
+unsafe fn pack_avx2<F: Format, S: Src>(nb: usize, src: impl Fn(usize) -> S, out: &mut [u8]) {
+    // SAFETY: the caller's contract (pack_from).
+    unsafe { pack_body::<F, S>(nb, src, out) }
 }
 
 /// [`PACKED_BYTES`] per superblock, written from the rows' superblocks
