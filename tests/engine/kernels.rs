@@ -482,7 +482,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                     // same bytes (the engine's prefill of a repacked matrix)
                     let x8 = X8::new(dt, &w, ROWS, nb);
                     let mut p8 = vec![0u8; nb * PACKED_BYTES];
-                    (fns.pack_x8)(nb, x8.block(0), &group_map(dt), &mut p8);
+                    (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
                     assert!(
                         p8 == p,
                         "{dt} {level} n_in {n_in}: packed from the row block"

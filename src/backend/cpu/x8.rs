@@ -312,12 +312,23 @@ impl X8 {
     }
 }
 
-/// Where `dtype`'s layout keeps every byte of the 8 rows' superblocks in a
-/// group, for the K-quant prefill's packing straight from a row block
-/// (`qgemm_lanes::PackX8Fn`): read from the same copy list as packing and
-/// unpacking, and checked one to one by `GroupMap::new`.
-pub fn group_map(dtype: DType) -> GroupMap {
-    assert!(has_layout(dtype), "x8: no repacked layout for {dtype}");
+/// Where K-quant `dtype`'s layout (Q4_K, Q5_K, Q6_K) keeps every byte of
+/// the 8 rows' superblocks in a group, for the prefill's packing straight
+/// from a row block (`qgemm_lanes::PackX8Fn`): read from the same copy
+/// list as packing and unpacking, checked one to one by `GroupMap::new`,
+/// and built once per type (prefill asks for it on every product).
+pub fn group_map(dtype: DType) -> &'static GroupMap {
+    static MAPS: [std::sync::OnceLock<GroupMap>; 3] = [const { std::sync::OnceLock::new() }; 3];
+    let i = match dtype {
+        DType::Q4K => 0,
+        DType::Q5K => 1,
+        DType::Q6K => 2,
+        other => panic!("x8: no group map for {other}"),
+    };
+    MAPS[i].get_or_init(|| build_group_map(dtype))
+}
+
+fn build_group_map(dtype: DType) -> GroupMap {
     let sb = dtype.block_bytes();
     let mut at = vec![[usize::MAX; ROWS]; sb];
     for r in 0..ROWS {
