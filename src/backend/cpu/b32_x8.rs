@@ -256,10 +256,7 @@ pub fn block_to_q8_0_at(
             }
         }
         let dst = &mut out[r * stride..r * stride + qrb];
-        for b in 0..nb {
-            let q8 = &mut dst[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
-            expand_block(dtype, &row[b * bb..(b + 1) * bb], q8, signed);
-        }
+        expand_row_at(super::isa::Level::Portable, dtype, nb, &row, dst, signed);
     }
 }
 
