@@ -555,8 +555,8 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
 #[test]
 fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
     use kvrun::backend::cpu::b32_x8::{
-        block_sums, block_to_q8_0_at, decode_for, decode_rows_for, dot_scalar, row_to_q8_0_at,
-        row_to_unsigned_at, Q8_0_BYTES, ROWS,
+        block_sums, decode_for, decode_rows_for, dot_scalar, row_to_q8_0_at, row_to_unsigned_at,
+        Q8_0_BYTES, ROWS,
     };
     use kvrun::backend::cpu::x8::{decode_scalar, X8};
     let seed = 0x5eed_0b32 ^ std::process::id() as u64;
@@ -591,7 +591,7 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
                 for signed in [true, false] {
                     for level in std::iter::once(Level::Portable).chain(simd_levels()) {
                         let mut out = vec![0x5au8; ROWS * stride];
-                        block_to_q8_0_at(level, dt, nb, x8.block(blk), &mut out, stride, signed);
+                        x8.block_to_q8_0_at(blk, level, &mut out, stride, signed);
                         for k in 0..ROWS {
                             let mut want = vec![0u8; qrb];
                             if signed {

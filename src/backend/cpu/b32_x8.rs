@@ -204,10 +204,11 @@ fn expand_row_at(
 /// Q8_0-shaped blocks, row `r` at `out[r · stride..]`: the signed Q8_0
 /// form (`signed`) or the unsigned quants, the same bytes as
 /// [`row_to_q8_0_at`] / [`row_to_unsigned_at`] on the rows as GGUF stores
-/// them. From AVX2 up a group at a time (its 8 nibble runs transposed to
-/// the rows in one 8 × 8 dword transpose, which leaves each row's 32
-/// quants in weight order); row by row through the layout's copy list
-/// below. Prefill expands a repacked matrix this way: gathering each row
+/// them, a group at a time (its 8 nibble runs transposed to the rows in one
+/// 8 × 8 dword transpose, which leaves each row's 32 quants in weight
+/// order). AVX2 only: at a level below it (or above what the CPU runs),
+/// `false` and nothing written (`x8::X8::block_to_q8_0_at` then goes row by
+/// row). Prefill expands a repacked matrix this way: gathering each row
 /// back first cost Gemma 3 270M's prefill in chunks of 32 tokens (a
 /// budgeted cache) a fifth.
 pub fn block_to_q8_0_at(
@@ -218,14 +219,16 @@ pub fn block_to_q8_0_at(
     out: &mut [u8],
     stride: usize,
     signed: bool,
-) {
+) -> bool {
     assert!(
         matches!(dtype, DType::Q4_0 | DType::Q5_0),
         "block_to_q8_0: {dtype}"
     );
-    let (bb, qrb) = (dtype.block_bytes(), nb * Q8_0_BYTES);
+    let qrb = nb * Q8_0_BYTES;
     assert!(
-        groups.len() >= nb * ROWS * bb && stride >= qrb && out.len() >= (ROWS - 1) * stride + qrb,
+        groups.len() >= nb * ROWS * dtype.block_bytes()
+            && stride >= qrb
+            && out.len() >= (ROWS - 1) * stride + qrb,
         "block_to_q8_0: short operands"
     );
     #[cfg(target_arch = "x86_64")]
@@ -244,20 +247,10 @@ pub fn block_to_q8_0_at(
                 stride,
             )
         };
-        return;
+        return true;
     }
-    let _ = level;
-    let mut row = vec![0u8; nb * bb];
-    for r in 0..ROWS {
-        for (b, g) in groups.chunks_exact(ROWS * bb).take(nb).enumerate() {
-            let x = &mut row[b * bb..(b + 1) * bb];
-            for (at, from, n) in segments(dtype, r) {
-                x[at..at + n].copy_from_slice(&g[from..from + n]);
-            }
-        }
-        let dst = &mut out[r * stride..r * stride + qrb];
-        expand_row_at(super::isa::Level::Portable, dtype, nb, &row, dst, signed);
-    }
+    let _ = (level, signed);
+    false
 }
 
 /// [`block_to_q8_0_at`]'s AVX2 body.

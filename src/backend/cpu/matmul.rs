@@ -534,10 +534,7 @@ fn matmul_q8_0_tokens(
                                 x8.block_rows_into(blk, dst, qrb);
                             } else {
                                 let signed = matches!(form, Rows::Signed);
-                                let groups = x8.block(blk);
-                                b32_x8::block_to_q8_0_at(
-                                    level, w.dtype, nb, groups, dst, qrb, signed,
-                                );
+                                x8.block_to_q8_0_at(blk, level, dst, qrb, signed);
                             }
                         }
                     }

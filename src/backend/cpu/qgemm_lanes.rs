@@ -476,11 +476,6 @@ impl GroupMap {
             chunks,
         }
     }
-
-    /// The type whose groups this maps.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
 }
 
 /// One repacked group (8 rows × one superblock) read through its

@@ -304,6 +304,37 @@ impl X8 {
         }
     }
 
+    /// Row block `blk` of a Q4_0 or Q5_0 matrix as its 8 rows of
+    /// Q8_0-shaped blocks (`signed`: the Q8_0 form, else the unsigned
+    /// quants; `b32_x8::row_to_q8_0_at` / `row_to_unsigned_at` at
+    /// `level`), row `8·blk + r` at `out[r · stride..]`: straight from the
+    /// groups from AVX2 up (`b32_x8::block_to_q8_0_at`), each row unpacked
+    /// and expanded below it.
+    pub fn block_to_q8_0_at(
+        &self,
+        blk: usize,
+        level: super::isa::Level,
+        out: &mut [u8],
+        stride: usize,
+        signed: bool,
+    ) {
+        let (dt, nb, groups) = (self.dtype, self.nb, self.block(blk));
+        if b32_x8::block_to_q8_0_at(level, dt, nb, groups, out, stride, signed) {
+            return;
+        }
+        let mut row = vec![0u8; nb * dt.block_bytes()];
+        let qrb = nb * b32_x8::Q8_0_BYTES;
+        for r in 0..ROWS {
+            unpack(dt, groups, r, nb, &mut row);
+            let dst = &mut out[r * stride..r * stride + qrb];
+            if signed {
+                b32_x8::row_to_q8_0_at(level, dt, nb, &row, dst);
+            } else {
+                b32_x8::row_to_unsigned_at(level, dt, nb, &row, dst);
+            }
+        }
+    }
+
     /// Superblocks `s0..s0 + k` of row `r` as GGUF stores them into `out`.
     pub fn superblocks_into(&self, r: usize, s0: usize, k: usize, out: &mut [u8]) {
         assert!(r < self.n_out && s0 + k <= self.nb);
