@@ -338,9 +338,14 @@ fn q4_1_tile_matches_ggml_vec_dot_bit_for_bit() {
 }
 
 /// The SIMD levels above the portable loops this CPU runs; the ones it
-/// lacks are named on stderr (their paths go untested here).
+/// lacks are named on stderr (their paths go untested here). A CPU with
+/// AVX-512 VNNI but no AMX runs the `amx` level on emulated tiles
+/// (`amx_emu`: the kernels' own instruction text, executed in software).
 fn simd_levels() -> Vec<Level> {
-    use kvrun::backend::cpu::isa::detected;
+    use kvrun::backend::cpu::isa::{detected, emulate_amx};
+    if detected() == Level::Avx512Vnni && emulate_amx() {
+        eprintln!("the amx kernels run on emulated tiles here");
+    }
     let (run, skip): (Vec<Level>, Vec<Level>) =
         [Level::Avx2, Level::Avx512, Level::Avx512Vnni, Level::Amx]
             .into_iter()

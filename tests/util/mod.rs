@@ -79,21 +79,34 @@ pub fn lower_levels() -> Vec<kvrun::backend::cpu::isa::Level> {
 }
 
 /// Run the test `name` (its full path in this test binary) again in a
-/// child process at each of [`lower_levels`], and fail if any fails.
+/// child process at each of [`lower_levels`], and fail if any fails. On a
+/// CPU with AVX-512 VNNI it also runs at `amx` on emulated tiles
+/// (`KVRUN_AMX_EMULATE=1`): where the CPU has no AMX that covers the
+/// level's kernels end to end, and where it has, it checks the emulator
+/// against the hardware (the outputs pinned for the two are the same).
 pub fn rerun_at_lower_levels(name: &str) {
-    for l in lower_levels() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
-            .env("KVRUN_CPU", l.name())
-            .output()
-            .expect("rerun the test binary");
+    use kvrun::backend::cpu::isa::{level, Level};
+    let emulated = level() >= Level::Avx512Vnni
+        && std::env::var_os("KVRUN_CPU").is_none()
+        && std::env::var_os("KVRUN_AMX_EMULATE").is_none();
+    let runs = lower_levels().into_iter().map(|l| (l, false));
+    let runs = runs.chain(emulated.then_some((Level::Amx, true)));
+    for (l, emulate) in runs {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env("KVRUN_CPU", l.name());
+        if emulate {
+            cmd.env("KVRUN_AMX_EMULATE", "1");
+        }
+        let out = cmd.output().expect("rerun the test binary");
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
             + &String::from_utf8_lossy(&out.stderr);
+        let what = if emulate { " (emulated tiles)" } else { "" };
         assert!(
             out.status.success() && text.contains("1 passed"),
-            "{name} at KVRUN_CPU={l} failed:\n{text}"
+            "{name} at KVRUN_CPU={l}{what} failed:\n{text}"
         );
-        eprintln!("{name}: passed at KVRUN_CPU={l} too");
+        eprintln!("{name}: passed at KVRUN_CPU={l}{what} too");
     }
 }
 

@@ -12,8 +12,14 @@
 //!
 //! ggml's own kernels (the `vec_dot`s) are compiled for the build machine
 //! (`target-cpu=native`) and do not follow this setting.
+//!
+//! `KVRUN_AMX_EMULATE=1` runs the `amx` level on a CPU with AVX-512 VNNI
+//! but no AMX, its tile instructions emulated in software (`amx_emu`; slow,
+//! for tests), and on a CPU with AMX replaces the hardware tiles by the
+//! emulated ones, so the two can be compared.
 
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 /// A level of x86 SIMD support, ordered: each includes the ones below it.
@@ -72,10 +78,70 @@ impl std::fmt::Display for Level {
     }
 }
 
-/// What this CPU supports, ignoring `KVRUN_CPU`.
+/// The levels this process can run, ignoring `KVRUN_CPU`: what the CPU
+/// supports, `amx` included where its tiles are emulated
+/// ([`amx_emulated`]). Kernels of any level up to this one can be asked
+/// for by name (the tests); the process's own level is [`level`].
 pub fn detected() -> Level {
-    static DETECTED: OnceLock<Level> = OnceLock::new();
-    *DETECTED.get_or_init(detect)
+    let cpu = cpu();
+    if cpu == Level::Avx512Vnni && amx_emulated() {
+        Level::Amx
+    } else {
+        cpu
+    }
+}
+
+/// What the CPU supports, `amx` included where `KVRUN_AMX_EMULATE=1`
+/// emulates its tiles; [`emulate_amx`] does not change it (nor, so, the
+/// process's own [`level`]).
+fn cpu() -> Level {
+    static CPU: OnceLock<Level> = OnceLock::new();
+    *CPU.get_or_init(|| match detect() {
+        Level::Avx512Vnni if emulate_env() => Level::Amx,
+        l => l,
+    })
+}
+
+static EMULATE_AMX: AtomicBool = AtomicBool::new(false);
+
+/// `KVRUN_AMX_EMULATE=1` (read once).
+fn emulate_env() -> bool {
+    static ENV: OnceLock<bool> = OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("KVRUN_AMX_EMULATE").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Whether the `amx` level's tile instructions run emulated in software
+/// (`amx_emu`), on a CPU with AVX-512 VNNI (the rest of the level is VNNI
+/// code): everywhere under `KVRUN_AMX_EMULATE=1`, and after
+/// [`emulate_amx`] where the CPU has no AMX of its own.
+pub fn amx_emulated() -> bool {
+    vnni_cpu() && (emulate_env() || (EMULATE_AMX.load(Ordering::Relaxed) && !amx_enabled()))
+}
+
+/// Let kernels asked for at level `amx` run on emulated tiles from now on
+/// where the CPU has AVX-512 VNNI but no AMX (for tests: such a CPU then
+/// runs, and checks, the AMX kernels). The process's own [`level`] stays
+/// the CPU's. Returns whether `amx` kernels can now run.
+pub fn emulate_amx() -> bool {
+    EMULATE_AMX.store(true, Ordering::Relaxed);
+    detected() >= Level::Amx
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_cpu() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx2")
+        && has!("fma")
+        && has!("f16c")
+        && has!("avx512f")
+        && has!("avx512bw")
+        && has!("avx512vl")
+        && has!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn vnni_cpu() -> bool {
+    false
 }
 
 /// A kernel of a family with an AVX-512 VNNI and an AVX2 version, for
@@ -129,10 +195,30 @@ fn requested() -> Result<Option<Level>> {
     }
 }
 
-/// Check `KVRUN_CPU`: a one-line error when it names no level or one this
-/// CPU lacks; otherwise the level kernels will run at.
+/// Check `KVRUN_CPU` and `KVRUN_AMX_EMULATE`: a one-line error when the
+/// first names no level or one this CPU lacks, or the second asks for
+/// emulated tiles on a CPU without AVX-512 VNNI; otherwise the level
+/// kernels will run at.
 pub fn check_env() -> Result<Level> {
-    let have = detected();
+    match std::env::var("KVRUN_AMX_EMULATE") {
+        Err(std::env::VarError::NotPresent) => {}
+        Ok(v) if v.trim() == "0" || v.trim().is_empty() => {}
+        Ok(v) if v.trim() == "1" => {
+            if !amx_emulated() {
+                return Err(Error::Other(format!(
+                    "KVRUN_AMX_EMULATE=1: emulated AMX tiles need AVX-512 VNNI; this CPU supports at most {}",
+                    cpu()
+                )));
+            }
+        }
+        Ok(v) => {
+            return Err(Error::Other(format!(
+                "KVRUN_AMX_EMULATE={v}: expected 1 (emulate the AMX tiles) or 0"
+            )))
+        }
+        Err(_) => return Err(Error::Other("KVRUN_AMX_EMULATE is not valid UTF-8".into())),
+    }
+    let have = cpu();
     match requested()? {
         Some(want) if want > have => Err(Error::Other(format!(
             "KVRUN_CPU={want}: this CPU supports at most {have}"
@@ -148,7 +234,7 @@ pub fn check_env() -> Result<Level> {
 pub fn level() -> Level {
     static LEVEL: OnceLock<Level> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let have = detected();
+        let have = cpu();
         match requested() {
             Ok(Some(want)) => want.min(have),
             _ => have,

@@ -31,6 +31,7 @@
 //! Every op gives the same result for any thread count: work is split by
 //! rows whose arithmetic does not depend on the split.
 
+pub mod amx_emu;
 pub mod attention;
 pub mod b32_x8;
 pub mod decode_attn;

@@ -245,6 +245,8 @@ struct Cfg([u8; 64]);
 pub struct TileScope {
     /// The configuration found at entry; palette 0 when there was none.
     prev: [u8; 64],
+    /// Whether the tiles are `amx_emu`'s (fixed for the scope's life).
+    emulated: bool,
     /// Tile state belongs to a thread: a scope must end where it began.
     _thread: std::marker::PhantomData<*const ()>,
 }
@@ -274,16 +276,22 @@ impl TileScope {
 
     /// (rows, bytes per row) of tiles 0..8, palette 1.
     fn with(shape: [(u8, u16); 8]) -> TileScope {
-        assert!(super::isa::amx_enabled(), "amx: tiles not available");
-        #[cfg(target_arch = "x86_64")]
-        {
-            let mut prev = Cfg([0; 64]);
-            let mut cfg = Cfg([0; 64]);
-            cfg.0[0] = 1; // palette 1
-            for (t, (rows, bytes)) in shape.into_iter().enumerate() {
-                cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&bytes.to_le_bytes());
-                cfg.0[48 + t] = rows;
-            }
+        let emulated = super::isa::amx_emulated();
+        assert!(
+            emulated || super::isa::amx_enabled(),
+            "amx: tiles not available"
+        );
+        let mut cfg = Cfg([0; 64]);
+        cfg.0[0] = 1; // palette 1
+        for (t, (rows, bytes)) in shape.into_iter().enumerate() {
+            cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&bytes.to_le_bytes());
+            cfg.0[48 + t] = rows;
+        }
+        let mut prev = Cfg([0; 64]);
+        if emulated {
+            prev.0 = super::amx_emu::configure(cfg.0);
+        } else {
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: AMX is enabled for this process (checked above);
             // sttilecfg writes 64 bytes (all zeros when the tiles are not
             // configured) and the configuration loaded is valid for
@@ -297,16 +305,10 @@ impl TileScope {
                     options(nostack)
                 )
             };
-            TileScope {
-                prev: prev.0,
-                _thread: std::marker::PhantomData,
-            }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = shape;
-        #[cfg(not(target_arch = "x86_64"))]
         TileScope {
-            prev: [0; 64],
+            prev: prev.0,
+            emulated,
             _thread: std::marker::PhantomData,
         }
     }
@@ -320,6 +322,10 @@ impl Default for TileScope {
 
 impl Drop for TileScope {
     fn drop(&mut self) {
+        if self.emulated {
+            super::amx_emu::configure(self.prev);
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         {
             let prev = Cfg(self.prev);
@@ -335,6 +341,23 @@ impl Drop for TileScope {
             };
         }
     }
+}
+
+/// Runs lines of AMX instructions (`asm!` template strings, `{name}` the
+/// operands, each a pointer or a `usize`) on the hardware tiles, or on
+/// `amx_emu`'s where the process emulates them: the same text either way.
+#[cfg(target_arch = "x86_64")]
+macro_rules! tile_ops {
+    ([$($t:expr),+ $(,)?], $($name:ident = $val:expr),+ $(,)?) => {
+        if super::super::isa::amx_emulated() {
+            super::super::amx_emu::run(
+                concat!($($t, "\n"),+),
+                &[$((stringify!($name), $val as usize)),+],
+            )
+        } else {
+            std::arch::asm!($($t),+, $($name = in(reg) $val),+, options(nostack))
+        }
+    };
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -622,42 +645,44 @@ mod x86 {
         // buffers above (16 rows of 64 bytes, stride 64).
         unsafe {
             if TWO {
-                std::arch::asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    chunk!(two, "0", "0"),
-                    chunk!(two, "2048", "1024"),
-                    chunk!(two, "4096", "2048"),
-                    chunk!(two, "6144", "3072"),
-                    "tilestored [{o} + {s}*1], tmm0",
-                    "tilestored [{o} + {s}*1 + 1024], tmm1",
-                    "tilestored [{o} + {s}*1 + 2048], tmm2",
-                    "tilestored [{o} + {s}*1 + 3072], tmm3",
-                    a = in(reg) a,
-                    b0 = in(reg) b0,
-                    b1 = in(reg) b1,
-                    o = in(reg) o,
-                    s = in(reg) 64usize,
-                    options(nostack),
+                tile_ops!(
+                    [
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        chunk!(two, "0", "0"),
+                        chunk!(two, "2048", "1024"),
+                        chunk!(two, "4096", "2048"),
+                        chunk!(two, "6144", "3072"),
+                        "tilestored [{o} + {s}*1], tmm0",
+                        "tilestored [{o} + {s}*1 + 1024], tmm1",
+                        "tilestored [{o} + {s}*1 + 2048], tmm2",
+                        "tilestored [{o} + {s}*1 + 3072], tmm3",
+                    ],
+                    a = a,
+                    b0 = b0,
+                    b1 = b1,
+                    o = o,
+                    s = 64usize,
                 );
             } else {
                 let _ = b1;
-                std::arch::asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    chunk!(one, "0", "0"),
-                    chunk!(one, "2048", "1024"),
-                    chunk!(one, "4096", "2048"),
-                    chunk!(one, "6144", "3072"),
-                    "tilestored [{o} + {s}*1], tmm0",
-                    "tilestored [{o} + {s}*1 + 1024], tmm1",
-                    a = in(reg) a,
-                    b0 = in(reg) b0,
-                    o = in(reg) o,
-                    s = in(reg) 64usize,
-                    options(nostack),
+                tile_ops!(
+                    [
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        chunk!(one, "0", "0"),
+                        chunk!(one, "2048", "1024"),
+                        chunk!(one, "4096", "2048"),
+                        chunk!(one, "6144", "3072"),
+                        "tilestored [{o} + {s}*1], tmm0",
+                        "tilestored [{o} + {s}*1 + 1024], tmm1",
+                    ],
+                    a = a,
+                    b0 = b0,
+                    o = o,
+                    s = 64usize,
                 );
             }
         }
@@ -689,37 +714,39 @@ mod x86 {
                 let a = w.add(blk * Q8_0_BYTES + 2);
                 let bt = b.add(blk * ACT8_BLK);
                 if two {
-                    std::arch::asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tileloadd tmm2, [{a} + {rb}*1]",
-                        "tileloadd tmm3, [{a} + {rb}*1 + 34]",
-                        "tileloadd tmm4, [{b} + {s}*1]",
-                        "tileloadd tmm5, [{b} + {s}*1 + 576]",
-                        "tdpbssd tmm0, tmm2, tmm4",
-                        "tdpbssd tmm1, tmm3, tmm5",
-                        "tilestored [{o} + {s}*1], tmm0",
-                        "tilestored [{o} + {s}*1 + 1024], tmm1",
-                        a = in(reg) a,
-                        rb = in(reg) rb,
-                        b = in(reg) bt,
-                        o = in(reg) o,
-                        s = in(reg) 64usize,
-                        options(nostack),
+                    tile_ops!(
+                        [
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            "tileloadd tmm2, [{a} + {rb}*1]",
+                            "tileloadd tmm3, [{a} + {rb}*1 + 34]",
+                            "tileloadd tmm4, [{b} + {s}*1]",
+                            "tileloadd tmm5, [{b} + {s}*1 + 576]",
+                            "tdpbssd tmm0, tmm2, tmm4",
+                            "tdpbssd tmm1, tmm3, tmm5",
+                            "tilestored [{o} + {s}*1], tmm0",
+                            "tilestored [{o} + {s}*1 + 1024], tmm1",
+                        ],
+                        a = a,
+                        rb = rb,
+                        b = bt,
+                        o = o,
+                        s = 64usize,
                     );
                 } else {
-                    std::arch::asm!(
-                        "tilezero tmm0",
-                        "tileloadd tmm2, [{a} + {rb}*1]",
-                        "tileloadd tmm4, [{b} + {s}*1]",
-                        "tdpbssd tmm0, tmm2, tmm4",
-                        "tilestored [{o} + {s}*1], tmm0",
-                        a = in(reg) a,
-                        rb = in(reg) rb,
-                        b = in(reg) bt,
-                        o = in(reg) o,
-                        s = in(reg) 64usize,
-                        options(nostack),
+                    tile_ops!(
+                        [
+                            "tilezero tmm0",
+                            "tileloadd tmm2, [{a} + {rb}*1]",
+                            "tileloadd tmm4, [{b} + {s}*1]",
+                            "tdpbssd tmm0, tmm2, tmm4",
+                            "tilestored [{o} + {s}*1], tmm0",
+                        ],
+                        a = a,
+                        rb = rb,
+                        b = bt,
+                        o = o,
+                        s = 64usize,
                     );
                 }
                 for j in 0..if two { 2 } else { 1 } {
