@@ -1022,6 +1022,13 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q8_0, 130, 128, 17),
         // the AMX Q8_0 prefill: an odd block count, a ragged panel
         (DType::Q8_0, 70, 1056, 37),
+        // and Q4_0 / Q5_0 through it (expanded to Q8_0 rows), plain and
+        // repacked (136 rows: two blocks of 64, then half a panel)
+        (DType::Q4_0, 70, 1056, 37),
+        (DType::Q5_0, 70, 640, 18),
+        (DType::Q4_0, 136, 640, 33),
+        (DType::Q5_0, 136, 1056, 19),
+        (DType::Q8_0, 136, 640, 20),
         (DType::Q4_0, 18, 64, 7),
         (DType::Q4_0, 37, 640, 5),
         (DType::Q4_0, 9, 96, 1),

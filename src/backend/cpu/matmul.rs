@@ -321,8 +321,8 @@ pub fn matmul_q_at(
                 if n_tok == 1 {
                     return matvec_b32(pool, w, act, out, B32Kernel::Packed(one));
                 }
-                if w.dtype == DType::Q8_0 && level >= Level::Amx && level <= isa::detected() {
-                    return matmul_q8_0_amx(pool, w, act, n_tok, out);
+                if level >= Level::Amx && level <= isa::detected() {
+                    return matmul_b32_amx(pool, w, act, n_tok, out, level);
                 }
                 return matmul_q8_0_tokens(pool, w, act, n_tok, out, prefill);
             }
@@ -373,7 +373,7 @@ pub fn matmul_q_at(
     // decoding, one arithmetic for every token count and level
     if w.dtype == DType::Q8_0 {
         if n_tok >= 2 && level >= Level::Amx && level <= isa::detected() {
-            return matmul_q8_0_amx(pool, w, act, n_tok, out);
+            return matmul_b32_amx(pool, w, act, n_tok, out, level);
         }
         if let (Some(prefill), Some(one)) = (
             qgemm_q8_0_tokens::prefill_for(w.dtype, level),
@@ -395,6 +395,8 @@ pub fn matmul_q_at(
         ) {
             return if n_tok == 1 {
                 matvec_b32(pool, w, act, out, B32Kernel::Rows(one))
+            } else if level >= Level::Amx && level <= isa::detected() {
+                matmul_b32_amx(pool, w, act, n_tok, out, level)
             } else {
                 matmul_q8_0_tokens(pool, w, act, n_tok, out, prefill)
             };
@@ -835,21 +837,35 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
     });
 }
 
-/// Q8_0 × Q8_0 (`n_tok` ≥ 2) on AMX tiles ([`qgemm_amx::panel_q8_0`]):
-/// the token tiles (16 tokens) are packed once (threads split them); the
-/// threads take blocks of [`AMX_PANELS`] panels of 16 rows as they come
-/// free and run every token tile past each panel, whose rows the tiles
-/// load in place from the matrix (a ragged last panel from a copy, its
-/// last row repeated; a repacked matrix's block gathered back once per
-/// block). Bit for bit the VNNI kernels' arithmetic.
-fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: &mut [f32]) {
+/// Q8_0, Q4_0 and Q5_0 × Q8_0 (`n_tok` ≥ 2) on AMX tiles
+/// ([`qgemm_amx::panel_q8_0`]): the token tiles (16 tokens) are packed
+/// once (threads split them); the threads take blocks of [`AMX_PANELS`]
+/// panels of 16 rows as they come free and run every token tile past
+/// each panel. A plain Q8_0 matrix's rows are loaded by the tiles in place
+/// (a ragged last panel from a copy, its last row repeated); every other
+/// block is first written as Q8_0 rows, once per block: a repacked Q8_0
+/// block gathered back, Q4_0 and Q5_0 blocks expanded to their exact Q8_0
+/// form (`b32_x8`, at kernel level `level`), the last row repeated past
+/// the matrix. Bit for bit the VNNI kernels' arithmetic, which is Q8_0's
+/// for all three.
+fn matmul_b32_amx(
+    pool: &ThreadPool,
+    w: &QMat<'_>,
+    act: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    level: Level,
+) {
     use qgemm_amx::{ACT8_BLK, Q8_0_BYTES, TILE};
-    let (n_in, n_out) = (w.n_in, w.n_out);
+    let (n_in, n_out, dt) = (w.n_in, w.n_out, w.dtype);
     assert!(out.len() >= n_tok * n_out, "matmul: out too small");
+    assert!(b32_x8::is_b32(dt), "matmul_b32_amx: {dt}");
     let ab = w.act_bytes();
     let act = &act[..n_tok * ab];
-    let nb = n_in / w.dtype.block_len();
-    let rb = w.dtype.row_bytes(n_in);
+    let nb = n_in / dt.block_len();
+    // a row as Q8_0 blocks
+    let rb = nb * Q8_0_BYTES;
+    let in_place = dt == DType::Q8_0 && w.x8.is_none();
     let n_tt = n_tok.div_ceil(TILE);
     let tile_bytes = nb * ACT8_BLK;
     // the packed token tiles  (n_tt, nb, ACT8_BLK)
@@ -864,38 +880,62 @@ fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, ou
         let _tiles = qgemm_amx::TileScope::q8_0();
         // the block's row scales  (AMX_PANELS, nb, 16) as f32
         let mut dx = vec![0f32; AMX_PANELS * nb * TILE];
-        // a ragged last panel's rows, the last one repeated  (16, rb)
-        let mut tail = Vec::new();
-        // a repacked matrix's block gathered back, the last row repeated  (n_p · 16, rb)
-        let mut gathered = Vec::new();
+        // the block as Q8_0 rows, the last one repeated  (n_p · 16, rb);
+        // in place: a ragged last panel's rows only  (16, rb)
+        let mut rows = Vec::new();
         while let Some(blk) = blocks.next() {
             let r0 = blk * block_rows;
             let r1 = (r0 + block_rows).min(n_out);
             let n_p = (r1 - r0).div_ceil(TILE);
             let whole = (r1 - r0) / TILE;
-            if let Some(x8) = &w.x8 {
-                gathered.resize(n_p * TILE * rb, 0);
-                for (j, dst) in gathered.chunks_exact_mut(rb).enumerate() {
-                    x8.row_into((r0 + j).min(r1 - 1), dst);
+            if in_place {
+                if whole < n_p {
+                    rows.clear();
+                    for j in 0..TILE {
+                        rows.extend_from_slice(w.plain_row((r0 + whole * TILE + j).min(r1 - 1)));
+                    }
                 }
-            } else if whole < n_p {
-                tail.clear();
-                for j in 0..TILE {
-                    tail.extend_from_slice(w.plain_row((r0 + whole * TILE + j).min(r1 - 1)));
+            } else {
+                rows.resize(n_p * TILE * rb, 0);
+                match &w.x8 {
+                    // repacked: n_out and r0 are multiples of 8
+                    Some(x8) => {
+                        for b8 in r0 / 8..r1 / 8 {
+                            let dst = &mut rows[(8 * b8 - r0) * rb..];
+                            if dt == DType::Q8_0 {
+                                x8.block_rows_into(b8, dst, rb);
+                            } else {
+                                x8.block_to_q8_0_at(b8, level, dst, rb, true);
+                            }
+                        }
+                    }
+                    None => {
+                        for (j, dst) in rows.chunks_exact_mut(rb).take(r1 - r0).enumerate() {
+                            b32_x8::row_to_q8_0_at(level, dt, nb, w.plain_row(r0 + j), dst);
+                        }
+                    }
+                }
+                let last = (r1 - r0 - 1) * rb;
+                for j in r1 - r0..n_p * TILE {
+                    rows.copy_within(last..last + rb, j * rb);
                 }
             }
-            let gathered = &gathered[..];
-            // row j of the block (the last one repeated past r1)
-            let row_at = |j: usize| -> &[u8] {
-                if w.x8.is_some() {
-                    &gathered[j * rb..(j + 1) * rb]
+            let rows = &rows[..];
+            // panel pn's 16 rows, rb bytes apart (the last one repeated)
+            let panel = |pn: usize| -> &[u8] {
+                let rp = r0 + pn * TILE;
+                if !in_place {
+                    &rows[pn * TILE * rb..(pn + 1) * TILE * rb]
+                } else if pn < whole {
+                    &w.bytes[rp * rb..(rp + TILE) * rb]
                 } else {
-                    w.plain_row((r0 + j).min(r1 - 1))
+                    rows
                 }
             };
             for pn in 0..n_p {
+                let p = panel(pn);
                 for j in 0..TILE {
-                    let row = row_at(pn * TILE + j);
+                    let row = &p[j * rb..(j + 1) * rb];
                     for b in 0..nb {
                         let at = b * Q8_0_BYTES;
                         dx[(pn * nb + b) * TILE + j] =
@@ -908,21 +948,15 @@ fn matmul_q8_0_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, ou
                 let n_t = TILE.min(n_tok - tt * TILE);
                 for pn in 0..n_p {
                     let rp = r0 + pn * TILE;
-                    let rows = if w.x8.is_some() {
-                        &gathered[pn * TILE * rb..(pn + 1) * TILE * rb]
-                    } else if pn < whole {
-                        &w.bytes[rp * rb..(rp + TILE) * rb]
-                    } else {
-                        &tail[..]
-                    };
+                    let p = panel(pn);
                     let dxp = &dx[pn * nb * TILE..(pn + 1) * nb * TILE];
                     // SAFETY: the level is amx (checked by the caller) and
                     // this thread's tiles are configured for Q8_0 (_tiles);
-                    // `rows` holds 16 rows of nb blocks, `dxp` 16·nb
+                    // `p` holds 16 Q8_0 rows of nb blocks, `dxp` 16·nb
                     // scales, `b` nb packed blocks.
                     #[cfg(target_arch = "x86_64")]
                     let res = unsafe {
-                        qgemm_amx::panel_q8_0(nb, rows.as_ptr(), rb, dxp.as_ptr(), b.as_ptr())
+                        qgemm_amx::panel_q8_0(nb, p.as_ptr(), rb, dxp.as_ptr(), b.as_ptr())
                     };
                     #[cfg(not(target_arch = "x86_64"))]
                     let res = [[0f32; TILE]; TILE];
