@@ -589,11 +589,17 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
                 std::array::from_fn(|k| &w[(blk * ROWS + k) * rb..(blk * ROWS + k + 1) * rb]);
             // prefill's expansion of a whole row block straight from its
             // groups (rows a ragged stride apart): the rows' own expansion,
-            // signed and unsigned, at every level (the copy list below AVX2)
-            if dt != DType::Q8_0 {
+            // signed and unsigned (Q8_0: its own rows), at every level (the
+            // copy list below AVX2)
+            {
                 let qrb = nb * Q8_0_BYTES;
                 let stride = qrb + 6;
-                for signed in [true, false] {
+                let forms: &[bool] = if dt == DType::Q8_0 {
+                    &[true]
+                } else {
+                    &[true, false]
+                };
+                for &signed in forms {
                     for level in std::iter::once(Level::Portable).chain(simd_levels()) {
                         let mut out = vec![0x5au8; ROWS * stride];
                         x8.block_to_q8_0_at(blk, level, &mut out, stride, signed);

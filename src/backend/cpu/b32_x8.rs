@@ -206,7 +206,8 @@ fn expand_row_at(
 /// [`row_to_q8_0_at`] / [`row_to_unsigned_at`] on the rows as GGUF stores
 /// them, a group at a time (its 8 nibble runs transposed to the rows in one
 /// 8 × 8 dword transpose, which leaves each row's 32 quants in weight
-/// order). AVX2 only: at a level below it (or above what the CPU runs),
+/// order). A repacked Q8_0 row block (`signed` only) comes back as GGUF's
+/// rows the same way, its 8 runs of quants transposed. AVX2 only: at a level below it (or above what the CPU runs),
 /// `false` and nothing written (`x8::X8::block_to_q8_0_at` then goes row by
 /// row). Prefill expands a repacked matrix this way: gathering each row
 /// back first cost Gemma 3 270M's prefill in chunks of 32 tokens (a
@@ -221,8 +222,8 @@ pub fn block_to_q8_0_at(
     signed: bool,
 ) -> bool {
     assert!(
-        matches!(dtype, DType::Q4_0 | DType::Q5_0),
-        "block_to_q8_0: {dtype}"
+        matches!(dtype, DType::Q4_0 | DType::Q5_0) || (dtype == DType::Q8_0 && signed),
+        "block_to_q8_0: {dtype} (signed {signed})"
     );
     let qrb = nb * Q8_0_BYTES;
     assert!(
@@ -234,6 +235,11 @@ pub fn block_to_q8_0_at(
     #[cfg(target_arch = "x86_64")]
     if level >= super::isa::Level::Avx2 && level <= super::isa::detected() {
         let off = if signed { offset(dtype) as i8 } else { 0 };
+        if dtype == DType::Q8_0 {
+            // SAFETY: as below.
+            unsafe { block_q8_0_avx2(nb, groups.as_ptr(), out.as_mut_ptr(), stride) };
+            return true;
+        }
         // SAFETY: the CPU has AVX2 (checked just above); `groups` holds nb
         // groups and `out` 8 rows of nb Q8_0 blocks, `stride` apart
         // (asserted above).
@@ -251,6 +257,38 @@ pub fn block_to_q8_0_at(
     }
     let _ = (level, signed);
     false
+}
+
+/// [`block_to_q8_0_at`]'s AVX2 body for Q8_0: per group, its 8 runs of
+/// quants (run k: row r's quants 4k..4k + 4 in dword lane r) transposed to
+/// the 8 rows, each written after its scale.
+///
+/// # Safety
+/// The CPU has AVX2; `g` holds `nb` Q8_0 groups, `out` 8 rows of `nb`
+/// Q8_0 blocks `stride` bytes apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn block_q8_0_avx2(nb: usize, g: *const u8, out: *mut u8, stride: usize) {
+    use std::arch::x86_64::*;
+    let gb = ROWS * Q8_0_BYTES;
+    let q_at = quants_at(DType::Q8_0);
+    // SAFETY (every access below): b < nb and r < 8, inside the buffers
+    // (the function's contract).
+    unsafe {
+        for b in 0..nb {
+            let p = g.add(b * gb);
+            let runs: [__m256i; 8] =
+                std::array::from_fn(|k| _mm256_loadu_si256(p.add(q_at + 32 * k).cast()));
+            // t[r]: row r's 32 quants in order
+            let t = super::qgemm_lanes::transpose8(runs);
+            for (r, t) in t.iter().enumerate() {
+                let dst = out.add(r * stride + b * Q8_0_BYTES);
+                dst.cast::<u16>()
+                    .write_unaligned(p.add(2 * r).cast::<u16>().read_unaligned());
+                _mm256_storeu_si256(dst.add(2).cast(), *t);
+            }
+        }
+    }
 }
 
 /// [`block_to_q8_0_at`]'s AVX2 body.

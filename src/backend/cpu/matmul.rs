@@ -768,11 +768,19 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
                     let pick = |j: usize| (r0 + pn * TILE + j).min(r1 - 1);
                     let rows: [&[u8]; TILE] = match &w.x8 {
                         Some(x8) => {
+                            // a repacked matrix has 8k rows: the panel is
+                            // one or two row blocks
                             let len = k * sb_bytes;
-                            for (j, row) in gathered.chunks_exact_mut(len).enumerate() {
-                                x8.superblocks_into(pick(j), s0, k, row);
+                            let rp = r0 + pn * TILE;
+                            let n_r = TILE.min(r1 - rp);
+                            for h in 0..n_r / 8 {
+                                let dst = &mut gathered[8 * h * len..];
+                                x8.block_superblocks_into(rp / 8 + h, s0, k, dst, len);
                             }
-                            std::array::from_fn(|j| &gathered[j * len..(j + 1) * len])
+                            std::array::from_fn(|j| {
+                                let j = j.min(n_r - 1);
+                                &gathered[j * len..(j + 1) * len]
+                            })
                         }
                         None => std::array::from_fn(|j| &w.plain_row(pick(j))[s0 * sb_bytes..]),
                     };
@@ -843,10 +851,10 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
 /// panels of 16 rows as they come free and run every token tile past
 /// each panel. A plain Q8_0 matrix's rows are loaded by the tiles in place
 /// (a ragged last panel from a copy, its last row repeated); every other
-/// block is first written as Q8_0 rows, once per block: a repacked Q8_0
-/// block gathered back, Q4_0 and Q5_0 blocks expanded to their exact Q8_0
-/// form (`b32_x8`, at kernel level `level`), the last row repeated past
-/// the matrix. Bit for bit the VNNI kernels' arithmetic, which is Q8_0's
+/// block is first written as Q8_0 rows, once per block: Q4_0 and Q5_0
+/// blocks expanded to their exact Q8_0 form, a repacked Q8_0 block
+/// transposed back (`b32_x8`, a group at a time, at kernel level `level`),
+/// the last row repeated past the matrix. Bit for bit the VNNI kernels' arithmetic, which is Q8_0's
 /// for all three.
 fn matmul_b32_amx(
     pool: &ThreadPool,
@@ -901,12 +909,13 @@ fn matmul_b32_amx(
                     // repacked: n_out and r0 are multiples of 8
                     Some(x8) => {
                         for b8 in r0 / 8..r1 / 8 {
-                            let dst = &mut rows[(8 * b8 - r0) * rb..];
-                            if dt == DType::Q8_0 {
-                                x8.block_rows_into(b8, dst, rb);
-                            } else {
-                                x8.block_to_q8_0_at(b8, level, dst, rb, true);
-                            }
+                            x8.block_to_q8_0_at(
+                                b8,
+                                level,
+                                &mut rows[(8 * b8 - r0) * rb..],
+                                rb,
+                                true,
+                            );
                         }
                     }
                     None => {

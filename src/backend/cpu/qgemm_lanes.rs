@@ -428,6 +428,10 @@ pub struct GroupMap {
     dtype: DType,
     at: [[u16; MAP_LEN]; ROWS],
     chunks: [(u16, u16); MAP_LEN],
+    /// A cover of the superblock for [`GroupMap::unpack`]: `(offset,
+    /// chunk)`, a 32-byte chunk where the layout has one there, a byte
+    /// pair otherwise.
+    cover: Vec<(u16, bool)>,
 }
 
 /// Entries of a [`GroupMap`] row: 2-byte steps over the largest
@@ -470,10 +474,69 @@ impl GroupMap {
                 chunks[off / 2] = (start as u16, stride as u16);
             }
         }
+        let mut cover = Vec::new();
+        let mut off = 0;
+        while off < sb {
+            let chunk = off + 32 <= sb && chunks[off / 2].1 > 0;
+            cover.push((off as u16, chunk));
+            off += if chunk { 32 } else { 2 };
+        }
         GroupMap {
             dtype,
             at: map,
             chunks,
+            cover,
+        }
+    }
+
+    /// Writes group `g`'s 8 superblocks as GGUF stores them, row r's at
+    /// `out[r]`: each chunk from its four 64-byte loads by a 4 × 8 qword
+    /// transpose per half of the rows, every other byte pair on its own.
+    ///
+    /// # Safety
+    /// AVX2; `g` holds a whole group of this map's type and each `out[r]`
+    /// a superblock's bytes, apart from `g` and from each other.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn unpack(&self, g: *const u8, out: [*mut u8; ROWS]) {
+        use std::arch::x86_64::*;
+        // SAFETY (every access): the map's offsets lie in the group
+        // (GroupMap::new checked every byte), the cover's in a superblock;
+        // the contract.
+        unsafe {
+            for &(off, chunk) in &self.cover {
+                let off = off as usize;
+                if !chunk {
+                    for (r, o) in out.iter().enumerate() {
+                        let at = self.at[r][off / 2] as usize;
+                        o.add(off)
+                            .cast::<u16>()
+                            .write_unaligned(g.add(at).cast::<u16>().read_unaligned());
+                    }
+                    continue;
+                }
+                let (start, stride) = self.chunks[off / 2];
+                let (start, stride) = (start as usize, stride as usize);
+                // load h, half k: qword j = bytes 8h..8h + 8 of row 4k + j
+                for k in 0..2 {
+                    let q: [__m256i; 4] = std::array::from_fn(|h| {
+                        _mm256_loadu_si256(g.add(start + stride * h + 32 * k).cast())
+                    });
+                    let t0 = _mm256_unpacklo_epi64(q[0], q[1]);
+                    let t1 = _mm256_unpackhi_epi64(q[0], q[1]);
+                    let t2 = _mm256_unpacklo_epi64(q[2], q[3]);
+                    let t3 = _mm256_unpackhi_epi64(q[2], q[3]);
+                    let rows = [
+                        _mm256_permute2x128_si256::<0x20>(t0, t2),
+                        _mm256_permute2x128_si256::<0x20>(t1, t3),
+                        _mm256_permute2x128_si256::<0x31>(t0, t2),
+                        _mm256_permute2x128_si256::<0x31>(t1, t3),
+                    ];
+                    for (j, v) in rows.into_iter().enumerate() {
+                        _mm256_storeu_si256(out[4 * k + j].add(off).cast(), v);
+                    }
+                }
+            }
         }
     }
 }
