@@ -1,6 +1,8 @@
-//! K-quant (Q4_K, Q5_K, Q6_K) × Q8_K prefill on AMX-INT8 tiles: 16 weight
-//! rows × 16 tokens per tile product, for CPUs with Intel AMX (Sapphire
-//! Rapids and later), the `amx` kernel level.
+//! K-quant (Q4_K, Q5_K, Q6_K) × Q8_K and Q8_0 × Q8_0 prefill on AMX-INT8
+//! tiles (Q4_0 and Q5_0 through Q8_0's, on rows expanded to their exact
+//! Q8_0 form by the caller): 16 weight rows × 16 tokens per tile product,
+//! for CPUs with Intel AMX (Sapphire Rapids and later), the `amx` kernel
+//! level.
 //!
 //! # Idea
 //! A `tdpbusd` multiplies a 16 × 64 tile of unsigned bytes by a 64 × 16
@@ -47,7 +49,11 @@
 //!
 //! AMX's register state must be granted to the process by the Linux kernel
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): `isa::amx_enabled` asks once, and
-//! the level is `amx` only where that succeeded.
+//! the level is `amx` only where that succeeded, or where the tiles are
+//! emulated (`isa::amx_emulated`). Every block of tile instructions is
+//! written once, through `tile_ops!`, and runs either as `asm!` or on
+//! `amx_emu`'s software tiles, so the tests run this module's very
+//! instructions on CPUs without AMX.
 
 use super::qgemm_lanes::Q8_K_BYTES;
 pub use super::qgemm_q8_0_tokens::Q8_0_BYTES;
