@@ -554,6 +554,9 @@ fn bench_one(
         out.notes.push("llama.cpp: not measured: this kvrun was built without the `oracle` feature (cargo build --release --features oracle)".into());
     }
     out.notes.extend(kv_lines.into_iter().map(Note::Text));
+    if device == crate::backend::Device::Cpu {
+        out.notes.push(Note::Text(kernel_level_note()));
+    }
     if device == crate::backend::Device::Cpu && !settings.several.2 {
         out.notes.push(Note::Text(format!(
             "kvrun decoding prefetch (--prefetch): {}",
@@ -930,4 +933,21 @@ fn decode_weight_bytes(ck: &crate::load::Checkpoint) -> f64 {
         }
         other => other.n_bytes() as f64,
     }
+}
+
+/// The bench's line naming the CPU kernel level kvrun ran at (the CPU's,
+/// capped by `KVRUN_CPU`), and a warning where the AMX tiles were emulated
+/// (`KVRUN_AMX_EMULATE=1`): those rows time the emulator, not the CPU.
+fn kernel_level_note() -> String {
+    use crate::backend::cpu::isa;
+    let level = isa::level();
+    let emulated = level == isa::Level::Amx && isa::amx_emulated();
+    format!(
+        "kvrun CPU kernels (KVRUN_CPU): {level}{}",
+        if emulated {
+            ", AMX tiles emulated in software (KVRUN_AMX_EMULATE=1): these timings are not the CPU's"
+        } else {
+            ""
+        }
+    )
 }

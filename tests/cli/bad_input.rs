@@ -923,6 +923,19 @@ fn c61_kernel_level() {
             &["this CPU supports at most", detected().name()],
         );
     }
+    // KVRUN_AMX_EMULATE: 1 or 0, and 1 only where the CPU has AVX-512 VNNI
+    expect_error_env(
+        &a,
+        &[("KVRUN_AMX_EMULATE", "yes")],
+        &["KVRUN_AMX_EMULATE=yes", "expected 1"],
+    );
+    if detected() < Level::Avx512Vnni {
+        expect_error_env(
+            &a,
+            &[("KVRUN_AMX_EMULATE", "1")],
+            &["KVRUN_AMX_EMULATE=1", "AVX-512 VNNI"],
+        );
+    }
     // every level the CPU has is accepted
     for l in Level::ALL.into_iter().filter(|&l| l <= detected()) {
         let out = run_env(&a, &[("KVRUN_CPU", l.name())]);

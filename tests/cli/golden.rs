@@ -571,3 +571,50 @@ fn bench_prints_the_read_per_token_and_the_roofline() {
         .unwrap_or_else(|| panic!("{line}"));
     assert!(gbs > 0.5, "{line}");
 }
+
+/// `kvrun bench` names the CPU kernel level it ran at (the CPU's, capped
+/// by `KVRUN_CPU`), and warns where the AMX tiles were emulated
+/// (`KVRUN_AMX_EMULATE=1`): those rows time the emulator, not the CPU.
+#[test]
+fn bench_names_the_kernel_level() {
+    use kvrun::backend::cpu::isa::{detected, level, Level};
+    let m = util::default_model();
+    let run = |env: &[(&str, &str)]| -> String {
+        let out = Command::new(util::kvrun_bin())
+            .args(["bench", "-m", m.to_str().unwrap(), "-p", "8", "-n", "0"])
+            .args(["-t", "1", "-r", "1", "--no-llama"])
+            .env_remove("KVRUN_AMX_EMULATE")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kvrun");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{env:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text.lines()
+            .find(|l| l.starts_with("kvrun CPU kernels (KVRUN_CPU): "))
+            .unwrap_or_else(|| panic!("{env:?}: no kernel line in {text}"))
+            .to_owned()
+    };
+    let native = run(&[]);
+    assert_eq!(
+        native,
+        format!("kvrun CPU kernels (KVRUN_CPU): {}", level())
+    );
+    assert_eq!(
+        run(&[("KVRUN_CPU", "portable")]),
+        "kvrun CPU kernels (KVRUN_CPU): portable"
+    );
+    if detected() >= Level::Avx512Vnni {
+        let emu = run(&[("KVRUN_CPU", "amx"), ("KVRUN_AMX_EMULATE", "1")]);
+        assert!(
+            emu.starts_with("kvrun CPU kernels (KVRUN_CPU): amx, AMX tiles emulated"),
+            "{emu}"
+        );
+    } else {
+        eprintln!("no AVX-512 VNNI here: the emulated-tiles line goes unchecked");
+    }
+}
