@@ -19,7 +19,7 @@
 //! emulated ones, so the two can be compared.
 
 use crate::error::{Error, Result};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// A level of x86 SIMD support, ordered: each includes the ones below it.
@@ -115,6 +115,23 @@ fn emulate_env() -> bool {
 /// code): everywhere under `KVRUN_AMX_EMULATE=1`, and after
 /// [`emulate_amx`] where the CPU has no AMX of its own.
 pub fn amx_emulated() -> bool {
+    // asked in every block of tile instructions: one load once known
+    match EMULATED.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let e = emulation_asked();
+            // a value stored meanwhile by `emulate_amx` is the newer one
+            let _ = EMULATED.compare_exchange(0, 1 + e as u8, Ordering::Relaxed, Ordering::Relaxed);
+            e
+        }
+    }
+}
+
+/// [`amx_emulated`]'s answer: 0 not yet known, 1 no, 2 yes.
+static EMULATED: AtomicU8 = AtomicU8::new(0);
+
+fn emulation_asked() -> bool {
     vnni_cpu() && (emulate_env() || (EMULATE_AMX.load(Ordering::Relaxed) && !amx_enabled()))
 }
 
@@ -124,6 +141,7 @@ pub fn amx_emulated() -> bool {
 /// the CPU's. Returns whether `amx` kernels can now run.
 pub fn emulate_amx() -> bool {
     EMULATE_AMX.store(true, Ordering::Relaxed);
+    EMULATED.store(1 + emulation_asked() as u8, Ordering::Relaxed);
     detected() >= Level::Amx
 }
 
