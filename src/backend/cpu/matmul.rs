@@ -854,8 +854,8 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
 /// block is first written as Q8_0 rows, once per block: Q4_0 and Q5_0
 /// blocks expanded to their exact Q8_0 form, a repacked Q8_0 block
 /// transposed back (`b32_x8`, a group at a time, at kernel level `level`),
-/// the last row repeated past the matrix. Bit for bit the VNNI kernels' arithmetic, which is Q8_0's
-/// for all three.
+/// the last row repeated past the matrix. Bit for bit the VNNI kernels'
+/// arithmetic, which is Q8_0's for all three.
 fn matmul_b32_amx(
     pool: &ThreadPool,
     w: &QMat<'_>,
