@@ -21,9 +21,15 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    if let Err(e) = kvrun::backend::cpu::isa::check_env() {
-        eprintln!("error: {e}");
-        return ExitCode::FAILURE;
+    match kvrun::backend::cpu::isa::check_env() {
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+        Ok(kvrun::backend::cpu::isa::Level::Amx) if kvrun::backend::cpu::isa::amx_emulated() => {
+            eprintln!("kvrun: warning: the AMX tiles are emulated in software (KVRUN_AMX_EMULATE=1): correct but slow, for testing");
+        }
+        Ok(_) => {}
     }
     match kvrun::cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -579,7 +579,7 @@ fn bench_prints_the_read_per_token_and_the_roofline() {
 fn bench_names_the_kernel_level() {
     use kvrun::backend::cpu::isa::{detected, level, Level};
     let m = util::default_model();
-    let run = |env: &[(&str, &str)]| -> String {
+    let run = |env: &[(&str, &str)]| -> (String, String) {
         let out = Command::new(util::kvrun_bin())
             .args(["bench", "-m", m.to_str().unwrap(), "-p", "8", "-n", "0"])
             .args(["-t", "1", "-r", "1", "--no-llama"])
@@ -589,31 +589,34 @@ fn bench_names_the_kernel_level() {
             .output()
             .expect("run kvrun");
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{env:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text.lines()
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{env:?}: {err}");
+        let line = text
+            .lines()
             .find(|l| l.starts_with("kvrun CPU kernels (KVRUN_CPU): "))
             .unwrap_or_else(|| panic!("{env:?}: no kernel line in {text}"))
-            .to_owned()
+            .to_owned();
+        (line, err)
     };
-    let native = run(&[]);
+    let warning = "kvrun: warning: the AMX tiles are emulated in software";
+    let (native, err) = run(&[]);
     assert_eq!(
         native,
         format!("kvrun CPU kernels (KVRUN_CPU): {}", level())
     );
+    assert!(!err.contains(warning), "{err}");
     assert_eq!(
-        run(&[("KVRUN_CPU", "portable")]),
+        run(&[("KVRUN_CPU", "portable")]).0,
         "kvrun CPU kernels (KVRUN_CPU): portable"
     );
     if detected() >= Level::Avx512Vnni {
-        let emu = run(&[("KVRUN_CPU", "amx"), ("KVRUN_AMX_EMULATE", "1")]);
+        let (emu, err) = run(&[("KVRUN_CPU", "amx"), ("KVRUN_AMX_EMULATE", "1")]);
         assert!(
             emu.starts_with("kvrun CPU kernels (KVRUN_CPU): amx, AMX tiles emulated"),
             "{emu}"
         );
+        // and stderr says so before anything runs
+        assert!(err.starts_with(warning), "{err}");
     } else {
         eprintln!("no AVX-512 VNNI here: the emulated-tiles line goes unchecked");
     }
