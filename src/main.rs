@@ -26,7 +26,7 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
-        Ok(kvrun::backend::cpu::isa::Level::Amx) if kvrun::backend::cpu::isa::amx_emulated() => {
+        Ok(_) if kvrun::backend::cpu::isa::level_is_emulated() => {
             eprintln!("kvrun: warning: the AMX tiles are emulated in software (KVRUN_AMX_EMULATE=1): correct but slow, for testing");
         }
         Ok(_) => {}

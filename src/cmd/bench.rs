@@ -940,11 +940,10 @@ fn decode_weight_bytes(ck: &crate::load::Checkpoint) -> f64 {
 /// (`KVRUN_AMX_EMULATE=1`): those rows time the emulator, not the CPU.
 fn kernel_level_note() -> String {
     use crate::backend::cpu::isa;
-    let level = isa::level();
-    let emulated = level == isa::Level::Amx && isa::amx_emulated();
     format!(
-        "kvrun CPU kernels (KVRUN_CPU): {level}{}",
-        if emulated {
+        "kvrun CPU kernels (KVRUN_CPU): {}{}",
+        isa::level(),
+        if isa::level_is_emulated() {
             ", AMX tiles emulated in software (KVRUN_AMX_EMULATE=1): these timings are not the CPU's"
         } else {
             ""

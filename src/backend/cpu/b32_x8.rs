@@ -207,9 +207,10 @@ fn expand_row_at(
 /// them, a group at a time (its 8 nibble runs transposed to the rows in one
 /// 8 × 8 dword transpose, which leaves each row's 32 quants in weight
 /// order). A repacked Q8_0 row block (`signed` only) comes back as GGUF's
-/// rows the same way, its 8 runs of quants transposed. AVX2 only: at a level below it (or above what the CPU runs),
-/// `false` and nothing written (`x8::X8::block_to_q8_0_at` then goes row by
-/// row). Prefill expands a repacked matrix this way: gathering each row
+/// rows the same way, its 8 runs of quants transposed. AVX2 only: at a
+/// level below it (or above what the CPU runs), `false` and nothing
+/// written (`x8::X8::block_to_q8_0_at` then goes row by row). Prefill
+/// expands a repacked matrix this way: gathering each row
 /// back first cost Gemma 3 270M's prefill in chunks of 32 tokens (a
 /// budgeted cache) a fifth.
 pub fn block_to_q8_0_at(
@@ -234,12 +235,12 @@ pub fn block_to_q8_0_at(
     );
     #[cfg(target_arch = "x86_64")]
     if level >= super::isa::Level::Avx2 && level <= super::isa::detected() {
-        let off = if signed { offset(dtype) as i8 } else { 0 };
         if dtype == DType::Q8_0 {
             // SAFETY: as below.
             unsafe { block_q8_0_avx2(nb, groups.as_ptr(), out.as_mut_ptr(), stride) };
             return true;
         }
+        let off = if signed { offset(dtype) as i8 } else { 0 };
         // SAFETY: the CPU has AVX2 (checked just above); `groups` holds nb
         // groups and `out` 8 rows of nb Q8_0 blocks, `stride` apart
         // (asserted above).

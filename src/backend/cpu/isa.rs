@@ -95,11 +95,16 @@ pub fn detected() -> Level {
 /// emulates its tiles; [`emulate_amx`] does not change it (nor, so, the
 /// process's own [`level`]).
 fn cpu() -> Level {
-    static CPU: OnceLock<Level> = OnceLock::new();
-    *CPU.get_or_init(|| match detect() {
+    match raw() {
         Level::Avx512Vnni if emulate_env() => Level::Amx,
         l => l,
-    })
+    }
+}
+
+/// What the CPU itself supports (detected once).
+fn raw() -> Level {
+    static RAW: OnceLock<Level> = OnceLock::new();
+    *RAW.get_or_init(detect)
 }
 
 static EMULATE_AMX: AtomicBool = AtomicBool::new(false);
@@ -132,7 +137,14 @@ pub fn amx_emulated() -> bool {
 static EMULATED: AtomicU8 = AtomicU8::new(0);
 
 fn emulation_asked() -> bool {
-    vnni_cpu() && (emulate_env() || (EMULATE_AMX.load(Ordering::Relaxed) && !amx_enabled()))
+    raw() >= Level::Avx512Vnni
+        && (emulate_env() || (EMULATE_AMX.load(Ordering::Relaxed) && !amx_enabled()))
+}
+
+/// Whether this process's own kernel level ([`level`]) is `amx` on
+/// emulated tiles: its timings are the emulator's, not the CPU's.
+pub fn level_is_emulated() -> bool {
+    level() == Level::Amx && amx_emulated()
 }
 
 /// Let kernels asked for at level `amx` run on emulated tiles from now on
@@ -143,23 +155,6 @@ pub fn emulate_amx() -> bool {
     EMULATE_AMX.store(true, Ordering::Relaxed);
     EMULATED.store(1 + emulation_asked() as u8, Ordering::Relaxed);
     detected() >= Level::Amx
-}
-
-#[cfg(target_arch = "x86_64")]
-fn vnni_cpu() -> bool {
-    use std::arch::is_x86_feature_detected as has;
-    has!("avx2")
-        && has!("fma")
-        && has!("f16c")
-        && has!("avx512f")
-        && has!("avx512bw")
-        && has!("avx512vl")
-        && has!("avx512vnni")
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn vnni_cpu() -> bool {
-    false
 }
 
 /// A kernel of a family with an AVX-512 VNNI and an AVX2 version, for

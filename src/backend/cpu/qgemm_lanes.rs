@@ -507,11 +507,11 @@ impl GroupMap {
             for &(off, chunk) in &self.cover {
                 let off = off as usize;
                 if !chunk {
+                    let src = X8Group { g, map: self };
                     for (r, o) in out.iter().enumerate() {
-                        let at = self.at[r][off / 2] as usize;
                         o.add(off)
-                            .cast::<u16>()
-                            .write_unaligned(g.add(at).cast::<u16>().read_unaligned());
+                            .cast::<[u8; 2]>()
+                            .write_unaligned(src.bytes::<2>(r, off));
                     }
                     continue;
                 }
