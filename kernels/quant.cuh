@@ -30,6 +30,10 @@ enum {
     KV_Q4K = 8,
     KV_Q5K = 9,
     KV_Q6K = 10,
+    KV_Q2K = 11,
+    KV_Q3K = 12,
+    KV_IQ4NL = 13,
+    KV_IQ4XS = 14,
 };
 
 // f32 from its bits.
@@ -77,13 +81,17 @@ KV_HD int kv_block_bytes(int type) {
     case KV_Q4K: return 144;
     case KV_Q5K: return 176;
     case KV_Q6K: return 210;
+    case KV_Q2K: return 84;
+    case KV_Q3K: return 110;
+    case KV_IQ4NL: return 18;
+    case KV_IQ4XS: return 136;
     default: return 0;
     }
 }
 KV_HD int kv_block_values(int type) {
     switch (type) {
     case KV_F32: case KV_F16: case KV_BF16: return 1;
-    case KV_Q4K: case KV_Q5K: case KV_Q6K: return 256;
+    case KV_Q2K: case KV_Q3K: case KV_Q4K: case KV_Q5K: case KV_Q6K: case KV_IQ4XS: return 256;
     default: return 32;
     }
 }
@@ -99,6 +107,13 @@ KV_HD void kv_scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+// The non-uniform grid of IQ4_NL / IQ4_XS: a 4-bit index picks a value.
+KV_HD int kv_iq4(int i) {
+    const int8_t grid[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                             1,    13,   25,  38,  53,  69,  89,  113};
+    return grid[i & 15];
 }
 
 // Values 32·s .. 32·s + 32 of a row (raw GGUF blocks at `row`) as f32.
@@ -217,6 +232,69 @@ KV_HD void kv_deq32(int type, const uint8_t *row, int s, float *out) {
         for (int l = 0; l < 32; ++l) {
             int q = (int)(int8_t)(((ql[l] >> lsh) & 0xF) | (((qh[l] >> hsh) & 3) << 4)) - 32;
             out[l] = d * (float)sc[(l >> 4) + 2 * r] * (float)q;
+        }
+        break;
+    }
+    case KV_Q2K: {
+        // superblock: 16 scale bytes (scale low nibble, min high nibble, one
+        // per 16 values), 64 bytes of 2-bit quants, d, dmin. Sub-block j
+        // takes bits 2·(j & 3) of bytes 32·(j >> 2) .. + 32;
+        // x = (d·sc) · q − dmin·m
+        const uint8_t *b = row + (size_t)(s >> 3) * 84;
+        int j = s & 7;
+        float d = kv_h2f(kv_u16(b + 80)), dmin = kv_h2f(kv_u16(b + 82));
+        const uint8_t *q = b + 16 + 32 * (j >> 2);
+        int sh = 2 * (j & 3);
+        for (int l = 0; l < 32; ++l) {
+            int sc = b[2 * j + (l >> 4)];
+            float d1 = d * (float)(sc & 0xF), m1 = dmin * (float)(sc >> 4);
+            out[l] = d1 * (float)((q[l] >> sh) & 3) - m1;
+        }
+        break;
+    }
+    case KV_Q3K: {
+        // superblock: 32 bytes of high bits (bit j of byte l: value l of
+        // sub-block j has its 3rd bit), 64 bytes of low 2 bits (as Q2_K),
+        // 12 bytes of 16 packed 6-bit scales, d; q = low − (high ? 0 : 4),
+        // x = (d · (sc − 32)) · q
+        const uint8_t *b = row + (size_t)(s >> 3) * 110;
+        int j = s & 7;
+        float d = kv_h2f(kv_u16(b + 108));
+        const uint8_t *hm = b, *q = b + 32 + 32 * (j >> 2), *sb = b + 96;
+        int sh = 2 * (j & 3);
+        for (int l = 0; l < 32; ++l) {
+            int k = 2 * j + (l >> 4);  // scale 0..16
+            int k8 = k & 7, top = (sb[8 + (k8 & 3)] >> (2 * (k8 >> 2) + 4 * (k >> 3))) & 3;
+            int sc = (k < 8 ? (sb[k8] & 0xF) : (sb[k8] >> 4)) | (top << 4);
+            int v = ((q[l] >> sh) & 3) - (((hm[l] >> j) & 1) ? 0 : 4);
+            out[l] = (d * (float)(sc - 32)) * (float)v;
+        }
+        break;
+    }
+    case KV_IQ4NL: {
+        // d, 16 bytes of grid indices (value l: low nibble of byte l, value
+        // l + 16: its high nibble); x = d · grid[i]
+        const uint8_t *b = row + (size_t)s * 18;
+        float d = kv_h2f(kv_u16(b));
+        for (int l = 0; l < 16; ++l) {
+            out[l] = d * (float)kv_iq4(b[2 + l] & 0xF);
+            out[l + 16] = d * (float)kv_iq4(b[2 + l] >> 4);
+        }
+        break;
+    }
+    case KV_IQ4XS: {
+        // superblock: d, 16 bits of scale tops (2 per sub-block), 4 bytes of
+        // scale nibbles, then 16 bytes of grid indices per sub-block as
+        // IQ4_NL; x = (d · (ls − 32)) · grid[i]
+        const uint8_t *b = row + (size_t)(s >> 3) * 136;
+        int j = s & 7;
+        float d = kv_h2f(kv_u16(b));
+        int ls = ((b[4 + (j >> 1)] >> (4 * (j & 1))) & 0xF) | (((kv_u16(b + 2) >> (2 * j)) & 3) << 4);
+        float dl = d * (float)(ls - 32);
+        const uint8_t *q = b + 8 + 16 * j;
+        for (int l = 0; l < 16; ++l) {
+            out[l] = dl * (float)kv_iq4(q[l] & 0xF);
+            out[l + 16] = dl * (float)kv_iq4(q[l] >> 4);
         }
         break;
     }

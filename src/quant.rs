@@ -120,9 +120,13 @@ pub fn dequantize_row(dtype: DType, src: &[u8], dst: &mut [f32]) {
         DType::Q5_0 => dequant_q5_0,
         DType::Q5_1 => dequant_q5_1,
         DType::Q8_0 => dequant_q8_0,
+        DType::Q2K => dequant_q2_k,
+        DType::Q3K => dequant_q3_k,
         DType::Q4K => dequant_q4_k,
         DType::Q5K => dequant_q5_k,
         DType::Q6K => dequant_q6_k,
+        DType::IQ4NL => dequant_iq4_nl,
+        DType::IQ4XS => dequant_iq4_xs,
     };
     for (blk, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(bl)) {
         block_fn(blk, y);
@@ -338,6 +342,126 @@ fn dequant_q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// The 256 unsigned 2-bit values of a Q2_K super-block, in element order.
+/// Two halves of 128 elements; half `h` reads `qs[32h..32h+32]`, and its
+/// 32-element quarter `j` takes bits `2j, 2j + 1` of those 32 bytes:
+/// element `128h + 32j + l` is `(qs[32h + l] >> 2j) & 3`.
+pub(crate) fn q2_k_values(qs: &[u8]) -> [u8; 256] {
+    let mut q = [0u8; 256];
+    for (i, v) in q.iter_mut().enumerate() {
+        let (h, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        *v = (qs[32 * h + l] >> (2 * j)) & 3;
+    }
+    q
+}
+
+/// Q2_K, 256 weights in 84 bytes: `scales[16]` (per 16 weights: the scale
+/// in the low nibble, the min in the high nibble), `qs[64]` (see
+/// [`q2_k_values`]), `d: f16`, `dmin: f16`. `y = (d·sc)·q − (dmin·m)`.
+fn dequant_q2_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (read_f16(b, 80), read_f16(b, 82));
+    let q = q2_k_values(&b[16..80]);
+    for (i, y) in y.iter_mut().enumerate() {
+        let sc = b[i / 16];
+        let (d1, m1) = (d * (sc & 0x0f) as f32, dmin * (sc >> 4) as f32);
+        *y = d1 * q[i] as f32 - m1;
+    }
+}
+
+/// The 16 six-bit scales of a Q3_K super-block (0..64, used as `sc − 32`)
+/// from its 12 bytes: scale `k` and `k + 8` (k < 8) take the low and high
+/// nibble of byte `k`, and their top two bits come from bits
+/// `2·(k / 4)`, `2·(k / 4) + 4` of byte `8 + k % 4`.
+pub(crate) fn q3_k_scales(s: &[u8]) -> [i8; 16] {
+    let mut sc = [0i8; 16];
+    for k in 0..8 {
+        let hi = s[8 + k % 4] >> (2 * (k / 4));
+        sc[k] = ((s[k] & 0x0f) | ((hi & 3) << 4)) as i8;
+        sc[k + 8] = ((s[k] >> 4) | (((hi >> 4) & 3) << 4)) as i8;
+    }
+    sc
+}
+
+/// The 256 signed 3-bit values (−4..4) of a Q3_K super-block: the low two
+/// bits as Q2_K's ([`q2_k_values`] of `qs`), and 4 subtracted unless the
+/// element's bit of `hmask` is set: element `128h + 32j + l` reads bit
+/// `4h + j` of `hmask[l]`.
+pub(crate) fn q3_k_values(hmask: &[u8], qs: &[u8]) -> [i8; 256] {
+    let low = q2_k_values(qs);
+    let mut q = [0i8; 256];
+    for (i, v) in q.iter_mut().enumerate() {
+        let (h, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        let high = (hmask[l] >> (4 * h + j)) & 1;
+        *v = low[i] as i8 - if high == 1 { 0 } else { 4 };
+    }
+    q
+}
+
+/// Q3_K, 256 weights in 110 bytes: `hmask[32]`, `qs[64]`, `scales[12]`
+/// (16 packed 6-bit scales, [`q3_k_scales`]), `d: f16`.
+/// `y = (d·(sc − 32))·q`.
+fn dequant_q3_k(b: &[u8], y: &mut [f32]) {
+    let d = read_f16(b, 108);
+    let sc = q3_k_scales(&b[96..108]);
+    let q = q3_k_values(&b[0..32], &b[32..96]);
+    for (i, y) in y.iter_mut().enumerate() {
+        let dl = d * (sc[i / 16] as i32 - 32) as f32;
+        *y = dl * q[i] as f32;
+    }
+}
+
+/// The 16 values of IQ4_NL and IQ4_XS: a 4-bit index picks one of these
+/// (a non-uniform grid, denser near zero), times the block's scale.
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The 32 grid values of a 16-byte run of IQ4 nibbles: element `l` is the
+/// low nibble of byte `l`, element `l + 16` its high nibble.
+pub(crate) fn iq4_values(qs: &[u8]) -> [i8; 32] {
+    let mut q = [0i8; 32];
+    for l in 0..16 {
+        q[l] = IQ4_VALUES[(qs[l] & 0x0f) as usize];
+        q[l + 16] = IQ4_VALUES[(qs[l] >> 4) as usize];
+    }
+    q
+}
+
+/// IQ4_NL, 32 weights in 18 bytes: `d: f16`, `qs[16]` (indices into
+/// [`IQ4_VALUES`], [`iq4_values`]). `y = d·v`.
+fn dequant_iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = read_f16(b, 0);
+    for (y, v) in y.iter_mut().zip(iq4_values(&b[2..18])) {
+        *y = d * v as f32;
+    }
+}
+
+/// The 8 six-bit scales of an IQ4_XS super-block (0..64, used as
+/// `ls − 32`): the low 4 bits of scale `k` are nibble `k % 2` of
+/// `scales_l[k / 2]`, the top two bits `2k, 2k + 1` of `scales_h`.
+pub(crate) fn iq4_xs_scales(b: &[u8]) -> [u8; 8] {
+    let h = u16::from_le_bytes([b[2], b[3]]);
+    std::array::from_fn(|k| {
+        let low = (b[4 + k / 2] >> (4 * (k % 2))) & 0x0f;
+        low | ((((h >> (2 * k)) & 3) as u8) << 4)
+    })
+}
+
+/// IQ4_XS, 256 weights in 136 bytes: `d: f16`, `scales_h: u16`,
+/// `scales_l[4]` ([`iq4_xs_scales`]), `qs[128]`: 8 sub-blocks of 32, each
+/// 16 bytes as [`iq4_values`]. `y = (d·(ls − 32))·v`.
+fn dequant_iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = read_f16(b, 0);
+    let ls = iq4_xs_scales(b);
+    for sb in 0..8 {
+        let dl = d * (ls[sb] as i32 - 32) as f32;
+        let v = iq4_values(&b[8 + 16 * sb..24 + 16 * sb]);
+        for (y, v) in y[32 * sb..32 * sb + 32].iter_mut().zip(v) {
+            *y = dl * v as f32;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Affine form: small integers and one (a, b) per group
 // ---------------------------------------------------------------------------
@@ -347,11 +471,11 @@ fn dequant_q6_k(b: &[u8], y: &mut [f32]) {
 pub fn affine_group(dtype: DType) -> Option<usize> {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => None,
-        // one scale per 16 weights
-        DType::Q6K => Some(16),
+        // one scale (and min) per 16 weights
+        DType::Q2K | DType::Q3K | DType::Q6K => Some(16),
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => Some(32),
         // one (scale, min) per 32-weight sub-block
-        DType::Q4K | DType::Q5K => Some(32),
+        DType::Q4K | DType::Q5K | DType::IQ4NL | DType::IQ4XS => Some(32),
     }
 }
 
@@ -371,6 +495,10 @@ pub fn affine_group(dtype: DType) -> Option<usize> {
 /// | Q4_1, Q5_1 | the 4- / 5-bit value | d | m |
 /// | Q4_K, Q5_K | the 4- / 5-bit value | d·sc | −(dmin·m) |
 /// | Q6_K | the 6-bit value − 32 | d·sc | 0 |
+/// | Q2_K | the 2-bit value | d·sc | −(dmin·m) |
+/// | Q3_K | the 3-bit value − 4 | d·(sc − 32) | 0 |
+/// | IQ4_NL | the grid value | d | 0 |
+/// | IQ4_XS | the grid value | d·(ls − 32) | 0 |
 ///
 /// Panics on a float type or on sizes that do not fit (`q` n elements,
 /// `a` and `b` n / g).
@@ -452,6 +580,37 @@ pub fn affine_row(dtype: DType, src: &[u8], q: &mut [i8], a: &mut [f32], b: &mut
                 b.fill(0.0);
                 q.copy_from_slice(&q6_k_values(&blk[0..128], &blk[128..192]));
             }
+            DType::Q2K => {
+                let (d, dmin) = (read_f16(blk, 80), read_f16(blk, 82));
+                for s in 0..16 {
+                    a[s] = d * (blk[s] & 0x0f) as f32;
+                    b[s] = -(dmin * (blk[s] >> 4) as f32);
+                }
+                for (x, &y) in q.iter_mut().zip(&q2_k_values(&blk[16..80])) {
+                    *x = y as i8;
+                }
+            }
+            DType::Q3K => {
+                let d = read_f16(blk, 108);
+                for (x, &sc) in a.iter_mut().zip(&q3_k_scales(&blk[96..108])) {
+                    *x = d * (sc as i32 - 32) as f32;
+                }
+                b.fill(0.0);
+                q.copy_from_slice(&q3_k_values(&blk[0..32], &blk[32..96]));
+            }
+            DType::IQ4NL => {
+                (a[0], b[0]) = (read_f16(blk, 0), 0.0);
+                q.copy_from_slice(&iq4_values(&blk[2..18]));
+            }
+            DType::IQ4XS => {
+                let d = read_f16(blk, 0);
+                for (sb, &ls) in iq4_xs_scales(blk).iter().enumerate() {
+                    a[sb] = d * (ls as i32 - 32) as f32;
+                    b[sb] = 0.0;
+                    q[32 * sb..32 * sb + 32]
+                        .copy_from_slice(&iq4_values(&blk[8 + 16 * sb..24 + 16 * sb]));
+                }
+            }
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
         }
     }
@@ -488,9 +647,10 @@ impl ActType {
             DType::F32 => ActType::F32,
             DType::F16 => ActType::F16,
             DType::BF16 => ActType::BF16,
-            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => ActType::Q8_0,
+            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4NL => ActType::Q8_0,
             DType::Q4_1 | DType::Q5_1 => ActType::Q8_1,
-            DType::Q4K | DType::Q5K | DType::Q6K => ActType::Q8K,
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => ActType::Q8K,
+            DType::IQ4XS => ActType::Q8K,
         }
     }
 
@@ -715,6 +875,10 @@ pub fn dot_ref(dtype: DType, n: usize, w: &[u8], x: &[f32]) -> f32 {
 /// * Q4_1/Q5_1 × Q8_1: `(dw·da) · Σ qw·qa + m · s` (`s` = the Q8_1 block sum).
 /// * Q4_K/Q5_K × Q8_K: `(dw·da) · Σ_sub sc·Σ qw·qa − (dmin·da) · Σ_k m_{k/2}·bsums_k`.
 /// * Q6_K × Q8_K: `(dw·da) · Σ_sub sc·Σ qw·qa` (signed 6-bit `qw`).
+/// * Q2_K × Q8_K: `(dw·da) · Σ_sub sc·Σ qw·qa − (dmin·da) · Σ_sub m·bsums`.
+/// * Q3_K × Q8_K: `(dw·da) · Σ_sub (sc − 32)·Σ qw·qa` (`qw` in −4..4).
+/// * IQ4_NL × Q8_0: `(dw·da) · Σ v·qa` (`v` the grid values).
+/// * IQ4_XS × Q8_K: `(dw·da) · Σ_sub (ls − 32)·Σ v·qa`.
 /// * F32/F16/BF16: exact products of the (converted) values.
 ///
 /// The per-block results are accumulated in f64 (ggml uses f32 lanes; the
@@ -737,9 +901,13 @@ pub fn dot_q_ref(dtype: DType, n: usize, w: &[u8], act: &[u8]) -> f32 {
         DType::Q5_0 => vec_dot_q5_0_q8_0,
         DType::Q5_1 => vec_dot_q5_1_q8_1,
         DType::Q8_0 => vec_dot_q8_0_q8_0,
+        DType::Q2K => vec_dot_q2_k_q8_k,
+        DType::Q3K => vec_dot_q3_k_q8_k,
         DType::Q4K => vec_dot_q4_k_q8_k,
         DType::Q5K => vec_dot_q5_k_q8_k,
         DType::Q6K => vec_dot_q6_k_q8_k,
+        DType::IQ4NL => vec_dot_iq4_nl_q8_0,
+        DType::IQ4XS => vec_dot_iq4_xs_q8_k,
     };
     let mut sum = 0f64;
     for (wb, ab) in w.chunks_exact(bw).zip(act.chunks_exact(ba)) {
@@ -862,5 +1030,57 @@ fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f64 {
         isum += scales[sb] as i8 as i32 * s;
     }
     let d = read_f16(w, 208) * da;
+    (d * isum as f32) as f64
+}
+
+/// One Q2_K super-block · one Q8_K block.
+fn vec_dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f64 {
+    let q = q2_k_values(&w[16..80]);
+    let (da, qa, bsums) = q8_k_parts(a);
+    let mut isum = 0i32;
+    let mut msum = 0i32;
+    for sb in 0..16 {
+        let s: i32 = (16 * sb..16 * sb + 16).map(|i| q[i] as i32 * qa[i]).sum();
+        isum += (w[sb] & 0x0f) as i32 * s;
+        msum += (w[sb] >> 4) as i32 * bsums[sb];
+    }
+    let d = read_f16(w, 80) * da;
+    let dmin = read_f16(w, 82) * da;
+    (d * isum as f32 - dmin * msum as f32) as f64
+}
+
+/// One Q3_K super-block · one Q8_K block.
+fn vec_dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f64 {
+    let q = q3_k_values(&w[0..32], &w[32..96]);
+    let sc = q3_k_scales(&w[96..108]);
+    let (da, qa, _) = q8_k_parts(a);
+    let mut isum = 0i32;
+    for sb in 0..16 {
+        let s: i32 = (16 * sb..16 * sb + 16).map(|i| q[i] as i32 * qa[i]).sum();
+        isum += (sc[sb] as i32 - 32) * s;
+    }
+    let d = read_f16(w, 108) * da;
+    (d * isum as f32) as f64
+}
+
+/// One IQ4_NL block · one Q8_0 block.
+fn vec_dot_iq4_nl_q8_0(w: &[u8], a: &[u8]) -> f64 {
+    let v = iq4_values(&w[2..18]);
+    let isum: i32 = v.iter().zip(q8_0_qs(a)).map(|(&x, y)| x as i32 * y).sum();
+    let d = read_f16(w, 0) * read_f16(a, 0);
+    (d * isum as f32) as f64
+}
+
+/// One IQ4_XS super-block · one Q8_K block.
+fn vec_dot_iq4_xs_q8_k(w: &[u8], a: &[u8]) -> f64 {
+    let ls = iq4_xs_scales(w);
+    let (da, qa, _) = q8_k_parts(a);
+    let mut isum = 0i32;
+    for sb in 0..8 {
+        let v = iq4_values(&w[8 + 16 * sb..24 + 16 * sb]);
+        let s: i32 = (0..32).map(|l| v[l] as i32 * qa[32 * sb + l]).sum();
+        isum += (ls[sb] as i32 - 32) * s;
+    }
+    let d = read_f16(w, 0) * da;
     (d * isum as f32) as f64
 }

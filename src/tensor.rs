@@ -16,14 +16,18 @@ pub enum DType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 impl DType {
     /// Every supported type, in GGUF id order.
-    pub const ALL: [DType; 11] = [
+    pub const ALL: [DType; 15] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
@@ -31,9 +35,13 @@ impl DType {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q8_0,
+        DType::Q2K,
+        DType::Q3K,
         DType::Q4K,
         DType::Q5K,
         DType::Q6K,
+        DType::IQ4NL,
+        DType::IQ4XS,
         DType::BF16,
     ];
 
@@ -47,9 +55,13 @@ impl DType {
             6 => DType::Q5_0,
             7 => DType::Q5_1,
             8 => DType::Q8_0,
+            10 => DType::Q2K,
+            11 => DType::Q3K,
             12 => DType::Q4K,
             13 => DType::Q5K,
             14 => DType::Q6K,
+            20 => DType::IQ4NL,
+            23 => DType::IQ4XS,
             30 => DType::BF16,
             _ => return None,
         })
@@ -65,9 +77,13 @@ impl DType {
             DType::Q5_0 => 6,
             DType::Q5_1 => 7,
             DType::Q8_0 => 8,
+            DType::Q2K => 10,
+            DType::Q3K => 11,
             DType::Q4K => 12,
             DType::Q5K => 13,
             DType::Q6K => 14,
+            DType::IQ4NL => 20,
+            DType::IQ4XS => 23,
             DType::BF16 => 30,
         }
     }
@@ -77,7 +93,9 @@ impl DType {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => 32,
-            DType::Q4K | DType::Q5K | DType::Q6K => 256,
+            DType::IQ4NL => 32,
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => 256,
+            DType::IQ4XS => 256,
         }
     }
 
@@ -91,9 +109,13 @@ impl DType {
             DType::Q5_0 => 22,
             DType::Q5_1 => 24,
             DType::Q8_0 => 34,
+            DType::Q2K => 84,
+            DType::Q3K => 110,
             DType::Q4K => 144,
             DType::Q5K => 176,
             DType::Q6K => 210,
+            DType::IQ4NL => 18,
+            DType::IQ4XS => 136,
         }
     }
 

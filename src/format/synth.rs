@@ -328,15 +328,35 @@ pub enum Mix {
     Q5KM,
     Q8_0,
     Q4_0,
+    Q6K,
+    Q3KM,
+    Q2K,
+    IQ4XS,
+}
+
+/// What a mix's choices depend on besides a tensor's name and layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MixModel {
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Query heads per KV head (grouped-query attention).
+    pub gqa: usize,
+    /// Whether the output head is the embedding table (no `output.weight`):
+    /// then the table takes the output head's type.
+    pub tied: bool,
 }
 
 impl Mix {
     /// Every mix, as `--type` names them.
-    pub const ALL: [(&'static str, Mix); 4] = [
+    pub const ALL: [(&'static str, Mix); 8] = [
         ("Q4_K_M", Mix::Q4KM),
         ("Q5_K_M", Mix::Q5KM),
         ("Q8_0", Mix::Q8_0),
         ("Q4_0", Mix::Q4_0),
+        ("Q6_K", Mix::Q6K),
+        ("Q3_K_M", Mix::Q3KM),
+        ("Q2_K", Mix::Q2K),
+        ("IQ4_XS", Mix::IQ4XS),
     ];
 
     /// The mix named `s` (case-insensitive).
@@ -347,41 +367,83 @@ impl Mix {
             .map(|&(_, m)| m)
     }
 
-    /// llama.cpp's `general.file_type` of the mix.
-    fn file_type(self) -> u32 {
+    /// llama.cpp's `general.file_type` of the mix (its `llama_ftype`).
+    pub fn file_type(self) -> u32 {
         match self {
             Mix::Q4_0 => 2,
             Mix::Q8_0 => 7,
+            Mix::Q2K => 10,
+            Mix::Q3KM => 12,
             Mix::Q4KM => 15,
             Mix::Q5KM => 17,
+            Mix::Q6K => 18,
+            Mix::IQ4XS => 30,
         }
     }
 
-    /// The type of matrix `name` (layer `layer` of `n_layers`, rows of
-    /// `n_in`): the mix's base type; Q6_K for the output head and, in the
-    /// K mixes, for attn_v / ffn_down of the layers llama.cpp gives more
-    /// bits (the first and last eighth, and every third in between); the
-    /// legacy fallback where a row is not whole K superblocks.
-    fn type_of(self, name: &str, layer: Option<usize>, n_layers: usize, n_in: u64) -> DType {
-        let more_bits = |i: usize| {
-            i < n_layers / 8
-                || i >= 7 * n_layers / 8
-                || (i >= n_layers / 8 && (i - n_layers / 8) % 3 == 2)
-        };
+    /// The type llama.cpp's quantizer gives matrix `name` (layer `layer`,
+    /// rows of `n_in`) of model `m` under this mix: the mix's base type,
+    /// except
+    /// - the output head (or the embedding table when it is tied): Q6_K
+    ///   (Q8_0 in the Q8_0 mix);
+    /// - `attn_v`: Q6_K in the Q4_K_M / Q5_K_M layers that get more bits
+    ///   (the first and last eighth, every third in between); Q3_K_M: Q5_K
+    ///   in the first two layers, Q4_K after; Q2_K: Q4_K with 4+ query heads
+    ///   per KV head, else Q3_K; IQ4_XS: Q5_K with 4+ query heads per KV head;
+    /// - `ffn_down`: Q6_K in the K_M mixes' more-bits layers; Q3_K_M: Q5_K
+    ///   in the first sixteenth, Q4_K after; Q2_K: Q3_K;
+    /// - `attn_output`: Q3_K_M: Q4_K; Q2_K: Q3_K;
+    ///
+    /// and where a row is not whole 256-value superblocks, the legacy type
+    /// llama.cpp falls back to (Q2_K, Q3_K, IQ4_XS: IQ4_NL; Q4_K: Q5_0;
+    /// Q5_K: Q5_1; Q6_K: Q8_0).
+    pub fn type_of(self, name: &str, layer: Option<usize>, m: MixModel, n_in: u64) -> DType {
+        let n = m.n_layers;
+        let more_bits =
+            |i: usize| i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2);
         let base = match self {
             Mix::Q4_0 => DType::Q4_0,
             Mix::Q8_0 => DType::Q8_0,
             Mix::Q4KM => DType::Q4K,
             Mix::Q5KM => DType::Q5K,
+            Mix::Q6K => DType::Q6K,
+            Mix::Q3KM => DType::Q3K,
+            Mix::Q2K => DType::Q2K,
+            Mix::IQ4XS => DType::IQ4XS,
         };
-        let k_mix = matches!(self, Mix::Q4KM | Mix::Q5KM);
-        let t = if name == "output.weight" && self != Mix::Q8_0 {
-            DType::Q6K
-        } else if k_mix
-            && (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight"))
-            && layer.is_some_and(more_bits)
-        {
-            DType::Q6K
+        let k_m = matches!(self, Mix::Q4KM | Mix::Q5KM);
+        let is = |role: &str| name.ends_with(&format!("{role}.weight"));
+        let i = layer.unwrap_or(0);
+        let t = if name == "output.weight" || (m.tied && name == "token_embd.weight") {
+            if self == Mix::Q8_0 {
+                DType::Q8_0
+            } else {
+                DType::Q6K
+            }
+        } else if is("attn_v") {
+            match self {
+                _ if k_m && more_bits(i) => DType::Q6K,
+                Mix::Q3KM if i < 2 => DType::Q5K,
+                Mix::Q3KM => DType::Q4K,
+                Mix::Q2K if m.gqa >= 4 => DType::Q4K,
+                Mix::Q2K => DType::Q3K,
+                Mix::IQ4XS if m.gqa >= 4 => DType::Q5K,
+                _ => base,
+            }
+        } else if is("ffn_down") {
+            match self {
+                _ if k_m && more_bits(i) => DType::Q6K,
+                Mix::Q3KM if i < n / 16 => DType::Q5K,
+                Mix::Q3KM => DType::Q4K,
+                Mix::Q2K => DType::Q3K,
+                _ => base,
+            }
+        } else if is("attn_output") {
+            match self {
+                Mix::Q3KM => DType::Q4K,
+                Mix::Q2K => DType::Q3K,
+                _ => base,
+            }
         } else {
             base
         };
@@ -389,6 +451,7 @@ impl Mix {
             return t;
         }
         match t {
+            DType::Q2K | DType::Q3K | DType::IQ4XS => DType::IQ4NL,
             DType::Q4K => DType::Q5_0,
             DType::Q5K => DType::Q5_1,
             DType::Q6K => DType::Q8_0,
@@ -558,6 +621,18 @@ pub fn apply(
     if let Some(m) = recipe.mix {
         set("general.file_type".into(), Value::U32(m.file_type()));
     }
+    let heads = match recipe.shape {
+        Some(s) => (s.heads, s.kv_heads),
+        None => {
+            let h = g.get_usize(&key("attention.head_count")).unwrap_or(1);
+            (h, g.get_usize(&key("attention.head_count_kv")).unwrap_or(h))
+        }
+    };
+    let mix_model = MixModel {
+        n_layers,
+        gqa: heads.0 / heads.1.max(1),
+        tied: !g.tensors.iter().any(|t| t.name == "output.weight"),
+    };
     let mut tensors = Vec::new();
     for t in &g.tensors {
         let layer = layer_of(&t.name);
@@ -597,7 +672,7 @@ pub fn apply(
             ))
         })?;
         let dtype = match recipe.mix {
-            Some(m) if dims.len() >= 2 => m.type_of(&t.name, layer, n_layers, dims[0]),
+            Some(m) if dims.len() >= 2 => m.type_of(&t.name, layer, mix_model, dims[0]),
             _ => dtype,
         };
         tensors.push(super::gguf_write::TensorSpec {
@@ -719,12 +794,17 @@ fn build_arch(
         (s.kv_heads * hd) as u64,
         vocab as u64,
     );
+    let mix_model = MixModel {
+        n_layers: s.layers,
+        gqa: s.heads / s.kv_heads,
+        tied: matches!(arch, "gemma3" | "qwen3"),
+    };
     let mut tensors = Vec::new();
     let mut push = |name: String, dims: Vec<u64>, layer: Option<usize>| {
         let dtype = if dims.len() < 2 || name.ends_with("ffn_gate_inp.weight") {
             DType::F32
         } else {
-            mix.type_of(&name, layer, s.layers, dims[0])
+            mix.type_of(&name, layer, mix_model, dims[0])
         };
         tensors.push(super::gguf_write::TensorSpec { name, dims, dtype });
     };

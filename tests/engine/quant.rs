@@ -84,8 +84,10 @@ fn random_row(rng: &mut Rng, n: usize) -> Vec<f32> {
 /// Byte offsets of the f16 scale fields in one block of `dtype`.
 fn f16_fields(dtype: DType) -> &'static [usize] {
     match dtype {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::IQ4NL | DType::IQ4XS => &[0],
         DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
         DType::Q6K => &[208],
         DType::F16 => &[0],
         DType::F32 | DType::BF16 => &[],
@@ -503,7 +505,10 @@ fn act_view(act: ActType, bytes: &[u8], n: usize) -> ActView {
 /// copies of the blocks with `dmin`/`m` (resp. `d`) zeroed. For types without
 /// an additive part the second vector is all zeros.
 fn weight_parts(dt: DType, w: &[u8], n: usize) -> (Vec<f64>, Vec<f64>) {
-    let has_min = matches!(dt, DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K);
+    let has_min = matches!(
+        dt,
+        DType::Q4_1 | DType::Q5_1 | DType::Q2K | DType::Q4K | DType::Q5K
+    );
     if !has_min {
         let y = ggml_dequant(dt, w, n);
         return (y.iter().map(|&v| v as f64).collect(), vec![0.0; n]);
@@ -515,8 +520,10 @@ fn weight_parts(dt: DType, w: &[u8], n: usize) -> (Vec<f64>, Vec<f64>) {
         .chunks_exact_mut(bb)
         .zip(min_only.chunks_exact_mut(bb))
     {
-        s[2..4].fill(0); // m / dmin
-        m[0..2].fill(0); // d
+        // d, then m / dmin (Q2_K keeps them at the end of its block)
+        let d = if dt == DType::Q2K { 80 } else { 0 };
+        s[d + 2..d + 4].fill(0);
+        m[d..d + 2].fill(0);
     }
     let s = ggml_dequant(dt, &scale_only, n);
     let m = ggml_dequant(dt, &min_only, n);

@@ -47,6 +47,10 @@ pub fn type_code(d: DType) -> i32 {
         DType::Q4K => 8,
         DType::Q5K => 9,
         DType::Q6K => 10,
+        DType::Q2K => 11,
+        DType::Q3K => 12,
+        DType::IQ4NL => 13,
+        DType::IQ4XS => 14,
     }
 }
 

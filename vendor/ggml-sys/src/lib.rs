@@ -220,6 +220,30 @@ fn llama_init() {
     });
 }
 
+/// Quantize the GGUF file `inp` into `out` with llama.cpp's own quantizer
+/// (`llama-quantize`): `ftype` is a `general.file_type` number (15 is
+/// Q4_K_M); already-quantized inputs are requantized. The oracle for which
+/// type each tensor of a quantization mix gets.
+#[cfg(feature = "oracle")]
+pub fn quantize_model(inp: &str, out: &str, ftype: u32, threads: i32) -> Result<(), String> {
+    llama_init();
+    let i = CString::new(inp).map_err(|e| e.to_string())?;
+    let o = CString::new(out).map_err(|e| e.to_string())?;
+    // SAFETY: default params is a pure function returning a struct by value.
+    let mut p = unsafe { raw::llama_model_quantize_default_params() };
+    p.ftype = ftype as raw::llama_ftype;
+    p.nthread = threads;
+    p.allow_requantize = true;
+    // SAFETY: both paths are NUL-terminated strings alive for the call; `p`
+    // is a valid parameter struct whose pointers are the defaults' (null).
+    let rc = unsafe { raw::llama_model_quantize(i.as_ptr(), o.as_ptr(), &p) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("llama_model_quantize({inp}) failed ({rc})"))
+    }
+}
+
 /// A model loaded by llama.cpp itself (the oracle).
 #[cfg(feature = "oracle")]
 pub struct LlamaModel {
