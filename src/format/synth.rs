@@ -391,12 +391,15 @@ impl Mix {
     ///   in the first two layers, Q4_K after; Q2_K: Q4_K with 4+ query heads
     ///   per KV head, else Q3_K; IQ4_XS: Q5_K with 4+ query heads per KV head;
     /// - `ffn_down`: Q6_K in the K_M mixes' more-bits layers; Q3_K_M: Q5_K
-    ///   in the first sixteenth, Q4_K after; Q2_K: Q3_K;
+    ///   in the first sixteenth, Q4_K after; Q2_K: Q3_K; IQ4_XS: Q5_K in
+    ///   the first eighth (llama.cpp's choice without an importance matrix);
     /// - `attn_output`: Q3_K_M: Q4_K; Q2_K: Q3_K;
     ///
     /// and where a row is not whole 256-value superblocks, the legacy type
-    /// llama.cpp falls back to (Q2_K, Q3_K, IQ4_XS: IQ4_NL; Q4_K: Q5_0;
-    /// Q5_K: Q5_1; Q6_K: Q8_0).
+    /// llama.cpp falls back to (Q2_K, Q3_K: Q4_0; IQ4_XS: IQ4_NL; Q4_K:
+    /// Q5_0; Q5_K: Q5_1; Q6_K: Q8_0). The test
+    /// `synth_mixes_type_tensors_as_llama_cpp_does` holds every mix to
+    /// llama.cpp's own quantizer.
     pub fn type_of(self, name: &str, layer: Option<usize>, m: MixModel, n_in: u64) -> DType {
         let n = m.n_layers;
         let more_bits =
@@ -436,6 +439,8 @@ impl Mix {
                 Mix::Q3KM if i < n / 16 => DType::Q5K,
                 Mix::Q3KM => DType::Q4K,
                 Mix::Q2K => DType::Q3K,
+                // (llama.cpp: without an importance matrix)
+                Mix::IQ4XS if i < n / 8 => DType::Q5K,
                 _ => base,
             }
         } else if is("attn_output") {
@@ -451,7 +456,8 @@ impl Mix {
             return t;
         }
         match t {
-            DType::Q2K | DType::Q3K | DType::IQ4XS => DType::IQ4NL,
+            DType::Q2K | DType::Q3K => DType::Q4_0,
+            DType::IQ4XS => DType::IQ4NL,
             DType::Q4K => DType::Q5_0,
             DType::Q5K => DType::Q5_1,
             DType::Q6K => DType::Q8_0,

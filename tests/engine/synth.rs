@@ -283,3 +283,85 @@ fn synth_q8_0_and_q4_0_logits_match_llama_cpp() {
     logits_match(Mix::Q8_0);
     logits_match(Mix::Q4_0);
 }
+
+#[test]
+fn synth_low_bit_mixes_logits_match_llama_cpp() {
+    // Q3_K_M and Q2_K put Q2_K, Q3_K, Q4_K and Q5_K in one model; the tiny
+    // shape's 256-wide rows are whole superblocks
+    logits_match(Mix::Q3KM);
+    logits_match(Mix::Q2K);
+    logits_match(Mix::IQ4XS);
+    logits_match(Mix::Q6K);
+}
+
+/// Every mix types each tensor as llama.cpp's own quantizer does: a model
+/// written as Q8_0 is requantized by `llama_model_quantize` to each mix and
+/// the types compared tensor by tensor with kvrun's table for that mix.
+/// Two models: the R1 header reshaped to 18 layers with 4 query heads per
+/// KV head (the layer rules: first sixteenth, first two, more-bits layers;
+/// the GQA rules), and a qwen3 built with a tied output, no GQA and
+/// 320-wide rows (the embedding as the output head; the IQ4_NL, Q5_0, Q5_1
+/// and Q8_0 fallbacks where a row is not whole superblocks).
+#[test]
+fn synth_mixes_type_tensors_as_llama_cpp_does() {
+    let shape = |layers, dim, heads, kv_heads| synth::Shape {
+        layers,
+        dim,
+        ffn: 768,
+        heads,
+        kv_heads,
+        head_dim: 64,
+        experts: (0, 0, 0),
+    };
+    let models = [
+        ("qwen2", None, shape(18, 256, 4, 1)),
+        ("qwen3", Some("qwen3"), shape(18, 320, 5, 5)),
+    ];
+    let src = Gguf::open(&header()).unwrap();
+    let mut failures = Vec::new();
+    for (label, arch, s) in models {
+        let base = tmp(&format!("mix-{label}-q8.gguf"));
+        let recipe = |mix| Recipe {
+            shape: Some(s),
+            mix: Some(mix),
+            arch,
+        };
+        synth::write_file(&header(), &recipe(Mix::Q8_0), &base.0, &Spec::default()).unwrap();
+        for (name, mix) in Mix::ALL {
+            let out = tmp(&format!("mix-{label}-{name}.gguf"));
+            ggml_sys::quantize_model(
+                base.0.to_str().unwrap(),
+                out.0.to_str().unwrap(),
+                mix.file_type(),
+                2,
+            )
+            .unwrap();
+            let theirs = Gguf::open(&out.0).unwrap();
+            let ours = synth::derive(&src, &recipe(mix)).unwrap();
+            assert_eq!(ours.tensors.len(), theirs.tensors.len(), "{label} {name}");
+            let mut differ = 0;
+            for t in &ours.tensors {
+                let u = theirs
+                    .tensors
+                    .iter()
+                    .find(|u| u.name == t.name)
+                    .unwrap_or_else(|| panic!("{label} {name}: llama.cpp has no {}", t.name));
+                if t.type_id != u.type_id {
+                    differ += 1;
+                    failures.push(format!(
+                        "{label} {name} {}: kvrun {}, llama.cpp {}",
+                        t.name,
+                        kvrun::tensor::ggml_type_name(t.type_id),
+                        kvrun::tensor::ggml_type_name(u.type_id)
+                    ));
+                }
+            }
+            eprintln!(
+                "{label} {name}: {} of {} tensors typed as llama.cpp does",
+                ours.tensors.len() - differ,
+                ours.tensors.len()
+            );
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
