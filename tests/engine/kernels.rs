@@ -451,7 +451,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q3K] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (mut checked, mut packed_checked) = (0, 0);
         for n_in in [256usize, 768, 3584, 18944] {
@@ -484,14 +484,17 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                     let mut p = vec![0u8; nb * PACKED_BYTES];
                     (fns.pack)(nb, &rows, &mut p);
                     // packed straight from the repacked row block: the
-                    // same bytes (the engine's prefill of a repacked matrix)
-                    let x8 = X8::new(dt, &w, ROWS, nb);
-                    let mut p8 = vec![0u8; nb * PACKED_BYTES];
-                    (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
-                    assert!(
-                        p8 == p,
-                        "{dt} {level} n_in {n_in}: packed from the row block"
-                    );
+                    // same bytes (the engine's prefill of a repacked matrix;
+                    // Q3_K has no repacked layout)
+                    if dt != DType::Q3K {
+                        let x8 = X8::new(dt, &w, ROWS, nb);
+                        let mut p8 = vec![0u8; nb * PACKED_BYTES];
+                        (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
+                        assert!(
+                            p8 == p,
+                            "{dt} {level} n_in {n_in}: packed from the row block"
+                        );
+                    }
                     let v = (fns.kernel)(nb, &p, &toks);
                     for i in 0..ROWS {
                         for t in 0..TOKS {
@@ -1016,6 +1019,13 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         // Q6_K×8 (8k rows): decoding, and prefill gathered from it
         (DType::Q6K, 64, 768, 1),
         (DType::Q6K, 24, 3584, 2),
+        // Q3_K, row-major at every level (rows in lanes, packed prefill)
+        (DType::Q3K, 18, 256, 7),
+        (DType::Q3K, 37, 768, 5),
+        (DType::Q3K, 9, 512, 1),
+        (DType::Q3K, 64, 768, 1),
+        (DType::Q3K, 24, 3584, 2),
+        (DType::Q3K, 72, 4352, 33),
         // Q5_K×8, the same
         (DType::Q5K, 48, 1536, 1),
         (DType::Q5K, 16, 768, 9),

@@ -78,6 +78,8 @@ pub const Q5_K_BYTES: usize = 176;
 /// Bytes of a Q6_K superblock: `ql[128]`, `qh[64]`, `scales[16]` (i8),
 /// `d` (f16).
 pub const Q6_K_BYTES: usize = 210;
+/// Bytes of a Q3_K superblock: `hmask[32]`, `qs[64]`, `scales[12]`, `d`.
+pub const Q3_K_BYTES: usize = 110;
 /// Bytes of a Q8_K block: `d` (f32), `qs[256]` (i8), `bsums[16]` (i16).
 pub const Q8_K_BYTES: usize = 292;
 
@@ -134,6 +136,7 @@ pub(super) fn block_bytes(dtype: DType) -> usize {
         DType::Q4K => Q4_K_BYTES,
         DType::Q5K => Q5_K_BYTES,
         DType::Q6K => Q6_K_BYTES,
+        DType::Q3K => Q3_K_BYTES,
         other => panic!("qgemm_lanes: {other} is not a K-quant with lanes"),
     }
 }
@@ -178,6 +181,17 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                     std::array::from_fn(|s| mn[s] as i32),
                 )
             }
+            DType::Q3K => {
+                let q = crate::quant::q3_k_values(&x[0..32], &x[32..96]);
+                let sc = crate::quant::q3_k_scales(&x[96..108]);
+                (
+                    std::array::from_fn(|i| q[i] as i32 + 4),
+                    std::array::from_fn(|j| sc[j] as i32 - 32),
+                    f16_at(108),
+                    0.0,
+                    [0; 8],
+                )
+            }
             _ => {
                 let q = crate::quant::q6_k_values(&x[0..128], &x[128..192]);
                 (
@@ -189,21 +203,23 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                 )
             }
         };
+        let offset = match dtype {
+            DType::Q6K => 32,
+            DType::Q3K => 4,
+            _ => 0,
+        };
         let mut isum = 0i32;
         for (j, s) in sc16.iter().enumerate() {
             let p: i32 = (16 * j..16 * j + 16)
                 .map(|i| q[i] * y[4 + i] as i8 as i32)
                 .sum();
-            isum += s * p;
-            if dtype == DType::Q6K {
-                isum -= 32 * s * bsum(j);
-            }
+            isum += s * p - offset * s * bsum(j);
         }
         let msum: i32 = (0..8)
             .map(|s| mins[s] * (bsum(2 * s) + bsum(2 * s + 1)))
             .sum();
         acc = (dy * d).mul_add(isum as f32, acc);
-        if dtype != DType::Q6K {
+        if offset == 0 {
             acc_m = (-dy * dmin).mul_add(msum as f32, acc_m);
         }
     }
@@ -238,6 +254,7 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
             DType::Q4K => return Some(lanes::<N, Q4k, true>),
             DType::Q5K => return Some(lanes::<N, Q5k, true>),
             DType::Q6K => return Some(lanes::<N, Q6k, true>),
+            DType::Q3K => return Some(lanes::<N, Q3k, true>),
             _ => return None,
         }
     }
@@ -246,9 +263,11 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
         DType::Q4K if N == 1 => return Some(rows::<N, Q4k>),
         DType::Q5K if N == 1 => return Some(rows::<N, Q5k>),
         DType::Q6K if N == 1 => return Some(rows::<N, Q6k>),
+        DType::Q3K if N == 1 => return Some(rows::<N, Q3k>),
         DType::Q4K => return Some(lanes::<N, Q4k, false>),
         DType::Q5K => return Some(lanes::<N, Q5k, false>),
         DType::Q6K => return Some(lanes::<N, Q6k, false>),
+        DType::Q3K => return Some(lanes::<N, Q3k, false>),
         _ => {}
     }
     None
@@ -271,8 +290,12 @@ pub(super) trait Format {
     /// Groups of 4 weights summed in i16 before the `madd` by the scale.
     const G: usize;
     /// Q4_K / Q5_K: a min per 32 weights with its own float scale (dmin);
-    /// otherwise (Q6_K) a −32 offset folded into the integer sum.
+    /// otherwise (Q6_K, Q3_K) a −2^OFFSET_SHIFT offset folded into the
+    /// integer sum.
     const MINS: bool;
+    /// Without mins: log2 of the offset that makes the quants unsigned
+    /// (Q6_K: 32, Q3_K: 4).
+    const OFFSET_SHIFT: i32 = 0;
 
     /// d and dmin of the 8 rows (dmin unused without mins).
     ///
@@ -283,7 +306,7 @@ pub(super) trait Format {
     /// Byte offsets in a superblock that touch each of its cache lines,
     /// wherever it starts (at most 64 apart, the last byte included).
     const LINES: &'static [usize];
-    /// Weights per scale (32 for Q4_K and Q5_K, 16 for Q6_K).
+    /// Weights per scale (32 for Q4_K and Q5_K, 16 for Q6_K and Q3_K).
     const SCALE_LEN: usize;
 
     /// `sc[j]`: the scale of weights `SCALE_LEN`·j.. of the 8 rows as (i16,
@@ -359,6 +382,8 @@ pub(super) struct Q4k;
 pub(super) struct Q5k;
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Q6k;
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Q3k;
 
 /// Where a kernel reads the superblocks of its 8 rows from: GGUF's rows
 /// (`[*const u8; ROWS]`, one pointer per row's superblock) or a repacked
@@ -803,6 +828,7 @@ impl Format for Q6k {
     // 2·2·63·128 = 32256
     const G: usize = 2;
     const MINS: bool = false;
+    const OFFSET_SHIFT: i32 = 5;
 
     #[inline(always)]
     unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
@@ -815,7 +841,6 @@ impl Format for Q6k {
 
     #[inline(always)]
     unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
-        use std::arch::x86_64::*;
         // 16 signed scales per row at 192..208, transposed (8 × 8 bytes
         // twice): st[h][k] holds scales 8h + 2k, 8h + 2k + 1 of the 8 rows
         let half = |h: usize| {
@@ -824,25 +849,8 @@ impl Format for Q6k {
                 u64::from_le_bytes(unsafe { x.bytes::<8>(r, 192 + 8 * h) })
             }))
         };
-        let st = [half(0), half(1)];
-        // SAFETY (intrinsics): AVX2, the trait's contract.
-        unsafe {
-            let sc = std::array::from_fn(|j| {
-                let v = st[j / 8][(j % 8) / 2];
-                let v = if j % 2 == 0 { v } else { _mm_srli_si128(v, 8) };
-                let v = _mm256_cvtepi8_epi32(v);
-                _mm256_or_si256(
-                    _mm256_and_si256(v, _mm256_set1_epi32(0xffff)),
-                    _mm256_slli_epi32(v, 16),
-                )
-            });
-            let off = std::array::from_fn(|i| {
-                let v = st[i / 4][i % 4];
-                let pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
-                _mm256_mullo_epi16(pairs, _mm256_set1_epi16(-32))
-            });
-            (sc, off)
-        }
+        // SAFETY: AVX2, the trait's contract.
+        unsafe { signed_scales16([half(0), half(1)], -32) }
     }
 
     const UNITS: usize = 2;
@@ -911,6 +919,190 @@ impl Format for Q6k {
                 );
             }
             let sc8 = _mm_loadu_si128(x.add(192).cast());
+            let scv = std::array::from_fn(|s| {
+                let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
+                let pick = _mm_set_epi8(
+                    hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
+                );
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick))
+            });
+            (q, scv, _mm256_cvtepi8_epi16(sc8))
+        }
+    }
+}
+
+/// The 16 signed scales of 8 rows (one per 16 weights; Q6_K, Q3_K) in the
+/// kernels' forms, from their transposed bytes: `st[h][k]` holds scales
+/// 8h + 2k (bytes 0..8) and 8h + 2k + 1 (bytes 8..16) of rows 0..8. Returns
+/// the (i16, i16) scale pairs per scale and the offset factors
+/// `offset·scale` per pair of 16-value sums (see [`Format::scales`]).
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn signed_scales16(st: [[__m128i; 4]; 2], offset: i16) -> ([__m256i; 16], [__m256i; 8]) {
+    use std::arch::x86_64::*;
+    // SAFETY (intrinsics): AVX2, the caller's contract; registers only.
+    unsafe {
+        let sc = std::array::from_fn(|j| {
+            let v = st[j / 8][(j % 8) / 2];
+            let v = if j % 2 == 0 { v } else { _mm_srli_si128(v, 8) };
+            let v = _mm256_cvtepi8_epi32(v);
+            _mm256_or_si256(
+                _mm256_and_si256(v, _mm256_set1_epi32(0xffff)),
+                _mm256_slli_epi32(v, 16),
+            )
+        });
+        let off = std::array::from_fn(|i| {
+            let v = st[i / 4][i % 4];
+            let pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+            _mm256_mullo_epi16(pairs, _mm256_set1_epi16(offset))
+        });
+        (sc, off)
+    }
+}
+
+/// A Q3_K superblock's 12 scale bytes as its 16 unsigned 6-bit scales, 8
+/// per word (byte k of word h: scale 8h + k; `crate::quant::q3_k_scales`
+/// before the −32).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn q3_scale_words(b: [u8; 12]) -> [u64; 2] {
+    let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+    let w = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+    // the top two bits: scales 0..4 from bits 0-1 of bytes 8..12, 4..8
+    // from bits 2-3, 8..12 from bits 4-5, 12..16 from bits 6-7
+    let top = |s: u32| ((w >> s) & 0x0303_0303) as u64;
+    let nib = 0x0f0f_0f0f_0f0f_0f0fu64;
+    [
+        (lo & nib) | (top(0) | top(2) << 32) << 4,
+        ((lo >> 4) & nib) | (top(4) | top(6) << 32) << 4,
+    ]
+}
+
+/// Bit `s` (0..8) of every byte of `h` moved to bit 2 (the rest zero): the
+/// third bit of a Q3_K quant from its `hmask` byte.
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q3_high(h: __m256i, s: usize) -> __m256i {
+    use std::arch::x86_64::*;
+    // SAFETY (intrinsics): AVX2, the caller's contract. 16-bit shifts: the
+    // bits that cross into a neighbouring byte never land on bit 2.
+    unsafe {
+        let v = if s >= 2 {
+            _mm256_srl_epi16(h, _mm_cvtsi32_si128(s as i32 - 2))
+        } else {
+            _mm256_sll_epi16(h, _mm_cvtsi32_si128(2 - s as i32))
+        };
+        _mm256_and_si256(v, _mm256_set1_epi8(4))
+    }
+}
+
+/// Q3_K: quants `u = low2 + 4·high` (0..8), value `u − 4`, one signed
+/// 6-bit scale (−32..32) per 16 weights, no mins: Q6_K's arithmetic with a
+/// −4 offset (`−4·sc16` against the 16-value sums).
+#[cfg(target_arch = "x86_64")]
+impl Format for Q3k {
+    const LINES: &'static [usize] = &[0, 64, Q3_K_BYTES - 1];
+    const SCALE_LEN: usize = 16;
+    const DTYPE: DType = DType::Q3K;
+    const BYTES: usize = Q3_K_BYTES;
+    // one scale's 4 groups: 4·2·7·128 = 7168
+    const G: usize = 4;
+    const MINS: bool = false;
+    const OFFSET_SHIFT: i32 = 2;
+
+    #[inline(always)]
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
+        // SAFETY: the trait's contract; d is the last 2 bytes.
+        unsafe {
+            let d = x.f16_lanes(108);
+            (d, d)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
+        use std::arch::x86_64::*;
+        // SAFETY: bytes 96..108 lie in the superblock.
+        let words: [[u64; 2]; ROWS] =
+            std::array::from_fn(|r| q3_scale_words(unsafe { x.bytes::<12>(r, 96) }));
+        // SAFETY (intrinsics): AVX2, the trait's contract.
+        unsafe {
+            let half = |h: usize| {
+                let t = transpose8x8_bytes(std::array::from_fn(|r| words[r][h]));
+                t.map(|v| _mm_sub_epi8(v, _mm_set1_epi8(32)))
+            };
+            signed_scales16([half(0), half(1)], -4)
+        }
+    }
+
+    const UNITS: usize = 2;
+    const RUNS: usize = 4;
+
+    #[inline(always)]
+    unsafe fn begin<S: Src>(x: &S) -> [__m256i; 8] {
+        // SAFETY: the trait's contract: hmask, the first 32 bytes.
+        unsafe { x.chunk(0) }
+    }
+
+    #[inline(always)]
+    unsafe fn unit<S: Src>(x: &S, n: usize, hm: &[__m256i; 8]) -> Runs {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics): the trait's contract. Half n (runs
+        // 4n..4n+3) takes chunk a = qs[32n..] (qs at 32): run 4n + k is bits
+        // 2k, 2k + 1 of a, with bit 4n + k of hmask as bit 2.
+        unsafe {
+            let three = _mm256_set1_epi8(3);
+            let a = x.chunk(32 + 32 * n);
+            let mut q = [[_mm256_setzero_si256(); 8]; 4];
+            for g in 0..8 {
+                let low = [
+                    a[g],
+                    _mm256_srli_epi16::<2>(a[g]),
+                    _mm256_srli_epi16::<4>(a[g]),
+                    _mm256_srli_epi16::<6>(a[g]),
+                ];
+                for (k, l) in low.into_iter().enumerate() {
+                    q[k][g] = _mm256_or_si256(_mm256_and_si256(l, three), q3_high(hm[g], 4 * n + k));
+                }
+            }
+            q
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, loads): the trait's contract. Half n (runs
+        // 4n..4n+3): chunk a = qs[32n..] (qs at 32), hmask h at 0; run
+        // 4n + k is bits 2k, 2k + 1 of a with bit 4n + k of h as bit 2.
+        // Scales: 16 of 6 bits at 96, less 32, one per 16 weights.
+        unsafe {
+            let three = _mm256_set1_epi8(3);
+            let h = _mm256_loadu_si256(x.cast());
+            let mut q = [_mm256_setzero_si256(); 8];
+            for n in 0..2 {
+                let a = _mm256_loadu_si256(x.add(32 + 32 * n).cast());
+                let low = [
+                    a,
+                    _mm256_srli_epi16::<2>(a),
+                    _mm256_srli_epi16::<4>(a),
+                    _mm256_srli_epi16::<6>(a),
+                ];
+                for (k, l) in low.into_iter().enumerate() {
+                    q[4 * n + k] = _mm256_or_si256(_mm256_and_si256(l, three), q3_high(h, 4 * n + k));
+                }
+            }
+            let w = q3_scale_words(x.add(96).cast::<[u8; 12]>().read_unaligned());
+            let sc8 = _mm_sub_epi8(
+                _mm_set_epi64x(w[1] as i64, w[0] as i64),
+                _mm_set1_epi8(32),
+            );
             let scv = std::array::from_fn(|s| {
                 let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
                 let pick = _mm_set_epi8(
@@ -1238,6 +1430,7 @@ pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<Packed> {
         DType::Q4K => return Some(packed_pair::<Q4k>(vnni)),
         DType::Q5K => return Some(packed_pair::<Q5k>(vnni)),
         DType::Q6K => return Some(packed_pair::<Q6k>(vnni)),
+        DType::Q3K => return Some(packed_pair::<Q3k>(vnni)),
         _ => {}
     }
     let _ = (dtype, vnni);
@@ -1675,8 +1868,9 @@ unsafe fn rows_body<const N: usize, F: Format>(
                             v[t][i] = s;
                             vm[t][i] = o;
                         } else {
-                            // the −32 offset of every weight
-                            v[t][i] = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
+                            // the −32 (−4) offset of every weight
+                            let sh = _mm_cvtsi32_si128(F::OFFSET_SHIFT);
+                            v[t][i] = _mm256_sub_epi32(s, _mm256_sll_epi32(o, sh));
                         }
                     }
                 }
