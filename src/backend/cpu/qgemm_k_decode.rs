@@ -35,7 +35,7 @@
 //! from memory alike (Q4_K in the fastest run: 45 against 37 GMAC/s from L2,
 //! 34 against 29 from memory), and 1.0–1.13× for Q5_K.
 
-use super::qgemm_lanes::{Format, LanesFn, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Format, LanesFn, Q3k, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
 use crate::tensor::DType;
 use std::arch::x86_64::*;
 
@@ -50,6 +50,8 @@ pub(super) fn kernel<const N: usize>(dtype: DType, vnni: bool) -> Option<LanesFn
         (DType::Q5K, false) => decode::<N, Q5k, false>,
         (DType::Q6K, true) => decode::<N, Q6k, true>,
         (DType::Q6K, false) => decode::<N, Q6k, false>,
+        (DType::Q3K, true) => decode::<N, Q3k, true>,
+        (DType::Q3K, false) => decode::<N, Q3k, false>,
         _ => return None,
     })
 }
@@ -285,6 +287,51 @@ impl Wide for Q6k {
     }
 }
 
+impl Wide for Q3k {
+    #[inline(always)]
+    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
+        // SAFETY: the trait's contract; runs (0, 1), (2, 3), (4, 5), (6, 7)
+        // are the Q8_K order.
+        unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+    }
+    #[inline(always)]
+    unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+        // SAFETY (loads, intrinsics): the trait's contract. Run s = 4n + k
+        // is bits 2k, 2k + 1 of qs bytes 32n.. (qs at 32) with bit s of
+        // hmask (at 0) as its bit 2; pair p holds runs 2p (low half) and
+        // 2p + 1. 16-bit shifts keep each kept bit in its byte.
+        unsafe {
+            let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
+            let hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.cast()));
+            let q = std::array::from_fn(|p| {
+                let n = p / 2;
+                let a = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(32 + 32 * n).cast()));
+                let (s0, s1) = (2 * p as i16, 2 * p as i16 + 1);
+                let (k0, k1) = (s0 - 4 * n as i16, s1 - 4 * n as i16);
+                let halves = |lo: i16, hi: i16| {
+                    _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
+                };
+                let low = _mm512_and_si512(_mm512_srlv_epi16(a, halves(2 * k0, 2 * k1)), three);
+                // bit s to bit 2: left for runs 0 and 1, right after
+                let high = if p == 0 {
+                    _mm512_sllv_epi16(hm, halves(2, 1))
+                } else {
+                    _mm512_srlv_epi16(hm, halves(s0 - 2, s1 - 2))
+                };
+                _mm512_or_si512(low, _mm512_and_si512(high, four))
+            });
+            let w =
+                super::qgemm_lanes::q3_scale_words(x.add(96).cast::<[u8; 12]>().read_unaligned());
+            let sc8 = _mm_sub_epi8(_mm_set_epi64x(w[1] as i64, w[0] as i64), _mm_set1_epi8(32));
+            let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+            let scv = std::array::from_fn(|p| {
+                _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
+            });
+            (q, scv, _mm256_cvtepi8_epi16(sc8))
+        }
+    }
+}
+
 fn decode<const N: usize, F: Wide, const VNNI: bool>(
     nb: usize,
     w: &[&[u8]; ROWS],
@@ -368,8 +415,9 @@ unsafe fn body<F: Wide, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]
                     v[r] = s;
                     vm[r] = o;
                 } else {
-                    // the −32 offset of every weight
-                    v[r] = _mm256_sub_epi32(s, _mm256_slli_epi32(o, 5));
+                    // the −32 (Q3_K: −4) offset of every weight
+                    let sh = _mm_cvtsi32_si128(F::OFFSET_SHIFT);
+                    v[r] = _mm256_sub_epi32(s, _mm256_sll_epi32(o, sh));
                 }
             }
             let h = std::array::from_fn(|p| _mm256_hadd_epi32(v[2 * p], v[2 * p + 1]));

@@ -254,6 +254,8 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
             DType::Q4K => return Some(lanes::<N, Q4k, true>),
             DType::Q5K => return Some(lanes::<N, Q5k, true>),
             DType::Q6K => return Some(lanes::<N, Q6k, true>),
+            // Q3_K has no 512-bit or repacked decoding: the row-major one
+            DType::Q3K if N == 1 => return Some(rows::<N, Q3k>),
             DType::Q3K => return Some(lanes::<N, Q3k, true>),
             _ => return None,
         }
@@ -968,7 +970,7 @@ unsafe fn signed_scales16(st: [[__m128i; 4]; 2], offset: i16) -> ([__m256i; 16],
 /// before the −32).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn q3_scale_words(b: [u8; 12]) -> [u64; 2] {
+pub(super) fn q3_scale_words(b: [u8; 12]) -> [u64; 2] {
     let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
     let w = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
     // the top two bits: scales 0..4 from bits 0-1 of bytes 8..12, 4..8
@@ -1068,7 +1070,8 @@ impl Format for Q3k {
                     _mm256_srli_epi16::<6>(a[g]),
                 ];
                 for (k, l) in low.into_iter().enumerate() {
-                    q[k][g] = _mm256_or_si256(_mm256_and_si256(l, three), q3_high(hm[g], 4 * n + k));
+                    q[k][g] =
+                        _mm256_or_si256(_mm256_and_si256(l, three), q3_high(hm[g], 4 * n + k));
                 }
             }
             q
@@ -1095,14 +1098,12 @@ impl Format for Q3k {
                     _mm256_srli_epi16::<6>(a),
                 ];
                 for (k, l) in low.into_iter().enumerate() {
-                    q[4 * n + k] = _mm256_or_si256(_mm256_and_si256(l, three), q3_high(h, 4 * n + k));
+                    q[4 * n + k] =
+                        _mm256_or_si256(_mm256_and_si256(l, three), q3_high(h, 4 * n + k));
                 }
             }
             let w = q3_scale_words(x.add(96).cast::<[u8; 12]>().read_unaligned());
-            let sc8 = _mm_sub_epi8(
-                _mm_set_epi64x(w[1] as i64, w[0] as i64),
-                _mm_set1_epi8(32),
-            );
+            let sc8 = _mm_sub_epi8(_mm_set_epi64x(w[1] as i64, w[0] as i64), _mm_set1_epi8(32));
             let scv = std::array::from_fn(|s| {
                 let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
                 let pick = _mm_set_epi8(
