@@ -451,7 +451,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q3K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q3K, DType::Q2K] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (mut checked, mut packed_checked) = (0, 0);
         for n_in in [256usize, 768, 3584, 18944] {
@@ -485,8 +485,8 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                     (fns.pack)(nb, &rows, &mut p);
                     // packed straight from the repacked row block: the
                     // same bytes (the engine's prefill of a repacked matrix;
-                    // Q3_K has no repacked layout)
-                    if dt != DType::Q3K {
+                    // Q3_K and Q2_K have no repacked layout)
+                    if !matches!(dt, DType::Q3K | DType::Q2K) {
                         let x8 = X8::new(dt, &w, ROWS, nb);
                         let mut p8 = vec![0u8; nb * PACKED_BYTES];
                         (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
@@ -1026,6 +1026,12 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q3K, 64, 768, 1),
         (DType::Q3K, 24, 3584, 2),
         (DType::Q3K, 72, 4352, 33),
+        // Q2_K, the same (mins per 16 weights)
+        (DType::Q2K, 18, 256, 7),
+        (DType::Q2K, 37, 768, 5),
+        (DType::Q2K, 9, 512, 1),
+        (DType::Q2K, 64, 768, 1),
+        (DType::Q2K, 40, 3584, 9),
         // Q5_K×8, the same
         (DType::Q5K, 48, 1536, 1),
         (DType::Q5K, 16, 768, 9),

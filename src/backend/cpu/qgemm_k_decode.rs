@@ -35,7 +35,7 @@
 //! from memory alike (Q4_K in the fastest run: 45 against 37 GMAC/s from L2,
 //! 34 against 29 from memory), and 1.0–1.13× for Q5_K.
 
-use super::qgemm_lanes::{Format, LanesFn, Q3k, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Format, LanesFn, Q2k, Q3k, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
 use crate::tensor::DType;
 use std::arch::x86_64::*;
 
@@ -52,6 +52,8 @@ pub(super) fn kernel<const N: usize>(dtype: DType, vnni: bool) -> Option<LanesFn
         (DType::Q6K, false) => decode::<N, Q6k, false>,
         (DType::Q3K, true) => decode::<N, Q3k, true>,
         (DType::Q3K, false) => decode::<N, Q3k, false>,
+        (DType::Q2K, true) => decode::<N, Q2k, true>,
+        (DType::Q2K, false) => decode::<N, Q2k, false>,
         _ => return None,
     })
 }
@@ -283,6 +285,41 @@ impl Wide for Q6k {
                 _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
             });
             (q, scv, _mm256_cvtepi8_epi16(sc8))
+        }
+    }
+}
+
+impl Wide for Q2k {
+    #[inline(always)]
+    unsafe fn acts(y: *const u8) -> [__m512i; 4] {
+        // SAFETY: the trait's contract; runs (0, 1), (2, 3), (4, 5), (6, 7)
+        // are the Q8_K order.
+        unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+    }
+    #[inline(always)]
+    unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
+        // SAFETY (loads, intrinsics): the trait's contract. Run 4n + k is
+        // bits 2k, 2k + 1 of qs bytes 32n.. (qs at 16); pair p holds runs
+        // 2p (low half) and 2p + 1. Scales (low nibbles) and mins (high)
+        // at 0, one per 16 weights.
+        unsafe {
+            let three = _mm512_set1_epi8(3);
+            let q = std::array::from_fn(|p| {
+                let n = p / 2;
+                let a = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16 + 32 * n).cast()));
+                let k0 = 2 * (p % 2) as i16;
+                let sh =
+                    _mm512_inserti64x4(_mm512_set1_epi16(2 * k0), _mm256_set1_epi16(2 * k0 + 2), 1);
+                _mm512_and_si512(_mm512_srlv_epi16(a, sh), three)
+            });
+            let b = _mm_loadu_si128(x.cast());
+            let nib = _mm_set1_epi8(0x0f);
+            let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(b, nib)));
+            let scv = std::array::from_fn(|p| {
+                _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
+            });
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
+            (q, scv, mins)
         }
     }
 }

@@ -80,6 +80,8 @@ pub const Q5_K_BYTES: usize = 176;
 pub const Q6_K_BYTES: usize = 210;
 /// Bytes of a Q3_K superblock: `hmask[32]`, `qs[64]`, `scales[12]`, `d`.
 pub const Q3_K_BYTES: usize = 110;
+/// Bytes of a Q2_K superblock: `scales[16]`, `qs[64]`, `d`, `dmin`.
+pub const Q2_K_BYTES: usize = 84;
 /// Bytes of a Q8_K block: `d` (f32), `qs[256]` (i8), `bsums[16]` (i16).
 pub const Q8_K_BYTES: usize = 292;
 
@@ -137,6 +139,7 @@ pub(super) fn block_bytes(dtype: DType) -> usize {
         DType::Q5K => Q5_K_BYTES,
         DType::Q6K => Q6_K_BYTES,
         DType::Q3K => Q3_K_BYTES,
+        DType::Q2K => Q2_K_BYTES,
         other => panic!("qgemm_lanes: {other} is not a K-quant with lanes"),
     }
 }
@@ -165,7 +168,8 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
         let f16_at = |i: usize| f16::from_bits(u16::from_le_bytes([x[i], x[i + 1]])).to_f32();
         let bsum = |j: usize| i16::from_le_bytes([y[260 + 2 * j], y[261 + 2 * j]]) as i32;
         // unsigned quants, the scale of each 16 weights, d and dmin
-        let (q, sc16, d, dmin, mins): ([i32; 256], [i32; 16], f32, f32, [i32; 8]) = match dtype {
+        // mins: the min of each 16 weights
+        let (q, sc16, d, dmin, mins): ([i32; 256], [i32; 16], f32, f32, [i32; 16]) = match dtype {
             DType::Q4K | DType::Q5K => {
                 let q = if dtype == DType::Q4K {
                     crate::quant::q4_k_values(&x[16..144])
@@ -178,7 +182,17 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                     std::array::from_fn(|j| sc[j / 2] as i32),
                     f16_at(0),
                     f16_at(2),
-                    std::array::from_fn(|s| mn[s] as i32),
+                    std::array::from_fn(|j| mn[j / 2] as i32),
+                )
+            }
+            DType::Q2K => {
+                let q = crate::quant::q2_k_values(&x[16..80]);
+                (
+                    std::array::from_fn(|i| q[i] as i32),
+                    std::array::from_fn(|j| (x[j] & 0x0f) as i32),
+                    f16_at(80),
+                    f16_at(82),
+                    std::array::from_fn(|j| (x[j] >> 4) as i32),
                 )
             }
             DType::Q3K => {
@@ -189,7 +203,7 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                     std::array::from_fn(|j| sc[j] as i32 - 32),
                     f16_at(108),
                     0.0,
-                    [0; 8],
+                    [0; 16],
                 )
             }
             _ => {
@@ -199,7 +213,7 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                     std::array::from_fn(|j| x[192 + j] as i8 as i32),
                     f16_at(208),
                     0.0,
-                    [0; 8],
+                    [0; 16],
                 )
             }
         };
@@ -215,9 +229,7 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                 .sum();
             isum += s * p - offset * s * bsum(j);
         }
-        let msum: i32 = (0..8)
-            .map(|s| mins[s] * (bsum(2 * s) + bsum(2 * s + 1)))
-            .sum();
+        let msum: i32 = (0..16).map(|j| mins[j] * bsum(j)).sum();
         acc = (dy * d).mul_add(isum as f32, acc);
         if offset == 0 {
             acc_m = (-dy * dmin).mul_add(msum as f32, acc_m);
@@ -254,9 +266,12 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
             DType::Q4K => return Some(lanes::<N, Q4k, true>),
             DType::Q5K => return Some(lanes::<N, Q5k, true>),
             DType::Q6K => return Some(lanes::<N, Q6k, true>),
-            // Q3_K has no 512-bit or repacked decoding: the row-major one
+            // Q3_K, Q2_K one token: row-major (the engine's decoding at
+            // these levels is `qgemm_k_decode`'s 512-bit kernel)
             DType::Q3K if N == 1 => return Some(rows::<N, Q3k>),
             DType::Q3K => return Some(lanes::<N, Q3k, true>),
+            DType::Q2K if N == 1 => return Some(rows::<N, Q2k>),
+            DType::Q2K => return Some(lanes::<N, Q2k, true>),
             _ => return None,
         }
     }
@@ -266,10 +281,12 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
         DType::Q5K if N == 1 => return Some(rows::<N, Q5k>),
         DType::Q6K if N == 1 => return Some(rows::<N, Q6k>),
         DType::Q3K if N == 1 => return Some(rows::<N, Q3k>),
+        DType::Q2K if N == 1 => return Some(rows::<N, Q2k>),
         DType::Q4K => return Some(lanes::<N, Q4k, false>),
         DType::Q5K => return Some(lanes::<N, Q5k, false>),
         DType::Q6K => return Some(lanes::<N, Q6k, false>),
         DType::Q3K => return Some(lanes::<N, Q3k, false>),
+        DType::Q2K => return Some(lanes::<N, Q2k, false>),
         _ => {}
     }
     None
@@ -298,6 +315,8 @@ pub(super) trait Format {
     /// Without mins: log2 of the offset that makes the quants unsigned
     /// (Q6_K: 32, Q3_K: 4).
     const OFFSET_SHIFT: i32 = 0;
+    /// With mins: weights per min (Q4_K, Q5_K: 32; Q2_K: 16).
+    const MIN_LEN: usize = 32;
 
     /// d and dmin of the 8 rows (dmin unused without mins).
     ///
@@ -386,6 +405,8 @@ pub(super) struct Q5k;
 pub(super) struct Q6k;
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Q3k;
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Q2k;
 
 /// Where a kernel reads the superblocks of its 8 rows from: GGUF's rows
 /// (`[*const u8; ROWS]`, one pointer per row's superblock) or a repacked
@@ -1004,6 +1025,107 @@ unsafe fn q3_high(h: __m256i, s: usize) -> __m256i {
     }
 }
 
+/// Q2_K: quants 0..4, an unsigned 4-bit scale and min per 16 weights
+/// (`scales[j]`: scale in the low nibble, min in the high one), `d` and
+/// `dmin`: Q4_K's arithmetic with the mins against 16-value sums.
+#[cfg(target_arch = "x86_64")]
+impl Format for Q2k {
+    const LINES: &'static [usize] = &[0, 64, Q2_K_BYTES - 1];
+    const SCALE_LEN: usize = 16;
+    const DTYPE: DType = DType::Q2K;
+    const BYTES: usize = Q2_K_BYTES;
+    // one scale's 4 groups: 4·2·3·128 = 3072
+    const G: usize = 4;
+    const MINS: bool = true;
+    const MIN_LEN: usize = 16;
+
+    #[inline(always)]
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
+        // SAFETY: the trait's contract; d, dmin are the last 4 bytes.
+        unsafe { (x.f16_lanes(80), x.f16_lanes(82)) }
+    }
+
+    #[inline(always)]
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, bytes 0..16 of the superblock): AVX2, the
+        // trait's contract. The 16 scale bytes of the 8 rows transposed,
+        // then split into scales (low nibbles) and mins (high ones).
+        unsafe {
+            let nib = _mm_set1_epi8(0x0f);
+            let half = |h: usize| {
+                transpose8x8_bytes(std::array::from_fn(|r| {
+                    u64::from_le_bytes(x.bytes::<8>(r, 8 * h))
+                }))
+            };
+            let st = [half(0), half(1)];
+            let sc = st.map(|h| h.map(|v| _mm_and_si128(v, nib)));
+            let mn = st.map(|h| h.map(|v| _mm_and_si128(_mm_srli_epi16(v, 4), nib)));
+            (signed_scales16(sc, 1).0, signed_scales16(mn, 1).1)
+        }
+    }
+
+    const UNITS: usize = 2;
+    const RUNS: usize = 4;
+
+    #[inline(always)]
+    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
+        // SAFETY: AVX2 (the trait's contract).
+        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
+    }
+
+    #[inline(always)]
+    unsafe fn unit<S: Src>(x: &S, n: usize, _: &[__m256i; 8]) -> Runs {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics): the trait's contract. Half n (runs
+        // 4n..4n+3) takes chunk a = qs[32n..] (qs at 16): run 4n + k is
+        // bits 2k, 2k + 1 of a.
+        unsafe {
+            let three = _mm256_set1_epi8(3);
+            let a = x.chunk(16 + 32 * n);
+            let mut q = [[_mm256_setzero_si256(); 8]; 4];
+            for g in 0..8 {
+                q[0][g] = _mm256_and_si256(a[g], three);
+                q[1][g] = _mm256_and_si256(_mm256_srli_epi16::<2>(a[g]), three);
+                q[2][g] = _mm256_and_si256(_mm256_srli_epi16::<4>(a[g]), three);
+                q[3][g] = _mm256_and_si256(_mm256_srli_epi16::<6>(a[g]), three);
+            }
+            q
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, loads): the trait's contract. Half n (runs
+        // 4n..4n+3): chunk a = qs[32n..] (qs at 16); run 4n + k is bits 2k,
+        // 2k + 1 of a. Scales and mins: the 16 bytes at 0.
+        unsafe {
+            let three = _mm256_set1_epi8(3);
+            let mut q = [_mm256_setzero_si256(); 8];
+            for n in 0..2 {
+                let a = _mm256_loadu_si256(x.add(16 + 32 * n).cast());
+                q[4 * n] = _mm256_and_si256(a, three);
+                q[4 * n + 1] = _mm256_and_si256(_mm256_srli_epi16::<2>(a), three);
+                q[4 * n + 2] = _mm256_and_si256(_mm256_srli_epi16::<4>(a), three);
+                q[4 * n + 3] = _mm256_and_si256(_mm256_srli_epi16::<6>(a), three);
+            }
+            let b = _mm_loadu_si128(x.cast());
+            let nib = _mm_set1_epi8(0x0f);
+            let sc8 = _mm_and_si128(b, nib);
+            let mn8 = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+            let scv = std::array::from_fn(|s| {
+                let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
+                let pick = _mm_set_epi8(
+                    hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
+                );
+                _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc8, pick))
+            });
+            (q, scv, _mm256_cvtepu8_epi16(mn8))
+        }
+    }
+}
+
 /// Q3_K: quants `u = low2 + 4·high` (0..8), value `u − 4`, one signed
 /// 6-bit scale (−32..32) per 16 weights, no mins: Q6_K's arithmetic with a
 /// −4 offset (`−4·sc16` against the 16-value sums).
@@ -1369,7 +1491,22 @@ unsafe fn superblock_end<F: Format>(
                 _ => _mm_extract_epi32(v, 3),
             })
         };
-        if F::MINS {
+        let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        // pairs (2i, 2i + 1) of 16-value sums against the factors
+        let pairs16 = || {
+            let o = |i: usize| {
+                let v = if i < 4 { lo } else { hi };
+                _mm256_madd_epi16(off[i], pair(v, i % 4))
+            };
+            _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(o(0), o(1)), _mm256_add_epi32(o(2), o(3))),
+                _mm256_add_epi32(_mm256_add_epi32(o(4), o(5)), _mm256_add_epi32(o(6), o(7))),
+            )
+        };
+        if F::MINS && F::MIN_LEN == 16 {
+            // Q2_K: a min per 16 weights
+            *acc_m = float_step(-yd, xm, pairs16(), *acc_m);
+        } else if F::MINS {
             // pairs (2i, 2i + 1) of 32-value sums against the mins
             let bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             let m = |i: usize| _mm256_madd_epi16(off[i], pair(bs32, i));
@@ -1377,16 +1514,7 @@ unsafe fn superblock_end<F: Format>(
             *acc_m = float_step(-yd, xm, msum, *acc_m);
         } else {
             // pairs (2i, 2i + 1) of 16-value sums against −32·scale
-            let (lo, hi) = (_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            let o = |i: usize| {
-                let v = if i < 4 { lo } else { hi };
-                _mm256_madd_epi16(off[i], pair(v, i % 4))
-            };
-            let osum = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_add_epi32(o(0), o(1)), _mm256_add_epi32(o(2), o(3))),
-                _mm256_add_epi32(_mm256_add_epi32(o(4), o(5)), _mm256_add_epi32(o(6), o(7))),
-            );
-            isum = _mm256_add_epi32(isum, osum);
+            isum = _mm256_add_epi32(isum, pairs16());
         }
         *acc = float_step(yd, xd, isum, *acc);
     }
@@ -1432,6 +1560,7 @@ pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<Packed> {
         DType::Q5K => return Some(packed_pair::<Q5k>(vnni)),
         DType::Q6K => return Some(packed_pair::<Q6k>(vnni)),
         DType::Q3K => return Some(packed_pair::<Q3k>(vnni)),
+        DType::Q2K => return Some(packed_pair::<Q2k>(vnni)),
         _ => {}
     }
     let _ = (dtype, vnni);
