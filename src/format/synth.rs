@@ -402,8 +402,8 @@ impl Mix {
     /// llama.cpp's own quantizer.
     pub fn type_of(self, name: &str, layer: Option<usize>, m: MixModel, n_in: u64) -> DType {
         let n = m.n_layers;
-        let more_bits =
-            |i: usize| i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2);
+        // (past the first eighth: the third clause cannot underflow)
+        let more_bits = |i: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
         let base = match self {
             Mix::Q4_0 => DType::Q4_0,
             Mix::Q8_0 => DType::Q8_0,
@@ -452,7 +452,7 @@ impl Mix {
         } else {
             base
         };
-        if n_in % t.block_len() as u64 == 0 {
+        if n_in.is_multiple_of(t.block_len() as u64) {
             return t;
         }
         match t {

@@ -263,7 +263,7 @@ pub fn matmul_q(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
     matmul_q_at(pool, w, act, n_tok, out, isa::level());
 }
 
-/// The K-quant kernel (Q4_K, Q5_K, Q6_K) of `N` tokens the engine runs at
+/// The K-quant kernel (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) of `N` tokens the engine runs at
 /// SIMD level `level` where the CPU has it: decoding (`N` = 1) at the
 /// AVX-512 levels takes the 512-bit kernels of `qgemm_k_decode` (two runs
 /// per instruction), everything else `qgemm_lanes`'s; `None` for other types

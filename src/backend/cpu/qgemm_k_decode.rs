@@ -1,6 +1,6 @@
-//! K-quant (Q4_K, Q5_K, Q6_K) decoding kernels with 512-bit registers: one
-//! token against 8 weight rows per call, for the AVX-512 levels (with
-//! VNNI's `vpdpwssd` where present).
+//! K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) decoding kernels with 512-bit
+//! registers: one token against 8 weight rows per call, for the AVX-512
+//! levels (with VNNI's `vpdpwssd` where present).
 //!
 //! The arithmetic is [`super::qgemm_lanes`]'s, bit for bit (one exact
 //! integer sum per row and superblock, then one `fma` per superblock for the

@@ -1,7 +1,7 @@
-//! K-quant (Q4_K, Q5_K, Q6_K) × Q8_K with the weight rows in the SIMD lanes
-//! (AVX2, and AVX-512 VNNI where present): 8 rows × `N` tokens per call
-//! (`N` = [`TOKS`] for prefill, 1 for decoding), the K-quant kernels of
-//! every x86 SIMD level.
+//! K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) × Q8_K with the weight rows in
+//! the SIMD lanes (AVX2, and AVX-512 VNNI where present): 8 rows × `N`
+//! tokens per call (`N` = [`TOKS`] for prefill, 1 for decoding), the
+//! K-quant kernels of every x86 SIMD level.
 //!
 //! ggml's `vec_dot` (and the row-major 4 × 4 tiles that followed it lane
 //! for lane, retired once this was faster at every level) keeps 8 lanes per
@@ -18,12 +18,14 @@
 //!   products (pairs in i16); `G` groups are summed in i16, then one `madd`
 //!   by the rows' scales widens to i32. `G` is the most groups whose sum
 //!   cannot overflow: |sum| ≤ G·2·qmax·128 < 32768, so G = 8 for Q4_K
-//!   (qmax 15), 4 for Q5_K (31), 2 for Q6_K (63);
+//!   (qmax 15), 4 for Q5_K (31), 2 for Q6_K (63), and 4 (one scale's
+//!   groups) for Q3_K (7) and Q2_K (3);
 //! - the offsets are `madd`s per token per superblock against the
 //!   activation's block sums (Q8_K's `bsums`): the mins of Q4_K and Q5_K
-//!   (pairs of 6-bit mins against 32-value sums, 4 `madd`s), and Q6_K's −32
-//!   (which makes its quants unsigned: −32·scale against 16-value sums, 8
-//!   `madd`s, folded into the integer sum);
+//!   (pairs of 6-bit mins against 32-value sums, 4 `madd`s) and of Q2_K
+//!   (4-bit mins against 16-value sums, 8 `madd`s), and Q6_K's −32 and
+//!   Q3_K's −4 (which make their quants unsigned: −32·scale or −4·scale
+//!   against 16-value sums, 8 `madd`s, folded into the integer sum);
 //! - the float steps are one `fma` per superblock for 8 rows at once (two
 //!   with mins).
 //!
@@ -35,9 +37,11 @@
 //! ```text
 //! isum_b = Σ_j sc16[j] · Σ_{i in j} q_i · y_i                    (exact i32)
 //!   Q6_K:  isum_b −= 32 · Σ_j sc16[j] · bsum[j]                  (exact)
+//!   Q3_K:  isum_b −=  4 · Σ_j sc16[j] · bsum[j]                  (exact)
 //!   Q4/5_K: msum_b = Σ_s min[s] · (bsum[2s] + bsum[2s+1])         (exact)
+//!   Q2_K:   msum_b = Σ_j min[j] · bsum[j]                         (exact)
 //! acc    = fma(dy·d,        f32(isum_b), acc)
-//! acc_m  = fma((−dy)·dmin,  f32(msum_b), acc_m)                  (Q4/5_K)
+//! acc_m  = fma((−dy)·dmin,  f32(msum_b), acc_m)                  (Q2/4/5_K)
 //! result = acc + acc_m
 //! ```
 //!
@@ -156,7 +160,7 @@ pub(super) fn check<const N: usize>(dtype: DType, nb: usize, w: &[&[u8]; ROWS], 
 }
 
 /// Scalar model of one (row, token) dot product of `nb` superblocks of
-/// `dtype` (Q4_K, Q5_K or Q6_K; see the module doc).
+/// `dtype` (Q4_K, Q5_K, Q6_K, Q3_K or Q2_K; see the module doc).
 pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
     let xb = block_bytes(dtype);
     assert!(x.len() >= nb * xb && y.len() >= nb * Q8_K_BYTES);
@@ -249,7 +253,7 @@ pub fn lanes_scalar<const N: usize>(
     std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(dtype, nb, w[r], a[t])))
 }
 
-/// The kernel of `N` tokens for `dtype` (Q4_K, Q5_K, Q6_K) at SIMD level
+/// The kernel of `N` tokens for `dtype` (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) at SIMD level
 /// `level` (AVX2 and above) where the CPU runs it, from this file: prefill
 /// (with `vpdpbusd` at avx512vnni) and 256-bit decoding; `None` for other
 /// types and levels. The engine's choice, which takes the 512-bit decoding
