@@ -451,7 +451,16 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::Q3K, DType::Q2K] {
+    for dt in [
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Q3K,
+        DType::Q2K,
+        DType::IQ4XS,
+    ] {
+        // IQ4_XS runs its own kernels at the VNNI levels only
+        let runs_at = |l: Level| dt != DType::IQ4XS || l.vnni();
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (mut checked, mut packed_checked) = (0, 0);
         for n_in in [256usize, 768, 3584, 18944] {
@@ -485,8 +494,8 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                     (fns.pack)(nb, &rows, &mut p);
                     // packed straight from the repacked row block: the
                     // same bytes (the engine's prefill of a repacked matrix;
-                    // Q3_K and Q2_K have no repacked layout)
-                    if !matches!(dt, DType::Q3K | DType::Q2K) {
+                    // Q3_K, Q2_K and IQ4_XS have no repacked layout)
+                    if !matches!(dt, DType::Q3K | DType::Q2K | DType::IQ4XS) {
                         let x8 = X8::new(dt, &w, ROWS, nb);
                         let mut p8 = vec![0u8; nb * PACKED_BYTES];
                         (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
@@ -538,7 +547,9 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
             }
         }
         // an AVX2 CPU must run them (so the skip cannot hide a dispatch bug)
-        if kvrun::backend::cpu::isa::detected() >= Level::Avx2 {
+        if runs_at(kvrun::backend::cpu::isa::detected())
+            && kvrun::backend::cpu::isa::detected() >= Level::Avx2
+        {
             assert!(
                 checked > 0,
                 "no {dt} rows-in-lanes kernel ran on an AVX2 CPU"
@@ -548,7 +559,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
         // `maddubs` one below it), for each of the 4 widths
         assert_eq!(
             packed_checked,
-            4 * simd_levels().len(),
+            4 * simd_levels().into_iter().filter(|&l| runs_at(l)).count(),
             "{dt}: a level without its packed kernel"
         );
     }
@@ -1032,6 +1043,11 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q2K, 9, 512, 1),
         (DType::Q2K, 64, 768, 1),
         (DType::Q2K, 40, 3584, 9),
+        // IQ4_XS (own kernels at the VNNI levels, ggml's `vec_dot` below)
+        (DType::IQ4XS, 18, 256, 7),
+        (DType::IQ4XS, 37, 768, 5),
+        (DType::IQ4XS, 9, 512, 1),
+        (DType::IQ4XS, 40, 3584, 9),
         // Q5_K×8, the same
         (DType::Q5K, 48, 1536, 1),
         (DType::Q5K, 16, 768, 9),

@@ -86,6 +86,8 @@ pub const Q6_K_BYTES: usize = 210;
 pub const Q3_K_BYTES: usize = 110;
 /// Bytes of a Q2_K superblock: `scales[16]`, `qs[64]`, `d`, `dmin`.
 pub const Q2_K_BYTES: usize = 84;
+/// Bytes of an IQ4_XS superblock: `d`, `scales_h`, `scales_l[4]`, `qs[128]`.
+pub const IQ4_XS_BYTES: usize = 136;
 /// Bytes of a Q8_K block: `d` (f32), `qs[256]` (i8), `bsums[16]` (i16).
 pub const Q8_K_BYTES: usize = 292;
 
@@ -144,6 +146,7 @@ pub(super) fn block_bytes(dtype: DType) -> usize {
         DType::Q6K => Q6_K_BYTES,
         DType::Q3K => Q3_K_BYTES,
         DType::Q2K => Q2_K_BYTES,
+        DType::IQ4XS => IQ4_XS_BYTES,
         other => panic!("qgemm_lanes: {other} is not a K-quant with lanes"),
     }
 }
@@ -199,6 +202,19 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
                     std::array::from_fn(|j| (x[j] >> 4) as i32),
                 )
             }
+            DType::IQ4XS => {
+                let ls = crate::quant::iq4_xs_scales(x);
+                (
+                    std::array::from_fn(|i| {
+                        let v = crate::quant::iq4_values(&x[8 + 16 * (i / 32)..24 + 16 * (i / 32)]);
+                        v[i % 32] as i32 + 128
+                    }),
+                    std::array::from_fn(|j| ls[j / 2] as i32 - 32),
+                    f16_at(0),
+                    0.0,
+                    [0; 16],
+                )
+            }
             DType::Q3K => {
                 let q = crate::quant::q3_k_values(&x[0..32], &x[32..96]);
                 let sc = crate::quant::q3_k_scales(&x[96..108]);
@@ -224,6 +240,7 @@ pub fn dot_scalar(dtype: DType, nb: usize, x: &[u8], y: &[u8]) -> f32 {
         let offset = match dtype {
             DType::Q6K => 32,
             DType::Q3K => 4,
+            DType::IQ4XS => 128,
             _ => 0,
         };
         let mut isum = 0i32;
@@ -276,6 +293,8 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
             DType::Q3K => return Some(lanes::<N, Q3k, true>),
             DType::Q2K if N == 1 => return Some(rows::<N, Q2k>),
             DType::Q2K => return Some(lanes::<N, Q2k, true>),
+            // IQ4_XS: every token count, decoding included (VNNI only)
+            DType::IQ4XS => return Some(lanes::<N, Iq4xs, true>),
             _ => return None,
         }
     }
@@ -411,6 +430,8 @@ pub(super) struct Q6k;
 pub(super) struct Q3k;
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Q2k;
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Iq4xs;
 
 /// Where a kernel reads the superblocks of its 8 rows from: GGUF's rows
 /// (`[*const u8; ROWS]`, one pointer per row's superblock) or a repacked
@@ -1029,6 +1050,142 @@ unsafe fn q3_high(h: __m256i, s: usize) -> __m256i {
     }
 }
 
+/// IQ4_XS's grid ([`crate::quant::IQ4_VALUES`]) plus 128, the unsigned
+/// quant of each 4-bit index, in both 128-bit lanes (a `vpshufb` table).
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn iq4_table() -> __m256i {
+    use std::arch::x86_64::*;
+    let t: [u8; 16] = crate::quant::IQ4_VALUES.map(|v| (v as i16 + 128) as u8);
+    // SAFETY: AVX2 (the caller's contract); `t` holds 16 bytes.
+    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr().cast())) }
+}
+
+/// IQ4_XS's 8 six-bit scales of one superblock (`ls`, 0..64) as bytes:
+/// `[once, twice]`: scale k at byte k of `once` (bytes 8.. zero), and at
+/// bytes 2k, 2k + 1 of `twice` (one per 16 weights).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn iq4_scale_words(b: [u8; 8]) -> [[u64; 2]; 2] {
+    let ls = crate::quant::iq4_xs_scales(&b);
+    let once = u64::from_le_bytes(ls);
+    let twice = |h: usize| u64::from_le_bytes(std::array::from_fn(|i| ls[4 * h + i / 2]));
+    [[once, 0], [twice(0), twice(1)]]
+}
+
+/// IQ4_XS: a 4-bit index per weight into a signed grid (−127..113), a
+/// 6-bit scale `ls − 32` per 32 weights, `d`, no mins. The grid value + 128
+/// (1..241) is the unsigned quant, and −128·scale goes against the 16-value
+/// sums (folded into the integer sum, as Q6_K's −32). A `maddubs` of two
+/// such quants against activations can reach 2·241·128 and saturate, so
+/// only the VNNI kernels (`vpdpbusd`, 32-bit sums) run this format:
+/// [`lanes_for`] and [`packed_for`] hand it out at the VNNI levels alone
+/// (every token count, so chunking still never changes a result), and
+/// below them the engine keeps ggml's `vec_dot`.
+#[cfg(target_arch = "x86_64")]
+impl Format for Iq4xs {
+    const LINES: &'static [usize] = &[0, 64, 128, IQ4_XS_BYTES - 1];
+    const SCALE_LEN: usize = 32;
+    const DTYPE: DType = DType::IQ4XS;
+    const BYTES: usize = IQ4_XS_BYTES;
+    // not used: no `maddubs` kernel runs this format (see above)
+    const G: usize = 1;
+    const MINS: bool = false;
+    const OFFSET_SHIFT: i32 = 7;
+
+    #[inline(always)]
+    unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
+        // SAFETY: the trait's contract; d is the first 2 bytes.
+        unsafe {
+            let d = x.f16_lanes(0);
+            (d, d)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scales<S: Src>(x: &S) -> ([__m256i; 16], [__m256i; 8]) {
+        use std::arch::x86_64::*;
+        // SAFETY: bytes 0..8 (d and the scales) lie in the superblock.
+        let words: [[[u64; 2]; 2]; ROWS] =
+            std::array::from_fn(|r| iq4_scale_words(unsafe { x.bytes::<8>(r, 0) }));
+        // SAFETY (intrinsics): AVX2, the trait's contract.
+        unsafe {
+            let st = |w: usize| {
+                let half = |h: usize| {
+                    let t = transpose8x8_bytes(std::array::from_fn(|r| words[r][w][h]));
+                    t.map(|v| _mm_sub_epi8(v, _mm_set1_epi8(32)))
+                };
+                [half(0), half(1)]
+            };
+            // one scale per 32 weights (sc[0..8]); −128·scale per 16-value sum
+            (signed_scales16(st(0), 1).0, signed_scales16(st(1), -128).1)
+        }
+    }
+
+    // unit c: the 32-byte chunk at 8 + 32c, sub-blocks 2c and 2c + 1
+    const UNITS: usize = 4;
+    const RUNS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
+        // SAFETY: AVX2 (the trait's contract).
+        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
+    }
+
+    #[inline(always)]
+    unsafe fn unit<S: Src>(x: &S, c: usize, _: &[__m256i; 8]) -> Runs {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics): the trait's contract. Chunk groups 0..4 are
+        // sub-block 2c's 16 bytes, 4..8 sub-block 2c + 1's; a sub-block's
+        // weights 0..16 are its bytes' low nibbles, 16..32 the high ones.
+        unsafe {
+            let (table, nib) = (iq4_table(), _mm256_set1_epi8(0x0f));
+            let a = x.chunk(8 + 32 * c);
+            let lo = |v: __m256i| _mm256_shuffle_epi8(table, _mm256_and_si256(v, nib));
+            let hi = |v: __m256i| {
+                _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib))
+            };
+            let mut q = [[_mm256_setzero_si256(); 8]; 4];
+            for g in 0..4 {
+                q[0][g] = lo(a[g]);
+                q[0][g + 4] = hi(a[g]);
+                q[1][g] = lo(a[g + 4]);
+                q[1][g + 4] = hi(a[g + 4]);
+            }
+            q
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+        use std::arch::x86_64::*;
+        // SAFETY (intrinsics, loads): the trait's contract. Run s is the 16
+        // bytes at 8 + 16s: low nibbles, then high ones. (No kernel that
+        // reads this is handed out for IQ4_XS: see the format's doc.)
+        unsafe {
+            let (table, nib) = (iq4_table(), _mm256_set1_epi8(0x0f));
+            let q = std::array::from_fn(|s| {
+                let b = _mm_loadu_si128(x.add(8 + 16 * s).cast());
+                let v =
+                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4));
+                _mm256_shuffle_epi8(table, _mm256_and_si256(v, nib))
+            });
+            let [[once, _], [t0, t1]] = iq4_scale_words(x.cast::<[u8; 8]>().read_unaligned());
+            let m32 = _mm_set1_epi8(32);
+            let sc8 = _mm_sub_epi8(_mm_set_epi64x(0, once as i64), m32);
+            let scv = std::array::from_fn(|s| {
+                let k = s as i8;
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set1_epi8(k)))
+            });
+            let sc16 = _mm_sub_epi8(_mm_set_epi64x(t1 as i64, t0 as i64), m32);
+            (q, scv, _mm256_cvtepi8_epi16(sc16))
+        }
+    }
+}
+
 /// Q2_K: quants 0..4, an unsigned 4-bit scale and min per 16 weights
 /// (`scales[j]`: scale in the low nibble, min in the high one), `d` and
 /// `dmin`: Q4_K's arithmetic with the mins against 16-value sums.
@@ -1565,6 +1722,7 @@ pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<Packed> {
         DType::Q6K => return Some(packed_pair::<Q6k>(vnni)),
         DType::Q3K => return Some(packed_pair::<Q3k>(vnni)),
         DType::Q2K => return Some(packed_pair::<Q2k>(vnni)),
+        DType::IQ4XS if vnni => return Some(packed_pair::<Iq4xs>(vnni)),
         _ => {}
     }
     let _ = (dtype, vnni);
