@@ -35,7 +35,7 @@
 //! from memory alike (Q4_K in the fastest run: 45 against 37 GMAC/s from L2,
 //! 34 against 29 from memory), and 1.0–1.13× for Q5_K.
 
-use super::qgemm_lanes::{Format, LanesFn, Q2k, Q3k, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
+use super::qgemm_lanes::{Format, Iq4xs, LanesFn, Q2k, Q3k, Q4k, Q5k, Q6k, Q8_K_BYTES, ROWS};
 use crate::tensor::DType;
 use std::arch::x86_64::*;
 
@@ -54,6 +54,8 @@ pub(super) fn kernel<const N: usize>(dtype: DType, vnni: bool) -> Option<LanesFn
         (DType::Q3K, false) => decode::<N, Q3k, false>,
         (DType::Q2K, true) => decode::<N, Q2k, true>,
         (DType::Q2K, false) => decode::<N, Q2k, false>,
+        // IQ4_XS: VNNI only (see `qgemm_lanes::Iq4xs`)
+        (DType::IQ4XS, true) => decode_iq4xs::<N>,
         _ => return None,
     })
 }
@@ -469,6 +471,99 @@ unsafe fn body<F: Wide, const VNNI: bool>(nb: usize, w: &[&[u8]; ROWS], y: &[u8]
         let mut out = [0f32; ROWS];
         // SAFETY: out holds 8 floats.
         _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, acc_m));
+        out
+    }
+}
+
+/// IQ4_XS decoding (the VNNI levels only): its unsigned quants (grid + 128)
+/// reach 241, so a `maddubs` could saturate; each dword's 4 products are
+/// summed into 32 bits by `vpdpbusd` and the run's scale multiplies those
+/// (`vpmulld`), the lanes kernel's integers, then the module's offset and
+/// float steps.
+fn decode_iq4xs<const N: usize>(nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) -> [[f32; N]; ROWS] {
+    super::qgemm_lanes::check(DType::IQ4XS, nb, w, a);
+    let mut out = [[0f32; N]; ROWS];
+    for t in 0..N {
+        // SAFETY: handed out (`kernel`) only with VNNI, where the CPU has
+        // AVX-512 F/BW/VL/VNNI; the lengths (checked above) bound all loads.
+        let o = unsafe { decode_iq4xs_vnni(nb, w, a[t]) };
+        for r in 0..ROWS {
+            out[r][t] = o[r];
+        }
+    }
+    out
+}
+
+/// One token against 8 IQ4_XS rows.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI, F16C, FMA; every row of `w` holds `nb`
+/// superblocks, `y` `nb` Q8_K blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn decode_iq4xs_vnni(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROWS] {
+    use super::qgemm_lanes::{float_step, prefetch_ahead, sum_rows, IQ4_XS_BYTES};
+    // SAFETY: the function's contract: every intrinsic has its features;
+    // every load is inside nb blocks.
+    unsafe {
+        let grid: [u8; 16] = crate::quant::IQ4_VALUES.map(|v| (v as i16 + 128) as u8);
+        let table = _mm512_broadcast_i32x4(_mm_loadu_si128(grid.as_ptr().cast()));
+        let nib = _mm512_set1_epi8(0x0f);
+        // dword lanes 0..8 take the scale of run 2p, 8..16 that of 2p + 1
+        let pick: [__m512i; 4] = std::array::from_fn(|p| {
+            _mm512_inserti64x4(
+                _mm512_set1_epi32(2 * p as i32),
+                _mm256_set1_epi32(2 * p as i32 + 1),
+                1,
+            )
+        });
+        let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY (pointer arithmetic, loads): b < nb.
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * IQ4_XS_BYTES));
+            let yb = y.as_ptr().add(b * Q8_K_BYTES);
+            prefetch_ahead::<Iq4xs>(&x, nb);
+            // runs (0, 1), (2, 3), (4, 5), (6, 7): the Q8_K order
+            let ys: [__m512i; 4] =
+                std::array::from_fn(|p| _mm512_loadu_si512(yb.add(4 + 64 * p).cast()));
+            let bs = _mm256_loadu_si256(yb.add(260).cast());
+            let mut v = [_mm256_setzero_si256(); ROWS];
+            for r in 0..ROWS {
+                let ls = crate::quant::iq4_xs_scales(&x[r].cast::<[u8; 8]>().read_unaligned());
+                let sc: [i32; 8] = ls.map(|l| l as i32 - 32);
+                let sc16: [i16; 16] = std::array::from_fn(|j| sc[j / 2] as i16);
+                let sc512 = _mm512_castsi256_si512(_mm256_loadu_si256(sc.as_ptr().cast()));
+                let mut s = _mm512_setzero_si512();
+                for (p, (yv, pk)) in ys.iter().zip(&pick).enumerate() {
+                    // runs 2p, 2p + 1: 16 bytes each at 8 + 32p; a run's
+                    // weights 0..16 are its low nibbles, 16..32 its high ones
+                    let raw = _mm256_loadu_si256(x[r].add(8 + 32 * p).cast());
+                    let both = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(raw),
+                        _mm256_srli_epi16::<4>(raw),
+                    );
+                    // 128-bit lanes (run 2p low, 2p + 1 low, 2p high, 2p + 1
+                    // high) to (2p low, 2p high, 2p + 1 low, 2p + 1 high)
+                    let idx = _mm512_shuffle_i64x2::<0xd8>(both, both);
+                    let q = _mm512_shuffle_epi8(table, _mm512_and_si512(idx, nib));
+                    let p32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, *yv);
+                    let scale = _mm512_permutexvar_epi32(*pk, sc512);
+                    s = _mm512_add_epi32(s, _mm512_mullo_epi32(p32, scale));
+                }
+                let s =
+                    _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s));
+                // the −128 offset of every quant, against the 16-value sums
+                let o = _mm256_madd_epi16(bs, _mm256_loadu_si256(sc16.as_ptr().cast()));
+                v[r] = _mm256_sub_epi32(s, _mm256_slli_epi32::<7>(o));
+            }
+            let h = std::array::from_fn(|p| _mm256_hadd_epi32(v[2 * p], v[2 * p + 1]));
+            let (xd, _) = Iq4xs::heads(&x);
+            let dy = yb.cast::<f32>().read_unaligned();
+            acc = float_step(dy, xd, sum_rows(h), acc);
+        }
+        let mut out = [0f32; ROWS];
+        // SAFETY: out holds 8 floats.
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, _mm256_setzero_ps()));
         out
     }
 }

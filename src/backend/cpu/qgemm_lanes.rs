@@ -1083,8 +1083,9 @@ fn iq4_scale_words(b: [u8; 8]) -> [[u64; 2]; 2] {
 /// such quants against activations can reach 2·241·128 and saturate, so
 /// only the VNNI kernels (`vpdpbusd`, 32-bit sums) run this format:
 /// [`lanes_for`] and [`packed_for`] hand it out at the VNNI levels alone
-/// (every token count, so chunking still never changes a result), and
-/// below them the engine keeps ggml's `vec_dot`.
+/// (decoding there takes `qgemm_k_decode`'s VNNI kernel, the same
+/// integers, so chunking still never changes a result), and below them
+/// the engine keeps ggml's `vec_dot` for every token count.
 #[cfg(target_arch = "x86_64")]
 impl Format for Iq4xs {
     const LINES: &'static [usize] = &[0, 64, 128, IQ4_XS_BYTES - 1];
