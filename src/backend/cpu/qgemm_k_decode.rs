@@ -107,6 +107,17 @@ unsafe fn pairs_2apart(y: *const u8) -> [__m512i; 4] {
     }
 }
 
+/// The activations of runs (0, 1), (2, 3), (4, 5), (6, 7): the Q8_K order,
+/// the pairs of Q6_K's, Q3_K's and Q2_K's quant registers.
+///
+/// # Safety
+/// AVX-512 F; `y` is a whole Q8_K block.
+#[inline(always)]
+unsafe fn pairs_in_order(y: *const u8) -> [__m512i; 4] {
+    // SAFETY: the caller's contract: 256 activation bytes at y + 4.
+    unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+}
+
 /// Byte-shuffle masks spreading i16 scale `a` over 128-bit lanes 0-1 and
 /// `b` over lanes 2-3, from 8 i16 scales copied to every lane; for the run
 /// pairs (0, 2), (1, 3), (4, 6), (5, 7).
@@ -249,9 +260,8 @@ static PICK_Q6: [[u16; 32]; 4] = {
 impl Wide for Q6k {
     #[inline(always)]
     unsafe fn acts(y: *const u8) -> [__m512i; 4] {
-        // SAFETY: the trait's contract; runs (0, 1), (2, 3), (4, 5), (6, 7)
-        // are the Q8_K order.
-        unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+        // SAFETY: the trait's contract.
+        unsafe { pairs_in_order(y) }
     }
     #[inline(always)]
     unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
@@ -294,9 +304,8 @@ impl Wide for Q6k {
 impl Wide for Q2k {
     #[inline(always)]
     unsafe fn acts(y: *const u8) -> [__m512i; 4] {
-        // SAFETY: the trait's contract; runs (0, 1), (2, 3), (4, 5), (6, 7)
-        // are the Q8_K order.
-        unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+        // SAFETY: the trait's contract.
+        unsafe { pairs_in_order(y) }
     }
     #[inline(always)]
     unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
@@ -329,9 +338,8 @@ impl Wide for Q2k {
 impl Wide for Q3k {
     #[inline(always)]
     unsafe fn acts(y: *const u8) -> [__m512i; 4] {
-        // SAFETY: the trait's contract; runs (0, 1), (2, 3), (4, 5), (6, 7)
-        // are the Q8_K order.
-        unsafe { std::array::from_fn(|p| _mm512_loadu_si512(y.add(4 + 64 * p).cast())) }
+        // SAFETY: the trait's contract.
+        unsafe { pairs_in_order(y) }
     }
     #[inline(always)]
     unsafe fn row_wide(x: *const u8) -> ([__m512i; 4], [__m512i; 4], __m256i) {
@@ -524,8 +532,7 @@ unsafe fn decode_iq4xs_vnni(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROW
             let yb = y.as_ptr().add(b * Q8_K_BYTES);
             prefetch_ahead::<Iq4xs>(&x, nb);
             // runs (0, 1), (2, 3), (4, 5), (6, 7): the Q8_K order
-            let ys: [__m512i; 4] =
-                std::array::from_fn(|p| _mm512_loadu_si512(yb.add(4 + 64 * p).cast()));
+            let ys = pairs_in_order(yb);
             let bs = _mm256_loadu_si256(yb.add(260).cast());
             let mut v = [_mm256_setzero_si256(); ROWS];
             for r in 0..ROWS {
