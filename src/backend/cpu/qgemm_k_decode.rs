@@ -257,6 +257,50 @@ static PICK_Q6: [[u16; 32]; 4] = {
     t
 };
 
+/// An i16 count per 256-bit half: `lo` in the low half, `hi` in the high.
+///
+/// # Safety
+/// AVX-512 F.
+#[inline(always)]
+unsafe fn halves16(lo: i16, hi: i16) -> __m512i {
+    // SAFETY: register-only AVX-512 F ops (the caller's contract).
+    unsafe { _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1) }
+}
+
+/// The 64 bytes of 2-bit fields at `qs` (Q2_K's quants, Q3_K's low bits;
+/// run 4n + k is bits 2k, 2k + 1 of bytes 32n..32n + 32) as the run pairs
+/// (0, 1), (2, 3), (4, 5), (6, 7), each field in the low bits of its byte.
+/// 16-bit shifts: the bits that cross a byte are masked off.
+///
+/// # Safety
+/// AVX-512 F/BW; `qs` points to 64 readable bytes.
+#[inline(always)]
+unsafe fn two_bit_pairs(qs: *const u8) -> [__m512i; 4] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let three = _mm512_set1_epi8(3);
+        std::array::from_fn(|p| {
+            let a = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * (p / 2)).cast()));
+            let k = 2 * (p % 2) as i16;
+            _mm512_and_si512(_mm512_srlv_epi16(a, halves16(2 * k, 2 * k + 2)), three)
+        })
+    }
+}
+
+/// 16 i16 scales, one per 16 weights (in the low 256 bits of `sc16`), spread
+/// over the run pairs (0, 1), (2, 3), (4, 5), (6, 7): each scale over the 8
+/// i16 lanes of its weights' `maddubs` pairs (Q6_K, Q3_K, Q2_K).
+///
+/// # Safety
+/// AVX-512 F/BW.
+#[inline(always)]
+unsafe fn spread_scales16(sc16: __m512i) -> [__m512i; 4] {
+    // SAFETY: AVX-512 BW (the caller's contract); PICK_Q6 rows are 64 bytes.
+    std::array::from_fn(|p| unsafe {
+        _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
+    })
+}
+
 impl Wide for Q6k {
     #[inline(always)]
     unsafe fn acts(y: *const u8) -> [__m512i; 4] {
@@ -293,9 +337,7 @@ impl Wide for Q6k {
             }
             let sc8 = _mm_loadu_si128(x.add(192).cast());
             let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-            let scv = std::array::from_fn(|p| {
-                _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
-            });
+            let scv = spread_scales16(sc16);
             (q, scv, _mm256_cvtepi8_epi16(sc8))
         }
     }
@@ -314,21 +356,11 @@ impl Wide for Q2k {
         // 2p (low half) and 2p + 1. Scales (low nibbles) and mins (high)
         // at 0, one per 16 weights.
         unsafe {
-            let three = _mm512_set1_epi8(3);
-            let q = std::array::from_fn(|p| {
-                let n = p / 2;
-                let a = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16 + 32 * n).cast()));
-                let k0 = 2 * (p % 2) as i16;
-                let sh =
-                    _mm512_inserti64x4(_mm512_set1_epi16(2 * k0), _mm256_set1_epi16(2 * k0 + 2), 1);
-                _mm512_and_si512(_mm512_srlv_epi16(a, sh), three)
-            });
+            let q = two_bit_pairs(x.add(16));
             let b = _mm_loadu_si128(x.cast());
             let nib = _mm_set1_epi8(0x0f);
             let sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(b, nib)));
-            let scv = std::array::from_fn(|p| {
-                _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
-            });
+            let scv = spread_scales16(sc16);
             let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
             (q, scv, mins)
         }
@@ -348,32 +380,24 @@ impl Wide for Q3k {
         // hmask (at 0) as its bit 2; pair p holds runs 2p (low half) and
         // 2p + 1. 16-bit shifts keep each kept bit in its byte.
         unsafe {
-            let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
+            let four = _mm512_set1_epi8(4);
             let hm = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.cast()));
+            let low = two_bit_pairs(x.add(32));
             let q = std::array::from_fn(|p| {
-                let n = p / 2;
-                let a = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(32 + 32 * n).cast()));
                 let (s0, s1) = (2 * p as i16, 2 * p as i16 + 1);
-                let (k0, k1) = (s0 - 4 * n as i16, s1 - 4 * n as i16);
-                let halves = |lo: i16, hi: i16| {
-                    _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
-                };
-                let low = _mm512_and_si512(_mm512_srlv_epi16(a, halves(2 * k0, 2 * k1)), three);
                 // bit s to bit 2: left for runs 0 and 1, right after
                 let high = if p == 0 {
-                    _mm512_sllv_epi16(hm, halves(2, 1))
+                    _mm512_sllv_epi16(hm, halves16(2, 1))
                 } else {
-                    _mm512_srlv_epi16(hm, halves(s0 - 2, s1 - 2))
+                    _mm512_srlv_epi16(hm, halves16(s0 - 2, s1 - 2))
                 };
-                _mm512_or_si512(low, _mm512_and_si512(high, four))
+                _mm512_or_si512(low[p], _mm512_and_si512(high, four))
             });
             let w =
                 super::qgemm_lanes::q3_scale_words(x.add(96).cast::<[u8; 12]>().read_unaligned());
             let sc8 = _mm_sub_epi8(_mm_set_epi64x(w[1] as i64, w[0] as i64), _mm_set1_epi8(32));
             let sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-            let scv = std::array::from_fn(|p| {
-                _mm512_permutexvar_epi16(_mm512_loadu_si512(PICK_Q6[p].as_ptr().cast()), sc16)
-            });
+            let scv = spread_scales16(sc16);
             (q, scv, _mm256_cvtepi8_epi16(sc8))
         }
     }

@@ -967,13 +967,7 @@ impl Format for Q6k {
                 );
             }
             let sc8 = _mm_loadu_si128(x.add(192).cast());
-            let scv = std::array::from_fn(|s| {
-                let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
-                let pick = _mm_set_epi8(
-                    hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
-                );
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick))
-            });
+            let scv = run_scales16(sc8);
             (q, scv, _mm256_cvtepi8_epi16(sc8))
         }
     }
@@ -1027,6 +1021,50 @@ pub(super) fn q3_scale_words(b: [u8; 12]) -> [u64; 2] {
         (lo & nib) | (top(0) | top(2) << 32) << 4,
         ((lo >> 4) & nib) | (top(4) | top(6) << 32) << 4,
     ]
+}
+
+/// The four 2-bit fields of every byte of `a`: field k (bits 2k, 2k + 1)
+/// in the low bits of each byte of output k (Q2_K's quants, Q3_K's low
+/// bits). 16-bit shifts: the bits that cross a byte are masked off.
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn two_bit_fields(a: __m256i) -> [__m256i; 4] {
+    use std::arch::x86_64::*;
+    // SAFETY (intrinsics): AVX2, the caller's contract; registers only.
+    unsafe {
+        let three = _mm256_set1_epi8(3);
+        [
+            _mm256_and_si256(a, three),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(a), three),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(a), three),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(a), three),
+        ]
+    }
+}
+
+/// One row's 16 signed scales (one per 16 weights, `sc8`) as the row-major
+/// kernels' per-run multipliers: run s's i16 lanes 0..8 take scale 2s, lanes
+/// 8..16 scale 2s + 1 (see [`Format::row`]).
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn run_scales16(sc8: __m128i) -> [__m256i; 8] {
+    use std::arch::x86_64::*;
+    std::array::from_fn(|s| {
+        let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
+        // SAFETY (intrinsics): AVX2, the caller's contract; registers only.
+        unsafe {
+            let pick = _mm_set_epi8(
+                hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
+            );
+            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick))
+        }
+    })
 }
 
 /// Bit `s` (0..8) of every byte of `h` moved to bit 2 (the rest zero): the
@@ -1243,14 +1281,12 @@ impl Format for Q2k {
         // 4n..4n+3) takes chunk a = qs[32n..] (qs at 16): run 4n + k is
         // bits 2k, 2k + 1 of a.
         unsafe {
-            let three = _mm256_set1_epi8(3);
             let a = x.chunk(16 + 32 * n);
             let mut q = [[_mm256_setzero_si256(); 8]; 4];
             for g in 0..8 {
-                q[0][g] = _mm256_and_si256(a[g], three);
-                q[1][g] = _mm256_and_si256(_mm256_srli_epi16::<2>(a[g]), three);
-                q[2][g] = _mm256_and_si256(_mm256_srli_epi16::<4>(a[g]), three);
-                q[3][g] = _mm256_and_si256(_mm256_srli_epi16::<6>(a[g]), three);
+                for (k, f) in two_bit_fields(a[g]).into_iter().enumerate() {
+                    q[k][g] = f;
+                }
             }
             q
         }
@@ -1263,26 +1299,17 @@ impl Format for Q2k {
         // 4n..4n+3): chunk a = qs[32n..] (qs at 16); run 4n + k is bits 2k,
         // 2k + 1 of a. Scales and mins: the 16 bytes at 0.
         unsafe {
-            let three = _mm256_set1_epi8(3);
             let mut q = [_mm256_setzero_si256(); 8];
             for n in 0..2 {
                 let a = _mm256_loadu_si256(x.add(16 + 32 * n).cast());
-                q[4 * n] = _mm256_and_si256(a, three);
-                q[4 * n + 1] = _mm256_and_si256(_mm256_srli_epi16::<2>(a), three);
-                q[4 * n + 2] = _mm256_and_si256(_mm256_srli_epi16::<4>(a), three);
-                q[4 * n + 3] = _mm256_and_si256(_mm256_srli_epi16::<6>(a), three);
+                q[4 * n..4 * n + 4].copy_from_slice(&two_bit_fields(a));
             }
             let b = _mm_loadu_si128(x.cast());
             let nib = _mm_set1_epi8(0x0f);
             let sc8 = _mm_and_si128(b, nib);
             let mn8 = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-            let scv = std::array::from_fn(|s| {
-                let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
-                let pick = _mm_set_epi8(
-                    hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
-                );
-                _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc8, pick))
-            });
+            // (scales 0..16: sign extension is zero extension)
+            let scv = run_scales16(sc8);
             (q, scv, _mm256_cvtepu8_epi16(mn8))
         }
     }
@@ -1343,19 +1370,11 @@ impl Format for Q3k {
         // 4n..4n+3) takes chunk a = qs[32n..] (qs at 32): run 4n + k is bits
         // 2k, 2k + 1 of a, with bit 4n + k of hmask as bit 2.
         unsafe {
-            let three = _mm256_set1_epi8(3);
             let a = x.chunk(32 + 32 * n);
             let mut q = [[_mm256_setzero_si256(); 8]; 4];
             for g in 0..8 {
-                let low = [
-                    a[g],
-                    _mm256_srli_epi16::<2>(a[g]),
-                    _mm256_srli_epi16::<4>(a[g]),
-                    _mm256_srli_epi16::<6>(a[g]),
-                ];
-                for (k, l) in low.into_iter().enumerate() {
-                    q[k][g] =
-                        _mm256_or_si256(_mm256_and_si256(l, three), q3_high(hm[g], 4 * n + k));
+                for (k, l) in two_bit_fields(a[g]).into_iter().enumerate() {
+                    q[k][g] = _mm256_or_si256(l, q3_high(hm[g], 4 * n + k));
                 }
             }
             q
@@ -1370,31 +1389,17 @@ impl Format for Q3k {
         // 4n + k is bits 2k, 2k + 1 of a with bit 4n + k of h as bit 2.
         // Scales: 16 of 6 bits at 96, less 32, one per 16 weights.
         unsafe {
-            let three = _mm256_set1_epi8(3);
             let h = _mm256_loadu_si256(x.cast());
             let mut q = [_mm256_setzero_si256(); 8];
             for n in 0..2 {
                 let a = _mm256_loadu_si256(x.add(32 + 32 * n).cast());
-                let low = [
-                    a,
-                    _mm256_srli_epi16::<2>(a),
-                    _mm256_srli_epi16::<4>(a),
-                    _mm256_srli_epi16::<6>(a),
-                ];
-                for (k, l) in low.into_iter().enumerate() {
-                    q[4 * n + k] =
-                        _mm256_or_si256(_mm256_and_si256(l, three), q3_high(h, 4 * n + k));
+                for (k, l) in two_bit_fields(a).into_iter().enumerate() {
+                    q[4 * n + k] = _mm256_or_si256(l, q3_high(h, 4 * n + k));
                 }
             }
             let w = q3_scale_words(x.add(96).cast::<[u8; 12]>().read_unaligned());
             let sc8 = _mm_sub_epi8(_mm_set_epi64x(w[1] as i64, w[0] as i64), _mm_set1_epi8(32));
-            let scv = std::array::from_fn(|s| {
-                let (lo, hi) = (2 * s as i8, 2 * s as i8 + 1);
-                let pick = _mm_set_epi8(
-                    hi, hi, hi, hi, hi, hi, hi, hi, lo, lo, lo, lo, lo, lo, lo, lo,
-                );
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick))
-            });
+            let scv = run_scales16(sc8);
             (q, scv, _mm256_cvtepi8_epi16(sc8))
         }
     }
