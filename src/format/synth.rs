@@ -332,6 +332,7 @@ pub enum Mix {
     Q3KM,
     Q2K,
     IQ4XS,
+    IQ4NL,
 }
 
 /// What a mix's choices depend on besides a tensor's name and layer.
@@ -348,7 +349,7 @@ pub struct MixModel {
 
 impl Mix {
     /// Every mix, as `--type` names them.
-    pub const ALL: [(&'static str, Mix); 8] = [
+    pub const ALL: [(&'static str, Mix); 9] = [
         ("Q4_K_M", Mix::Q4KM),
         ("Q5_K_M", Mix::Q5KM),
         ("Q8_0", Mix::Q8_0),
@@ -357,6 +358,7 @@ impl Mix {
         ("Q3_K_M", Mix::Q3KM),
         ("Q2_K", Mix::Q2K),
         ("IQ4_XS", Mix::IQ4XS),
+        ("IQ4_NL", Mix::IQ4NL),
     ];
 
     /// The mix named `s` (case-insensitive).
@@ -377,6 +379,7 @@ impl Mix {
             Mix::Q4KM => 15,
             Mix::Q5KM => 17,
             Mix::Q6K => 18,
+            Mix::IQ4NL => 25,
             Mix::IQ4XS => 30,
         }
     }
@@ -389,10 +392,12 @@ impl Mix {
     /// - `attn_v`: Q6_K in the Q4_K_M / Q5_K_M layers that get more bits
     ///   (the first and last eighth, every third in between); Q3_K_M: Q5_K
     ///   in the first two layers, Q4_K after; Q2_K: Q4_K with 4+ query heads
-    ///   per KV head, else Q3_K; IQ4_XS: Q5_K with 4+ query heads per KV head;
+    ///   per KV head, else Q3_K; IQ4_XS, IQ4_NL: Q5_K with 4+ query heads
+    ///   per KV head;
     /// - `ffn_down`: Q6_K in the K_M mixes' more-bits layers; Q3_K_M: Q5_K
-    ///   in the first sixteenth, Q4_K after; Q2_K: Q3_K; IQ4_XS: Q5_K in
-    ///   the first eighth (llama.cpp's choice without an importance matrix);
+    ///   in the first sixteenth, Q4_K after; Q2_K: Q3_K; IQ4_XS, IQ4_NL:
+    ///   Q5_K in the first eighth (llama.cpp's choice without an importance
+    ///   matrix);
     /// - `attn_output`: Q3_K_M: Q4_K; Q2_K: Q3_K;
     ///
     /// and where a row is not whole 256-value superblocks, the legacy type
@@ -413,7 +418,9 @@ impl Mix {
             Mix::Q3KM => DType::Q3K,
             Mix::Q2K => DType::Q2K,
             Mix::IQ4XS => DType::IQ4XS,
+            Mix::IQ4NL => DType::IQ4NL,
         };
+        let iq4 = matches!(self, Mix::IQ4XS | Mix::IQ4NL);
         let k_m = matches!(self, Mix::Q4KM | Mix::Q5KM);
         let is = |role: &str| name.ends_with(&format!("{role}.weight"));
         let i = layer.unwrap_or(0);
@@ -430,7 +437,7 @@ impl Mix {
                 Mix::Q3KM => DType::Q4K,
                 Mix::Q2K if m.gqa >= 4 => DType::Q4K,
                 Mix::Q2K => DType::Q3K,
-                Mix::IQ4XS if m.gqa >= 4 => DType::Q5K,
+                _ if iq4 && m.gqa >= 4 => DType::Q5K,
                 _ => base,
             }
         } else if is("ffn_down") {
@@ -440,7 +447,7 @@ impl Mix {
                 Mix::Q3KM => DType::Q4K,
                 Mix::Q2K => DType::Q3K,
                 // (llama.cpp: without an importance matrix)
-                Mix::IQ4XS if i < n / 8 => DType::Q5K,
+                _ if iq4 && i < n / 8 => DType::Q5K,
                 _ => base,
             }
         } else if is("attn_output") {

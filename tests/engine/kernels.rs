@@ -459,8 +459,6 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
         DType::Q2K,
         DType::IQ4XS,
     ] {
-        // IQ4_XS runs its own kernels at the VNNI levels only
-        let runs_at = |l: Level| dt != DType::IQ4XS || l.vnni();
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (mut checked, mut packed_checked) = (0, 0);
         for n_in in [256usize, 768, 3584, 18944] {
@@ -547,9 +545,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
             }
         }
         // an AVX2 CPU must run them (so the skip cannot hide a dispatch bug)
-        if runs_at(kvrun::backend::cpu::isa::detected())
-            && kvrun::backend::cpu::isa::detected() >= Level::Avx2
-        {
+        if kvrun::backend::cpu::isa::detected() >= Level::Avx2 {
             assert!(
                 checked > 0,
                 "no {dt} rows-in-lanes kernel ran on an AVX2 CPU"
@@ -559,13 +555,13 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
         // `maddubs` one below it), for each of the 4 widths
         assert_eq!(
             packed_checked,
-            4 * simd_levels().into_iter().filter(|&l| runs_at(l)).count(),
+            4 * simd_levels().len(),
             "{dt}: a level without its packed kernel"
         );
     }
 }
 
-/// Q8_0×8, Q4_0×8 and Q5_0×8: every row unpacks to its GGUF bytes, the
+/// Q8_0×8, Q4_0×8, Q5_0×8 and IQ4_NL×8: every row unpacks to its GGUF bytes, the
 /// Q8_0 form of a block dequantizes to the same floats, the scalar model
 /// is the dot product (f64 reference) within float rounding, and every
 /// decoding kernel this CPU runs (repacked and row-major, at every level)
@@ -608,7 +604,7 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
             {
                 let qrb = nb * Q8_0_BYTES;
                 let stride = qrb + 6;
-                let forms: &[bool] = if dt == DType::Q8_0 {
+                let forms: &[bool] = if matches!(dt, DType::Q8_0 | DType::IQ4NL) {
                     &[true]
                 } else {
                     &[true, false]
@@ -668,7 +664,7 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
             }
         }
     };
-    for dt in [DType::Q8_0, DType::Q4_0, DType::Q5_0] {
+    for dt in [DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::IQ4NL] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         for n_in in [32usize, 640, 3584] {
             let nb = n_in / 32;
@@ -722,11 +718,12 @@ fn b32_x8_layouts_round_trip_and_their_kernels_match_the_scalar_model() {
     eprintln!("{checked} kernel calls checked");
 }
 
-/// Q4_0's and Q5_0's prefill tiles at every SIMD level this CPU runs (the
-/// Q8_0 form's at VNNI, the unsigned rows' at AVX2) equal the scalar model
-/// bit for bit, on fresh random data and at the extremes of the integer
-/// sums (every quant at its top or bottom value against activations of
-/// ±127 and -128), and both row forms come out the same at every level.
+/// Q4_0's, Q5_0's and IQ4_NL's prefill tiles at every SIMD level this CPU
+/// runs (the Q8_0 form's at VNNI; at AVX2 the unsigned rows' for Q4_0 and
+/// Q5_0, the Q8_0 form's for IQ4_NL) equal the scalar model bit for bit,
+/// on fresh random data and at the extremes of the integer sums (every
+/// quant at its top or bottom value against activations of ±127 and
+/// -128), and the row forms come out the same at every level.
 #[test]
 fn b32_prefill_tiles_match_the_scalar_model() {
     use kvrun::backend::cpu::b32_x8::{dot_scalar, row_to_q8_0_at, row_to_unsigned_at};
@@ -741,7 +738,8 @@ fn b32_prefill_tiles_match_the_scalar_model() {
         let (rb, ab) = (nb * dt.block_bytes(), nb * Q8_0_BYTES);
         let rows: [&[u8]; ROWS] = std::array::from_fn(|k| &w[k * rb..(k + 1) * rb]);
         let toks: [&[u8]; TOKS] = std::array::from_fn(|k| &act[k * ab..(k + 1) * ab]);
-        // both forms, the same bytes at every level
+        // both forms (IQ4_NL: the Q8_0 form only), the same bytes at
+        // every level
         let forms = |level| -> [Vec<Vec<u8>>; 2] {
             [true, false].map(|signed| {
                 rows.iter()
@@ -749,7 +747,7 @@ fn b32_prefill_tiles_match_the_scalar_model() {
                         let mut v = vec![0u8; nb * Q8_0_BYTES];
                         if signed {
                             row_to_q8_0_at(level, dt, nb, row, &mut v);
-                        } else {
+                        } else if dt != DType::IQ4NL {
                             row_to_unsigned_at(level, dt, nb, row, &mut v);
                         }
                         v
@@ -783,7 +781,7 @@ fn b32_prefill_tiles_match_the_scalar_model() {
             checked += 1;
         }
     };
-    for dt in [DType::Q4_0, DType::Q5_0] {
+    for dt in [DType::Q4_0, DType::Q5_0, DType::IQ4NL] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         for n_in in [32usize, 640, 3584] {
             let (w, act) = quant_problem(dt, &mut r, ROWS, n_in, TOKS);
@@ -1043,7 +1041,7 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q2K, 9, 512, 1),
         (DType::Q2K, 64, 768, 1),
         (DType::Q2K, 40, 3584, 9),
-        // IQ4_XS (own kernels at the VNNI levels, ggml's `vec_dot` below)
+        // IQ4_XS (the VNNI kernels, or at AVX2 on the quants' nibbles)
         (DType::IQ4XS, 18, 256, 7),
         (DType::IQ4XS, 37, 768, 5),
         (DType::IQ4XS, 9, 512, 1),
@@ -1085,6 +1083,15 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::Q5_0, 40, 1536, 1),
         (DType::Q5_0, 72, 640, 11),
         (DType::Q5_0, 16, 96, 3),
+        // IQ4_NL: plain (ragged row counts) and IQ4_NL×8, the AMX path's
+        // odd block count and ragged panel
+        (DType::IQ4NL, 18, 64, 7),
+        (DType::IQ4NL, 37, 640, 5),
+        (DType::IQ4NL, 9, 96, 1),
+        (DType::IQ4NL, 48, 3584, 1),
+        (DType::IQ4NL, 72, 640, 9),
+        (DType::IQ4NL, 70, 1056, 37),
+        (DType::IQ4NL, 136, 640, 33),
         // Q4_1×8 (8k rows): decoding, and prefill gathered from it
         (DType::Q4_1, 64, 576, 1),
         (DType::Q4_1, 24, 96, 2),
@@ -1116,7 +1123,7 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
             // K-quants on AVX2 follow the rows-in-lanes arithmetic, Q8_0,
             // Q4_0 and Q5_0 from AVX2 up the tokens-in-lanes one, not ggml's
             let lanes = kvrun::backend::cpu::matmul::k_quant_kernel::<1>(dt, level).is_some();
-            let q8_vnni = matches!(dt, DType::Q8_0 | DType::Q4_0 | DType::Q5_0)
+            let q8_vnni = matches!(dt, DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4NL)
                 && kvrun::backend::cpu::qgemm_q8_0_tokens::prefill_for(dt, level).is_some();
             for t in 0..n_tok {
                 for i in 0..n_out {
@@ -1625,6 +1632,8 @@ fn qgemm_speed() {
             "Q8_0" => DType::Q8_0,
             "Q4_0" => DType::Q4_0,
             "Q5_0" => DType::Q5_0,
+            "IQ4_NL" => DType::IQ4NL,
+            "IQ4_XS" => DType::IQ4XS,
             other => panic!("KVRUN_SPEED_TYPES: {other}?"),
         };
         let shapes: Vec<(usize, usize)> = match std::env::var("KVRUN_SPEED_SHAPES") {
@@ -1951,8 +1960,13 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
             ("q8_0+Q4_0", matches!(dt, DType::Q8_0 | DType::Q4_0)),
             ("q5_0", dt == DType::Q5_0),
             ("q4_1", dt == DType::Q4_1),
-            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0", dt != DType::Q4_1),
-            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1", true),
+            (
+                "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0",
+                !matches!(dt, DType::Q4_1 | DType::IQ4NL),
+            ),
+            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1", dt != DType::IQ4NL),
+            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl", true),
+            ("IQ4_nl", dt == DType::IQ4NL),
         ] {
             let repack = Repack::parse(setting).unwrap();
             let loader = kvrun::backend::cpu::Loader { repack, ..loader };
@@ -1968,7 +1982,8 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         ("1", "on"),
         ("false", "off"),
         ("Q6_K+q4_k+Q5_K", "Q4_K+Q5_K+Q6_K"),
-        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1", "on"),
+        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl", "on"),
+        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1", "Q4_K+Q5_K+Q6_K+Q8_0+Q4_0+Q5_0+Q4_1"),
         ("q8_0+q4_1", "Q8_0+Q4_1"),
         ("Q6_K+q4_k", "Q4_K+Q6_K"),
         ("q6_k", "Q6_K"),
@@ -1978,7 +1993,9 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
     for bad in ["q5_1", "", "on+q4_k", "q4_k+"] {
         let e = Repack::parse(bad).unwrap_err();
         assert!(
-            e.contains("not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1)"),
+            e.contains(
+                "not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1, IQ4_NL)"
+            ),
             "{bad}: {e}"
         );
     }

@@ -291,6 +291,7 @@ fn synth_low_bit_mixes_logits_match_llama_cpp() {
     logits_match(Mix::Q3KM);
     logits_match(Mix::Q2K);
     logits_match(Mix::IQ4XS);
+    logits_match(Mix::IQ4NL);
     logits_match(Mix::Q6K);
 }
 

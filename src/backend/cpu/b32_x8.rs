@@ -1,12 +1,14 @@
-//! The 32-weight block types Q8_0, Q4_0 and Q5_0 repacked eight rows at a
-//! time (Q8_0×8, Q4_0×8, Q5_0×8; the container is [`super::x8::X8`]), their
-//! decoding kernels, and the one arithmetic every SIMD kernel of the three
-//! types follows.
+//! The 32-weight block types Q8_0, Q4_0, Q5_0 and IQ4_NL repacked eight
+//! rows at a time (Q8_0×8, Q4_0×8, Q5_0×8, IQ4_NL×8; the container is
+//! [`super::x8::X8`]), their decoding kernels, and the one arithmetic every
+//! SIMD kernel of the four types follows.
 //!
 //! ## Arithmetic
 //! A Q4_0 or Q5_0 block is a Q8_0 block in fewer bits: weight i is
 //! d·(q_i − o), o = 8 (Q4_0) or 16 (Q5_0), so [`to_q8_0`] turns it into the
-//! Q8_0 block (d, q_i − o) exactly. Every SIMD kernel of the three types
+//! Q8_0 block (d, q_i − o) exactly. An IQ4_NL block is one too: weight i is
+//! d·v(q_i), v the 16-value grid (`quant::IQ4_VALUES`, −127..113), so its
+//! Q8_0 form is (d, v(q_i)). Every SIMD kernel of the four types
 //! computes what `qgemm_q8_0_tokens::dot_scalar` computes on that Q8_0 form
 //! (per row and token, `w`, `y` the signed quants, `dx`, `dy` the scales):
 //!
@@ -18,7 +20,8 @@
 //! Prefill runs `qgemm_q8_0_tokens`' tiles on rows expanded once per row
 //! block (to the Q8_0 form, or at AVX2 for Q4_0 and Q5_0 to the unsigned
 //! quants, [`row_to_unsigned_at`], whose tile adds the offset back as
-//! −o·Σy: the same integer), decoding runs the kernels below, so a prompt's
+//! −o·Σy: the same integer; IQ4_NL always to the Q8_0 form), decoding runs
+//! the kernels below, so a prompt's
 //! logits do not depend on its chunking. (ggml keeps 8 float lanes per row and adds
 //! them at the end; the two differ by float rounding only.)
 //!
@@ -31,21 +34,26 @@
 //! - Q5_0 only, bytes 16..48: the rows' `qh` words (bit i: the fifth bit
 //!   of weight i), row r at 16 + 4r;
 //! - then the quants. Q8_0: for k in 0..8 the rows' quants 4k..4k+4 (32
-//!   bytes). Q4_0 and Q5_0: for j in 0..4 the rows' nibble bytes 4j..4j+4
-//!   (32 bytes), whose low nibbles are weights 4j..4j+4 and high nibbles
-//!   weights 16+4j..20+4j.
+//!   bytes). Q4_0, Q5_0 and IQ4_NL (whose block is laid out as Q4_0's):
+//!   for j in 0..4 the rows' nibble bytes 4j..4j+4 (32 bytes), whose low
+//!   nibbles are weights 4j..4j+4 and high nibbles weights 16+4j..20+4j.
 //!
 //! [`segments`] lists the copies; packing and unpacking both follow it.
 //!
 //! ## Decoding
 //! Per group: the weights as unsigned bytes u = w + o (Q8_0: the sign bit
-//! flipped, o = 128; Q4_0: the nibble; Q5_0: nibble + 16·fifth bit), one
-//! `vpdpbusd` per 4 quants with the token's 4 quants broadcast, started
+//! flipped, o = 128; Q4_0: the nibble; Q5_0: nibble + 16·fifth bit;
+//! IQ4_NL: v(nibble) + 128, o = 128, one byte shuffle from the nibble),
+//! one `vpdpbusd` per 4 quants with the token's 4 quants broadcast, started
 //! from −o·Σ_block y ([`block_sums`], once per token), so the lanes end as
 //! the 8 rows' exact `isum_b`; then one `cvt` and one `fma` for the 8 rows.
-//! At AVX2 (Q4_0 and Q5_0; Q8_0's u reaches 255, too large for `maddubs`'
-//! i16 pairs) each `maddubs` pair is within 2·31·128, so four of them add
-//! up in i16 exactly (4·2·31·128 < 2¹⁵) before one `madd` widens them.
+//! At AVX2 (Q4_0, Q5_0 and IQ4_NL; Q8_0's u reaches 255, too large for
+//! `maddubs`' i16 pairs) each Q4_0/Q5_0 `maddubs` pair is within 2·31·128,
+//! so four of them add up in i16 exactly (4·2·31·128 < 2¹⁵) before one
+//! `madd` widens them. IQ4_NL's u reaches 241, so there each `maddubs`
+//! takes the signed grid value by ggml's sign trick, `|v| · sign(y, v)`
+//! (exact: ggml's Q8_0 quantizer never writes −128, and the pairs stay
+//! within 2·127·127 < 2¹⁵), and is widened by a `madd` at once.
 
 use crate::tensor::DType;
 use half::f16;
@@ -58,9 +66,12 @@ pub use super::qgemm_q8_0_tokens::Q8_0_BYTES;
 /// that row's block sums (`block_sums`)) -> the 8 rows' dot products`.
 pub type B32Fn = fn(usize, &[u8], &[u8], &[i32]) -> [f32; ROWS];
 
-/// Whether `dtype` is one of the three types.
+/// Whether `dtype` is one of the four types.
 pub fn is_b32(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q5_0)
+    matches!(
+        dtype,
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4NL
+    )
 }
 
 /// The unsigned offset o of a stored weight (u = w + o).
@@ -86,7 +97,7 @@ pub fn segments(dtype: DType, r: usize) -> impl Iterator<Item = (usize, usize, u
     assert!(is_b32(dtype) && r < ROWS, "b32×8: no layout for {dtype}");
     let (first, quads, at) = match dtype {
         DType::Q8_0 => (2, 8, 16),
-        DType::Q4_0 => (2, 4, 16),
+        DType::Q4_0 | DType::IQ4NL => (2, 4, 16),
         _ => (6, 4, 48),
     };
     let scale = std::iter::once((0, 2 * r, 2));
@@ -102,12 +113,22 @@ pub fn to_q8_0(dtype: DType, x: &[u8], out: &mut [u8]) {
 
 /// One block of `dtype` as a Q8_0-shaped block (scale, then its 32 quants
 /// one byte each, in weight order): the signed quants `q − o` (`signed`,
-/// the exact Q8_0 form) or the unsigned `q` themselves (Q4_0 and Q5_0).
+/// the exact Q8_0 form; IQ4_NL: the grid values) or the unsigned `q`
+/// themselves (Q4_0 and Q5_0).
 fn expand_block(dtype: DType, x: &[u8], out: &mut [u8], signed: bool) {
     assert!(is_b32(dtype), "to_q8_0: {dtype}");
     out[..2].copy_from_slice(&x[..2]);
     match dtype {
         DType::Q8_0 => out[2..Q8_0_BYTES].copy_from_slice(&x[2..Q8_0_BYTES]),
+        DType::IQ4NL => {
+            assert!(signed, "IQ4_NL has no unsigned form");
+            for (o, v) in out[2..Q8_0_BYTES]
+                .iter_mut()
+                .zip(crate::quant::iq4_values(&x[2..18]))
+            {
+                *o = v as u8;
+            }
+        }
         _ => {
             let q5 = dtype == DType::Q5_0;
             let (qs, qh) = if q5 {
@@ -156,7 +177,10 @@ pub fn row_to_unsigned_at(
     row: &[u8],
     out: &mut [u8],
 ) {
-    assert!(dtype != DType::Q8_0, "row_to_unsigned: {dtype}");
+    assert!(
+        matches!(dtype, DType::Q4_0 | DType::Q5_0),
+        "row_to_unsigned: {dtype}"
+    );
     expand_row_at(level, dtype, nb, row, out, false);
 }
 
@@ -175,18 +199,10 @@ fn expand_row_at(
     );
     #[cfg(target_arch = "x86_64")]
     if dtype != DType::Q8_0 && level >= super::isa::Level::Avx2 && level <= super::isa::detected() {
-        let off = if signed { offset(dtype) as i8 } else { 0 };
+        let nibbles = Nibbles::of(dtype, signed);
         // SAFETY: the CPU has AVX2 (checked just above); `row` holds nb
         // blocks of `dtype` and `out` nb Q8_0 blocks (asserted above).
-        unsafe {
-            expand_avx2(
-                dtype == DType::Q5_0,
-                off,
-                nb,
-                row.as_ptr(),
-                out.as_mut_ptr(),
-            )
-        };
+        unsafe { expand_avx2(nibbles, nb, row.as_ptr(), out.as_mut_ptr()) };
         return;
     }
     let _ = level;
@@ -223,7 +239,8 @@ pub fn block_to_q8_0_at(
     signed: bool,
 ) -> bool {
     assert!(
-        matches!(dtype, DType::Q4_0 | DType::Q5_0) || (dtype == DType::Q8_0 && signed),
+        matches!(dtype, DType::Q4_0 | DType::Q5_0)
+            || (matches!(dtype, DType::Q8_0 | DType::IQ4NL) && signed),
         "block_to_q8_0: {dtype} (signed {signed})"
     );
     let qrb = nb * Q8_0_BYTES;
@@ -240,20 +257,11 @@ pub fn block_to_q8_0_at(
             unsafe { block_q8_0_avx2(nb, groups.as_ptr(), out.as_mut_ptr(), stride) };
             return true;
         }
-        let off = if signed { offset(dtype) as i8 } else { 0 };
+        let nibbles = Nibbles::of(dtype, signed);
         // SAFETY: the CPU has AVX2 (checked just above); `groups` holds nb
         // groups and `out` 8 rows of nb Q8_0 blocks, `stride` apart
         // (asserted above).
-        unsafe {
-            block_expand_avx2(
-                dtype == DType::Q5_0,
-                off,
-                nb,
-                groups.as_ptr(),
-                out.as_mut_ptr(),
-                stride,
-            )
-        };
+        unsafe { block_expand_avx2(nibbles, nb, groups.as_ptr(), out.as_mut_ptr(), stride) };
         return true;
     }
     let _ = (level, signed);
@@ -292,6 +300,64 @@ unsafe fn block_q8_0_avx2(nb: usize, g: *const u8, out: *mut u8, stride: usize) 
     }
 }
 
+/// What the AVX2 expansions make of a nibble type's quants (Q4_0, Q5_0,
+/// IQ4_NL): the byte of each weight, in weight order.
+#[derive(Clone, Copy, Debug)]
+struct Nibbles {
+    /// Q5_0: 16 · the fifth bit (from `qh`) added to the nibble.
+    q5: bool,
+    /// IQ4_NL: the nibble looked up in the grid (its Q8_0 form).
+    grid: bool,
+    /// Taken off the nibble (Q4_0, Q5_0): the type's offset for the Q8_0
+    /// form, 0 for the unsigned one.
+    off: i8,
+}
+
+impl Nibbles {
+    fn of(dtype: DType, signed: bool) -> Nibbles {
+        let grid = dtype == DType::IQ4NL;
+        Nibbles {
+            q5: dtype == DType::Q5_0,
+            grid,
+            off: if signed && !grid {
+                offset(dtype) as i8
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Bytes of one block of the type.
+    fn block_bytes(self) -> usize {
+        if self.q5 {
+            22
+        } else {
+            18
+        }
+    }
+
+    /// The weights' bytes from their nibbles `u` (Q5_0's fifth bits
+    /// already in): the grid values, or `u − off`.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn finish(self, u: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX2 is available (the caller's contract); the grid
+        // table is 16 bytes.
+        unsafe {
+            if self.grid {
+                let grid = _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast());
+                _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(grid), u)
+            } else {
+                _mm256_sub_epi8(u, _mm256_set1_epi8(self.off))
+            }
+        }
+    }
+}
+
 /// [`block_to_q8_0_at`]'s AVX2 body.
 ///
 /// # Safety
@@ -299,19 +365,12 @@ unsafe fn block_q8_0_avx2(nb: usize, g: *const u8, out: *mut u8, stride: usize) 
 /// `nb` Q8_0 blocks `stride` bytes apart.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn block_expand_avx2(
-    q5: bool,
-    off: i8,
-    nb: usize,
-    g: *const u8,
-    out: *mut u8,
-    stride: usize,
-) {
+unsafe fn block_expand_avx2(n: Nibbles, nb: usize, g: *const u8, out: *mut u8, stride: usize) {
     use std::arch::x86_64::*;
-    let gb = ROWS * if q5 { 22 } else { 18 };
+    let q5 = n.q5;
+    let gb = ROWS * n.block_bytes();
     let q_at = if q5 { 48 } else { 16 };
     let nib = _mm256_set1_epi8(0x0f);
-    let off = _mm256_set1_epi8(off);
     // SAFETY (every access below): b < nb and r < 8, inside the buffers
     // (the function's contract).
     unsafe {
@@ -341,27 +400,27 @@ unsafe fn block_expand_avx2(
                 let dst = out.add(r * stride + b * Q8_0_BYTES);
                 dst.cast::<u16>()
                     .write_unaligned(p.add(2 * r).cast::<u16>().read_unaligned());
-                _mm256_storeu_si256(dst.add(2).cast(), _mm256_sub_epi8(u, off));
+                _mm256_storeu_si256(dst.add(2).cast(), n.finish(u));
             }
         }
     }
 }
 
-/// Q4_0 (`q5` false) or Q5_0 blocks to Q8_0-shaped blocks with AVX2: the
+/// Q4_0, Q5_0 or IQ4_NL blocks to Q8_0-shaped blocks with AVX2: the
 /// nibbles in weight order, Q5_0's fifth bits spread from `qh` by a byte
-/// shuffle and compare (as ggml's AVX2 code does), `off` subtracted (the
-/// type's offset for the Q8_0 form, 0 for the unsigned one).
+/// shuffle and compare (as ggml's AVX2 code does), then [`Nibbles::finish`]
+/// (the offset subtracted, or the grid looked up).
 ///
 /// # Safety
 /// The CPU has AVX2; `x` holds `nb` blocks of the type, `out` room for
 /// `nb` Q8_0 blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn expand_avx2(q5: bool, off: i8, nb: usize, x: *const u8, out: *mut u8) {
+unsafe fn expand_avx2(n: Nibbles, nb: usize, x: *const u8, out: *mut u8) {
     use std::arch::x86_64::*;
-    let (bb, qs_at) = if q5 { (22, 6) } else { (18, 2) };
+    let q5 = n.q5;
+    let (bb, qs_at) = (n.block_bytes(), if q5 { 6 } else { 2 });
     let nib = _mm256_set1_epi8(0x0f);
-    let off = _mm256_set1_epi8(off);
     // SAFETY (every access below): b < nb, so block b of `x` and of `out`
     // is inside the buffers (the function's contract).
     unsafe {
@@ -374,7 +433,7 @@ unsafe fn expand_avx2(q5: bool, off: i8, nb: usize, x: *const u8, out: *mut u8) 
             }
             dst.cast::<u16>()
                 .write_unaligned(src.cast::<u16>().read_unaligned());
-            _mm256_storeu_si256(dst.add(2).cast(), _mm256_sub_epi8(u, off));
+            _mm256_storeu_si256(dst.add(2).cast(), n.finish(u));
         }
     }
 }
@@ -424,22 +483,30 @@ pub fn block_sums(nb: usize, y: &[u8], out: &mut [i32]) {
     }
 }
 
+/// The kernels' const parameter per type.
+#[cfg(target_arch = "x86_64")]
+const Q8: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const Q4: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const Q5: u8 = 2;
+#[cfg(target_arch = "x86_64")]
+const NL: u8 = 3;
+
 /// The decoding kernel of `dtype`'s layout at kernel level `level`, where
-/// this CPU runs it: Q4_0 and Q5_0 from avx2 (VNNI's from avx512vnni),
-/// Q8_0 from avx512vnni.
+/// this CPU runs it: Q4_0, Q5_0 and IQ4_NL from avx2 (VNNI's from
+/// avx512vnni), Q8_0 from avx512vnni.
 pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<B32Fn> {
     #[cfg(target_arch = "x86_64")]
     {
         use super::isa::vnni_or_avx2;
-        const Q8: u8 = 0;
-        const Q4: u8 = 1;
-        const Q5: u8 = 2;
         match dtype {
             DType::Q8_0 if level.vnni() => {
                 vnni_or_avx2(level, decode::<Q8, true>, decode::<Q8, false>)
             }
             DType::Q4_0 => vnni_or_avx2(level, decode::<Q4, true>, decode::<Q4, false>),
             DType::Q5_0 => vnni_or_avx2(level, decode::<Q5, true>, decode::<Q5, false>),
+            DType::IQ4NL => vnni_or_avx2(level, decode::<NL, true>, decode::<NL, false>),
             _ => None,
         }
     }
@@ -450,13 +517,49 @@ pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<B32Fn> {
     }
 }
 
-/// The type of the kernels' const parameter (0: Q8_0, 1: Q4_0, 2: Q5_0).
+/// The type of the kernels' const parameter.
 #[cfg(target_arch = "x86_64")]
 const fn dtype_of(t: u8) -> DType {
     match t {
-        0 => DType::Q8_0,
-        1 => DType::Q4_0,
-        _ => DType::Q5_0,
+        Q8 => DType::Q8_0,
+        Q4 => DType::Q4_0,
+        Q5 => DType::Q5_0,
+        _ => DType::IQ4NL,
+    }
+}
+
+/// IQ4_NL's grid in both 128-bit halves: the signed values (`unsigned`
+/// false) or the values + 128, a nibble's byte shuffle away.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn grid_table(unsigned: bool) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let v = crate::quant::IQ4_VALUES;
+    let t: [u8; 16] = std::array::from_fn(|i| (v[i] as u8).wrapping_add(if unsigned { 128 } else { 0 }));
+    // SAFETY: AVX2 is available (the caller's contract); `t` is 16 bytes.
+    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr().cast())) }
+}
+
+/// `Σ w·y` in i32 pairs of 4 for AVX2 where `w` are signed bytes within
+/// ±127 and `y` activations that are never −128: `|w| · sign(y, w)` by
+/// `maddubs` (pairs within 2·127·127 < 2¹⁵), widened by `madd`.
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn signed_dot_avx2(
+    w: std::arch::x86_64::__m256i,
+    y: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX2 is available (the caller's contract); registers only.
+    unsafe {
+        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(y, w));
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
     }
 }
 
@@ -570,6 +673,9 @@ unsafe fn decode_vnni<const T: u8>(
         _mm256_set1_epi8(16),
         _mm256_set1_epi8(-128),
     );
+    // IQ4_NL: the grid + 128 (u), taken back by −128·Σy
+    // SAFETY: the function's features include AVX2.
+    let grid = unsafe { grid_table(true) };
     let mut acc = _mm256_setzero_ps();
     // SAFETY (every load below): b < nb, so group b, block b of y and
     // ysum[b] are readable (the function's contract).
@@ -582,7 +688,7 @@ unsafe fn decode_vnni<const T: u8>(
             // two chains of 4 products each, one started at −o·Σy
             let mut s0 = _mm256_set1_epi32(-o * *ysum.add(b));
             let mut s1 = _mm256_setzero_si256();
-            if T == 0 {
+            if T == Q8 {
                 for k in 0..4 {
                     let w0 = _mm256_loadu_si256(g.add(qa + 64 * k).cast());
                     let w1 = _mm256_loadu_si256(g.add(qa + 64 * k + 32).cast());
@@ -590,7 +696,7 @@ unsafe fn decode_vnni<const T: u8>(
                     s1 = _mm256_dpbusd_epi32(s1, _mm256_xor_si256(w1, flip), yq(2 * k + 1));
                 }
             } else {
-                let bytes = if T == 2 {
+                let bytes = if T == Q5 {
                     qh_bytes(_mm256_loadu_si256(g.add(16).cast()))
                 } else {
                     [_mm256_setzero_si256(); 4]
@@ -599,9 +705,13 @@ unsafe fn decode_vnni<const T: u8>(
                     let q = _mm256_loadu_si256(g.add(qa + 32 * j).cast());
                     let mut lo = _mm256_and_si256(q, nib);
                     let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
-                    if T == 2 {
+                    if T == Q5 {
                         lo = _mm256_mask_add_epi8(lo, fifth_vnni(&bytes, j), lo, sixteen);
                         hi = _mm256_mask_add_epi8(hi, fifth_vnni(&bytes, 4 + j), hi, sixteen);
+                    }
+                    if T == NL {
+                        lo = _mm256_shuffle_epi8(grid, lo);
+                        hi = _mm256_shuffle_epi8(grid, hi);
                     }
                     s0 = _mm256_dpbusd_epi32(s0, lo, yq(j));
                     s1 = _mm256_dpbusd_epi32(s1, hi, yq(4 + j));
@@ -616,7 +726,7 @@ unsafe fn decode_vnni<const T: u8>(
     }
 }
 
-/// The AVX2 kernel (Q4_0 and Q5_0).
+/// The AVX2 kernel (Q4_0, Q5_0 and IQ4_NL).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `x` holds `nb` groups of `T`'s type
@@ -630,14 +740,18 @@ unsafe fn decode_avx2<const T: u8>(
     ysum: *const i32,
 ) -> [f32; ROWS] {
     use std::arch::x86_64::*;
-    assert!(T != 0, "b32×8: no AVX2 kernel for Q8_0");
+    assert!(T != Q8, "b32×8: no AVX2 kernel for Q8_0");
     let dtype = dtype_of(T);
-    let (gb, o, qa) = (ROWS * dtype.block_bytes(), offset(dtype), quants_at(dtype));
+    let (gb, qa) = (ROWS * dtype.block_bytes(), quants_at(dtype));
+    // IQ4_NL: the signed grid values, no offset
+    let o = if T == NL { 0 } else { offset(dtype) };
     let (nib, sixteen, ones) = (
         _mm256_set1_epi8(0x0f),
         _mm256_set1_epi8(16),
         _mm256_set1_epi16(1),
     );
+    // SAFETY: the function's features include AVX2.
+    let grid = unsafe { grid_table(false) };
     let mut acc = _mm256_setzero_ps();
     // SAFETY (every load below): b < nb, so group b, block b of y and
     // ysum[b] are readable (the function's contract).
@@ -647,7 +761,7 @@ unsafe fn decode_avx2<const T: u8>(
             super::mem::prefetch_ahead(g, gb);
             let yb = y.add(b * Q8_0_BYTES);
             let yq = |k: usize| _mm256_set1_epi32(yb.add(2 + 4 * k).cast::<i32>().read_unaligned());
-            let bytes = if T == 2 {
+            let bytes = if T == Q5 {
                 qh_bytes(_mm256_loadu_si256(g.add(16).cast()))
             } else {
                 [_mm256_setzero_si256(); 4]
@@ -659,23 +773,33 @@ unsafe fn decode_avx2<const T: u8>(
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes[k / 2], bits), bits);
                 _mm256_and_si256(set, sixteen)
             };
-            // per row, pairs of u·y in i16: the low and high nibbles' quads
-            // apart, 4 quads each (|sum| ≤ 4·2·31·128 < 2¹⁵)
+            // Q4_0, Q5_0: per row, pairs of u·y in i16, the low and high
+            // nibbles' quads apart, 4 quads each (|sum| ≤ 4·2·31·128 <
+            // 2¹⁵); IQ4_NL: each quad's products widened at once
             let mut p0 = _mm256_setzero_si256();
             let mut p1 = _mm256_setzero_si256();
             for j in 0..4 {
                 let q = _mm256_loadu_si256(g.add(qa + 32 * j).cast());
                 let mut lo = _mm256_and_si256(q, nib);
                 let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
-                if T == 2 {
+                if T == Q5 {
                     lo = _mm256_or_si256(lo, fifth(j));
                     hi = _mm256_or_si256(hi, fifth(4 + j));
                 }
-                p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo, yq(j)));
-                p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi, yq(4 + j)));
+                if T == NL {
+                    let (lo, hi) = (_mm256_shuffle_epi8(grid, lo), _mm256_shuffle_epi8(grid, hi));
+                    p0 = _mm256_add_epi32(p0, signed_dot_avx2(lo, yq(j)));
+                    p1 = _mm256_add_epi32(p1, signed_dot_avx2(hi, yq(4 + j)));
+                } else {
+                    p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo, yq(j)));
+                    p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi, yq(4 + j)));
+                }
+            }
+            if T != NL {
+                (p0, p1) = (_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
             }
             let isum = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)),
+                _mm256_add_epi32(p0, p1),
                 _mm256_set1_epi32(-o * *ysum.add(b)),
             );
             acc = _mm256_fmadd_ps(scales(g, yb), _mm256_cvtepi32_ps(isum), acc);
@@ -691,16 +815,17 @@ unsafe fn decode_avx2<const T: u8>(
 /// 8 rows' dot products`, the module doc's arithmetic.
 pub type RowsFn = fn(usize, &[&[u8]; ROWS], &[u8], &[i32]) -> [f32; ROWS];
 
-/// The kernel over rows as GGUF stores them of `dtype` (Q4_0 or Q5_0; Q8_0
-/// has `qgemm_q8_0_tokens::decode_for`) at kernel level `level`, where
-/// this CPU runs it (from avx2; VNNI's from avx512vnni).
+/// The kernel over rows as GGUF stores them of `dtype` (Q4_0, Q5_0 or
+/// IQ4_NL; Q8_0 has `qgemm_q8_0_tokens::decode_for`) at kernel level
+/// `level`, where this CPU runs it (from avx2; VNNI's from avx512vnni).
 pub fn decode_rows_for(dtype: DType, level: super::isa::Level) -> Option<RowsFn> {
     #[cfg(target_arch = "x86_64")]
     {
         use super::isa::vnni_or_avx2;
         match dtype {
-            DType::Q4_0 => vnni_or_avx2(level, rows_entry::<1, true>, rows_entry::<1, false>),
-            DType::Q5_0 => vnni_or_avx2(level, rows_entry::<2, true>, rows_entry::<2, false>),
+            DType::Q4_0 => vnni_or_avx2(level, rows_entry::<Q4, true>, rows_entry::<Q4, false>),
+            DType::Q5_0 => vnni_or_avx2(level, rows_entry::<Q5, true>, rows_entry::<Q5, false>),
+            DType::IQ4NL => vnni_or_avx2(level, rows_entry::<NL, true>, rows_entry::<NL, false>),
             _ => None,
         }
     }
@@ -769,8 +894,10 @@ const PREFETCH_TILES: usize = 2;
 
 /// The row kernels' body: per row and block the 32 weights unpacked to
 /// unsigned bytes (Q5_0's fifth bits added under a mask with VNNI, spread
-/// by a shuffle and compare at AVX2), 8 lanes of 4 products each, the 8
-/// rows' lanes reduced to one register (lane r = row r), −o·Σy added.
+/// by a shuffle and compare at AVX2; IQ4_NL's grid + 128 looked up), 8
+/// lanes of 4 products each, the 8 rows' lanes reduced to one register
+/// (lane r = row r), −o·Σy added. IQ4_NL at AVX2 takes the signed grid
+/// values by the sign trick instead ([`signed_dot_avx2`], no offset).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn rows_body<const T: u8, const VNNI: bool>(
@@ -781,13 +908,15 @@ unsafe fn rows_body<const T: u8, const VNNI: bool>(
 ) -> [f32; ROWS] {
     use std::arch::x86_64::*;
     let dtype = dtype_of(T);
-    let (bb, o) = (dtype.block_bytes(), offset(dtype));
-    let qs_at = if T == 2 { 6 } else { 2 };
+    let bb = dtype.block_bytes();
+    let o = if T == NL && !VNNI { 0 } else { offset(dtype) };
+    let qs_at = if T == Q5 { 6 } else { 2 };
     // SAFETY: the function's contract: every intrinsic below has its
     // features where this is inlined (mask ops and dpbusd only with VNNI);
     // every load is inside nb blocks (b < nb and every row holds nb blocks).
     unsafe {
         let nib = _mm256_set1_epi8(0x0f);
+        let grid = grid_table(VNNI);
         let mut acc = _mm256_setzero_ps();
         for b in 0..nb {
             let off = b * bb;
@@ -804,12 +933,18 @@ unsafe fn rows_body<const T: u8, const VNNI: bool>(
                 let x = wp[r].add(off);
                 let q = _mm_loadu_si128(x.add(qs_at).cast());
                 let mut u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), nib);
-                if T == 2 {
+                if T == Q5 {
                     let qh = x.add(2).cast::<u32>().read_unaligned();
                     if VNNI {
                         u = _mm256_mask_add_epi8(u, qh, u, _mm256_set1_epi8(16));
                     } else {
                         u = _mm256_or_si256(u, fifth_avx2(qh));
+                    }
+                }
+                if T == NL {
+                    u = _mm256_shuffle_epi8(grid, u);
+                    if !VNNI {
+                        return signed_dot_avx2(u, yq);
                     }
                 }
                 if VNNI {

@@ -1,12 +1,12 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
 //! GGUF storage type, usually borrowed from the memory map; Q4_K, Q5_K,
-//! Q6_K, Q4_0 and Q5_0 repacked 8 rows at a time from AVX2 up, Q8_0 from
-//! AVX-512 VNNI up, [`X8`]) and the row-parallel products that run ggml's
-//! per-type `vec_dot` (SIMD) through `ggml-sys`, with cache blocking for
-//! batched prefill, and our own tile kernels where the CPU has them: Q4_1
-//! (`qgemm_x86`), Q4_K, Q5_K and Q6_K (`qgemm_lanes`, the `x8` layouts),
-//! Q8_0, Q4_0 and Q5_0 (`qgemm_q8_0_tokens` for prefill, on rows expanded
-//! to Q8_0; `b32_x8` for decoding).
+//! Q6_K, Q4_0, Q5_0, IQ4_NL and Q4_1 repacked 8 rows at a time from AVX2
+//! up, Q8_0 from AVX-512 VNNI up, [`X8`]) and the row-parallel products
+//! that run ggml's per-type `vec_dot` (SIMD) through `ggml-sys`, with cache
+//! blocking for batched prefill, and our own tile kernels where the CPU has
+//! them: Q4_1 (`qgemm_x86`), the K-quants (`qgemm_lanes`, the `x8`
+//! layouts), Q8_0, Q4_0, Q5_0 and IQ4_NL (`qgemm_q8_0_tokens` for prefill,
+//! on rows expanded to Q8_0; `b32_x8` for decoding).
 
 use super::isa::{self, Level};
 use super::pool::{split, Chunks, Runs, SharedMut, ThreadPool};
@@ -68,7 +68,7 @@ impl<'a> QMat<'a> {
     }
 
     /// The matrix in the layout the kernels of SIMD level `level` read
-    /// fastest: Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q4_1 with a multiple of 8 rows
+    /// fastest: Q4_K, Q5_K, Q6_K, Q4_0, Q5_0, IQ4_NL and Q4_1 with a multiple of 8 rows
     /// are repacked 8 rows at a time from AVX2 up, Q8_0 from AVX-512 VNNI
     /// up ([`X8`], the same bytes rearranged; mapped pages of the original
     /// are released, so the weights are not resident twice); anything else
@@ -312,8 +312,8 @@ pub fn matmul_q_at(
             return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
         }
         if b32_x8::is_b32(w.dtype) {
-            // Q8_0×8, Q4_0×8, Q5_0×8: their own decoding kernels; prefill
-            // expands each row block to Q8_0 rows
+            // Q8_0×8, Q4_0×8, Q5_0×8, IQ4_NL×8: their own decoding
+            // kernels; prefill expands each row block to Q8_0 rows
             if let (Some(one), Some(prefill)) = (
                 b32_x8::decode_for(w.dtype, level),
                 qgemm_q8_0_tokens::prefill_for(w.dtype, level),
@@ -386,9 +386,9 @@ pub fn matmul_q_at(
             };
         }
     }
-    // Q4_0 and Q5_0 (not repacked) from AVX2 up: Q8_0's arithmetic on
-    // their exact Q8_0 form, prefill through Q8_0's tiles
-    if matches!(w.dtype, DType::Q4_0 | DType::Q5_0) {
+    // Q4_0, Q5_0 and IQ4_NL (not repacked) from AVX2 up: Q8_0's
+    // arithmetic on their exact Q8_0 form, prefill through Q8_0's tiles
+    if matches!(w.dtype, DType::Q4_0 | DType::Q5_0 | DType::IQ4NL) {
         if let (Some(one), Some(prefill)) = (
             b32_x8::decode_rows_for(w.dtype, level),
             qgemm_q8_0_tokens::prefill_for(w.dtype, level),
@@ -845,17 +845,17 @@ fn matmul_k_amx(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], n_tok: usize, out: 
     });
 }
 
-/// Q8_0, Q4_0 and Q5_0 × Q8_0 (`n_tok` ≥ 2) on AMX tiles
+/// Q8_0, Q4_0, Q5_0 and IQ4_NL × Q8_0 (`n_tok` ≥ 2) on AMX tiles
 /// ([`qgemm_amx::panel_q8_0`]): the token tiles (16 tokens) are packed
 /// once (threads split them); the threads take blocks of [`AMX_PANELS`]
 /// panels of 16 rows as they come free and run every token tile past
 /// each panel. A plain Q8_0 matrix's rows are loaded by the tiles in place
 /// (a ragged last panel from a copy, its last row repeated); every other
-/// block is first written as Q8_0 rows, once per block: Q4_0 and Q5_0
-/// blocks expanded to their exact Q8_0 form, a repacked Q8_0 block
+/// block is first written as Q8_0 rows, once per block: Q4_0, Q5_0 and
+/// IQ4_NL blocks expanded to their exact Q8_0 form, a repacked Q8_0 block
 /// transposed back (`b32_x8`, a group at a time, at kernel level `level`),
 /// the last row repeated past the matrix. Bit for bit the VNNI kernels'
-/// arithmetic, which is Q8_0's for all three.
+/// arithmetic, which is Q8_0's for all four.
 fn matmul_b32_amx(
     pool: &ThreadPool,
     w: &QMat<'_>,
@@ -1254,7 +1254,7 @@ enum B32Kernel {
     Rows(b32_x8::RowsFn),
 }
 
-/// One token through a Q8_0, Q4_0 or Q5_0 matrix with a `b32_x8` decoding
+/// One token through a Q8_0, Q4_0, Q5_0 or IQ4_NL matrix with a `b32_x8` decoding
 /// kernel: the token's block sums made once, the row blocks split between
 /// threads as in [`matvec_k`] (the last rows repeated to fill a block).
 fn matvec_b32(pool: &ThreadPool, w: &QMat<'_>, act: &[u8], out: &mut [f32], kernel: B32Kernel) {

@@ -12,12 +12,12 @@
 //!   AVX-512 levels), the same arithmetic bit for bit;
 //! - `x8`: matrices repacked 8 rows at a time at load: the container and
 //!   the choice of kernel; `q4k_x8` (Q4_K and Q5_K), `q6k_x8` (Q6_K) and
-//!   `b32_x8` (Q8_0, Q4_0, Q5_0): the layouts and their decoding kernels
+//!   `b32_x8` (Q8_0, Q4_0, Q5_0, IQ4_NL): the layouts and their decoding kernels
 //!   (AVX-512 VNNI, AVX2);
 //! - `qgemm_q8_0_tokens`: Q8_0 × Q8_0 with the tokens in the lanes
 //!   (prefill; VNNI, and AVX2 over nibble planes) and its decoding
-//!   kernels, one arithmetic of its own at every level, which Q4_0 and
-//!   Q5_0 share through their exact Q8_0 form (`b32_x8`);
+//!   kernels, one arithmetic of its own at every level, which Q4_0,
+//!   Q5_0 and IQ4_NL share through their exact Q8_0 form (`b32_x8`);
 //! - `elementwise`: RMSNorm, SwiGLU, residual adds;
 //! - `attention`: one layer's attention step (prefill and decode paths,
 //!   in-cache positions, the probability export);

@@ -1,5 +1,5 @@
-//! K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) × Q8_K with the weight rows in
-//! the SIMD lanes (AVX2, and AVX-512 VNNI where present): 8 rows × `N`
+//! K-quant (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K) and IQ4_XS × Q8_K with the
+//! weight rows in the SIMD lanes (AVX2, and AVX-512 VNNI where present): 8 rows × `N`
 //! tokens per call (`N` = [`TOKS`] for prefill, 1 for decoding), the
 //! K-quant kernels of every x86 SIMD level.
 //!
@@ -19,13 +19,16 @@
 //!   by the rows' scales widens to i32. `G` is the most groups whose sum
 //!   cannot overflow: |sum| ≤ G·2·qmax·128 < 32768, so G = 8 for Q4_K
 //!   (qmax 15), 4 for Q5_K (31), 2 for Q6_K (63), and 4 (one scale's
-//!   groups) for Q3_K (7) and Q2_K (3);
+//!   groups) for Q3_K (7) and Q2_K (3). IQ4_XS's quants (grid + 128) reach
+//!   241, so these kernels take each as its two nibbles (two `maddubs`,
+//!   the high one's `madd` by 16·scale; G = 8);
 //! - the offsets are `madd`s per token per superblock against the
 //!   activation's block sums (Q8_K's `bsums`): the mins of Q4_K and Q5_K
 //!   (pairs of 6-bit mins against 32-value sums, 4 `madd`s) and of Q2_K
-//!   (4-bit mins against 16-value sums, 8 `madd`s), and Q6_K's −32 and
-//!   Q3_K's −4 (which make their quants unsigned: −32·scale or −4·scale
-//!   against 16-value sums, 8 `madd`s, folded into the integer sum);
+//!   (4-bit mins against 16-value sums, 8 `madd`s), and Q6_K's −32,
+//!   Q3_K's −4 and IQ4_XS's −128 (which make their quants unsigned:
+//!   −32·scale, −4·scale or −128·scale against 16-value sums, 8 `madd`s,
+//!   folded into the integer sum);
 //! - the float steps are one `fma` per superblock for 8 rows at once (two
 //!   with mins).
 //!
@@ -38,6 +41,7 @@
 //! isum_b = Σ_j sc16[j] · Σ_{i in j} q_i · y_i                    (exact i32)
 //!   Q6_K:  isum_b −= 32 · Σ_j sc16[j] · bsum[j]                  (exact)
 //!   Q3_K:  isum_b −=  4 · Σ_j sc16[j] · bsum[j]                  (exact)
+//!   IQ4_XS: isum_b −= 128 · Σ_j sc16[j] · bsum[j]                (exact)
 //!   Q4/5_K: msum_b = Σ_s min[s] · (bsum[2s] + bsum[2s+1])         (exact)
 //!   Q2_K:   msum_b = Σ_j min[j] · bsum[j]                         (exact)
 //! acc    = fma(dy·d,        f32(isum_b), acc)
@@ -293,7 +297,7 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
             DType::Q3K => return Some(lanes::<N, Q3k, true>),
             DType::Q2K if N == 1 => return Some(rows::<N, Q2k>),
             DType::Q2K => return Some(lanes::<N, Q2k, true>),
-            // IQ4_XS: every token count, decoding included (VNNI only)
+            // IQ4_XS: every token count, decoding included
             DType::IQ4XS => return Some(lanes::<N, Iq4xs, true>),
             _ => return None,
         }
@@ -305,11 +309,13 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
         DType::Q6K if N == 1 => return Some(rows::<N, Q6k>),
         DType::Q3K if N == 1 => return Some(rows::<N, Q3k>),
         DType::Q2K if N == 1 => return Some(rows::<N, Q2k>),
+        DType::IQ4XS if N == 1 => return Some(rows::<N, Iq4xs>),
         DType::Q4K => return Some(lanes::<N, Q4k, false>),
         DType::Q5K => return Some(lanes::<N, Q5k, false>),
         DType::Q6K => return Some(lanes::<N, Q6k, false>),
         DType::Q3K => return Some(lanes::<N, Q3k, false>),
         DType::Q2K => return Some(lanes::<N, Q2k, false>),
+        DType::IQ4XS => return Some(lanes::<N, Iq4xs, false>),
         _ => {}
     }
     None
@@ -340,6 +346,12 @@ pub(super) trait Format {
     const OFFSET_SHIFT: i32 = 0;
     /// With mins: weights per min (Q4_K, Q5_K: 32; Q2_K: 16).
     const MIN_LEN: usize = 32;
+    /// Quants that reach past 127 (IQ4_XS: up to 241), on which two
+    /// `maddubs` products could saturate their i16 pair: the `maddubs`
+    /// kernels split each quant into its nibbles, u = 16·hi + lo, and add
+    /// 16·scale·Σ hi·y + scale·Σ lo·y, the same integer ([`split_u`]); `G`
+    /// then counts groups of nibbles.
+    const SPLIT: bool = false;
 
     /// d and dmin of the 8 rows (dmin unused without mins).
     ///
@@ -1119,21 +1131,21 @@ fn iq4_scale_words(b: [u8; 8]) -> [[u64; 2]; 2] {
 /// (1..241) is the unsigned quant, and −128·scale goes against the 16-value
 /// sums (folded into the integer sum, as Q6_K's −32). A `maddubs` of two
 /// such quants against activations can reach 2·241·128 and saturate, so
-/// only the VNNI kernels (`vpdpbusd`, 32-bit sums) run this format:
-/// [`lanes_for`] and [`packed_for`] hand it out at the VNNI levels alone
-/// (decoding there takes `qgemm_k_decode`'s VNNI kernel, the same
-/// integers, so chunking still never changes a result), and below them
-/// the engine keeps ggml's `vec_dot` for every token count.
+/// the `maddubs` kernels (AVX2) take each quant as its two nibbles
+/// ([`Format::SPLIT`]: two `maddubs` per group, each pair within
+/// 2·15·128, 8 groups summed in i16), while `vpdpbusd` (VNNI) takes it
+/// whole; both give the same exact integers.
 #[cfg(target_arch = "x86_64")]
 impl Format for Iq4xs {
     const LINES: &'static [usize] = &[0, 64, 128, IQ4_XS_BYTES - 1];
     const SCALE_LEN: usize = 32;
     const DTYPE: DType = DType::IQ4XS;
     const BYTES: usize = IQ4_XS_BYTES;
-    // not used: no `maddubs` kernel runs this format (see above)
-    const G: usize = 1;
+    // nibbles (0..16): 8 groups' pairs within 8·2·15·128 < 2^15
+    const G: usize = 8;
     const MINS: bool = false;
     const OFFSET_SHIFT: i32 = 7;
+    const SPLIT: bool = true;
 
     #[inline(always)]
     unsafe fn heads<S: Src>(x: &S) -> (__m256, __m256) {
@@ -1202,8 +1214,7 @@ impl Format for Iq4xs {
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics, loads): the trait's contract. Run s is the 16
-        // bytes at 8 + 16s: low nibbles, then high ones. (No kernel that
-        // reads this is handed out for IQ4_XS: see the format's doc.)
+        // bytes at 8 + 16s: low nibbles, then high ones.
         unsafe {
             let (table, nib) = (iq4_table(), _mm256_set1_epi8(0x0f));
             let q = std::array::from_fn(|s| {
@@ -1586,13 +1597,14 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
                             _mm256_set1_epi32(ys.add(4 * g).cast::<i32>().read_unaligned())
                         };
                         for j in 0..8 / F::G {
-                            let mut p16 = _mm256_setzero_si256();
+                            let (mut p16, mut p16h) =
+                                (_mm256_setzero_si256(), _mm256_setzero_si256());
                             for g in j * F::G..(j + 1) * F::G {
-                                p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(run[g], yg(g)));
+                                maddubs_step::<F>(run[g], yg(g), &mut p16, &mut p16h);
                             }
                             // the scale of weights 32s + 4·G·j..
                             let scale = sc[(32 * s + 4 * F::G * j) / F::SCALE_LEN];
-                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p16, scale));
+                            *isum = _mm256_add_epi32(*isum, madd_scale::<F>(p16, p16h, scale));
                         }
                     }
                 }
@@ -1602,6 +1614,71 @@ unsafe fn lanes_body<const N: usize, F: Format, const VNNI: bool>(
             }
         }
         lanes_out(&acc, &acc_m)
+    }
+}
+
+/// A `SPLIT` format's quants `u` as their nibbles `(hi, lo)`, u = 16·hi +
+/// lo, each 0..16 in its byte.
+///
+/// # Safety
+/// AVX2 enabled where this is inlined.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn split_u(u: __m256i) -> (__m256i, __m256i) {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX2 ops (the caller's contract).
+    unsafe {
+        let nib = _mm256_set1_epi8(0x0f);
+        (
+            _mm256_and_si256(_mm256_srli_epi16::<4>(u), nib),
+            _mm256_and_si256(u, nib),
+        )
+    }
+}
+
+/// One step of the `maddubs` kernels: the i16 pair sums `p16` (and, for a
+/// `SPLIT` format, `p16h` of the high nibbles) take a group of weights `w`
+/// against 4 activations broadcast `y`.
+///
+/// # Safety
+/// AVX2 enabled where this is inlined.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn maddubs_step<F: Format>(w: __m256i, y: __m256i, p16: &mut __m256i, p16h: &mut __m256i) {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX2 ops (the caller's contract).
+    unsafe {
+        if F::SPLIT {
+            let (hi, lo) = split_u(w);
+            *p16h = _mm256_add_epi16(*p16h, _mm256_maddubs_epi16(hi, y));
+            *p16 = _mm256_add_epi16(*p16, _mm256_maddubs_epi16(lo, y));
+        } else {
+            *p16 = _mm256_add_epi16(*p16, _mm256_maddubs_epi16(w, y));
+        }
+    }
+}
+
+/// The `maddubs` kernels' widening: `p16` (and a `SPLIT` format's `p16h`,
+/// at 16 times the scale) `madd`ed by the scale pair into i32.
+///
+/// # Safety
+/// AVX2 enabled where this is inlined.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn madd_scale<F: Format>(p16: __m256i, p16h: __m256i, scale: __m256i) -> __m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only AVX2 ops (the caller's contract).
+    unsafe {
+        let s = _mm256_madd_epi16(p16, scale);
+        if F::SPLIT {
+            // |16·scale| ≤ 512: still an i16
+            _mm256_add_epi32(
+                s,
+                _mm256_madd_epi16(p16h, _mm256_slli_epi16::<4>(scale)),
+            )
+        } else {
+            s
+        }
     }
 }
 
@@ -1728,7 +1805,7 @@ pub fn packed_for(dtype: DType, level: super::isa::Level) -> Option<Packed> {
         DType::Q6K => return Some(packed_pair::<Q6k>(vnni)),
         DType::Q3K => return Some(packed_pair::<Q3k>(vnni)),
         DType::Q2K => return Some(packed_pair::<Q2k>(vnni)),
-        DType::IQ4XS if vnni => return Some(packed_pair::<Iq4xs>(vnni)),
+        DType::IQ4XS => return Some(packed_pair::<Iq4xs>(vnni)),
         _ => {}
     }
     let _ = (dtype, vnni);
@@ -2002,20 +2079,21 @@ unsafe fn lanes_packed_avx2<F: Format>(
                 for s in 0..8 {
                     for j in 0..8 / F::G {
                         let mut p16 = [_mm256_setzero_si256(); T4];
+                        let mut p16h = [_mm256_setzero_si256(); T4];
                         for g in j * F::G..(j + 1) * F::G {
                             let wv = _mm256_loadu_si256(o.add(PACKED_Q + 32 * (8 * s + g)).cast());
-                            for (k, p16) in p16.iter_mut().enumerate() {
+                            for (k, (p16, p16h)) in p16.iter_mut().zip(&mut p16h).enumerate() {
                                 let yt = y[t0 + k].add(4 + 32 * s + 4 * g).cast::<i32>();
                                 let yv = _mm256_set1_epi32(yt.read_unaligned());
-                                *p16 = _mm256_add_epi16(*p16, _mm256_maddubs_epi16(wv, yv));
+                                maddubs_step::<F>(wv, yv, p16, p16h);
                             }
                         }
                         // the scale of weights 32s + 4·G·j..
                         let k = (32 * s + 4 * F::G * j) / F::SCALE_LEN;
                         let sc32 = _mm256_loadu_si256(o.add(PACKED_SC + 32 * k).cast());
                         let scale = _mm256_shuffle_epi8(sc32, dup);
-                        for (isum, p16) in isum.iter_mut().zip(p16) {
-                            *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(p16, scale));
+                        for ((isum, p16), p16h) in isum.iter_mut().zip(p16).zip(p16h) {
+                            *isum = _mm256_add_epi32(*isum, madd_scale::<F>(p16, p16h, scale));
                         }
                     }
                 }
@@ -2157,9 +2235,12 @@ unsafe fn rows_body<const N: usize, F: Format>(
                         let mut s = _mm256_setzero_si256();
                         for k in 0..8 {
                             let y8 = _mm256_loadu_si256(y[t].add(4 + 32 * k).cast());
-                            // |2·63·128| < 2^15: maddubs cannot saturate
-                            let prod = _mm256_maddubs_epi16(q[k], y8);
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]));
+                            // |2·63·128| < 2^15 (a SPLIT format's nibbles:
+                            // 2·15·128): maddubs cannot saturate
+                            let (mut prod, mut prod_h) =
+                                (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            maddubs_step::<F>(q[k], y8, &mut prod, &mut prod_h);
+                            s = _mm256_add_epi32(s, madd_scale::<F>(prod, prod_h, scv[k]));
                         }
                         let o = _mm256_madd_epi16(bs[t], off);
                         if F::MINS {

@@ -91,8 +91,8 @@ pub type PackFn = fn(usize, &[&[u8]; TOKS], &mut [u8]);
 /// scale (f16) and 32 quants, one byte each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Rows {
-    /// Signed quants: Q8_0 itself, or a Q4_0/Q5_0 row's exact Q8_0 form
-    /// (`b32_x8::row_to_q8_0`).
+    /// Signed quants: Q8_0 itself, or a Q4_0/Q5_0/IQ4_NL row's exact Q8_0
+    /// form (`b32_x8::row_to_q8_0`).
     Signed,
     /// A Q4_0/Q5_0 row's unsigned quants, the offset not taken off
     /// (`b32_x8::row_to_unsigned_at`).
@@ -283,16 +283,17 @@ pub fn tile_x8_for(level: Level) -> Option<TileX8Fn> {
     }
 }
 
-/// The prefill tile for rows of `dtype` (Q8_0, Q4_0 or Q5_0) where the CPU
-/// runs it, levels avx2 and up: VNNI's from avx512vnni (the Q8_0 form of
-/// every type), at AVX2 the nibble-plane tile for Q8_0 and the
-/// unsigned-row tile for Q4_0 and Q5_0 (one `maddubs` per 32 products,
+/// The prefill tile for rows of `dtype` (Q8_0, Q4_0, Q5_0 or IQ4_NL) where
+/// the CPU runs it, levels avx2 and up: VNNI's from avx512vnni (the Q8_0
+/// form of every type), at AVX2 the nibble-plane tile for Q8_0 and IQ4_NL
+/// (whose grid values + 128 reach 241, too large for `maddubs` pairs) and
+/// the unsigned-row tile for Q4_0 and Q5_0 (one `maddubs` per 32 products,
 /// against two).
 pub fn prefill_for(dtype: DType, level: Level) -> Option<Prefill> {
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 = match dtype {
-            DType::Q8_0 => Prefill {
+            DType::Q8_0 | DType::IQ4NL => Prefill {
                 rows: Rows::Signed,
                 pack: pack_acts_nibbles,
                 act_bytes: NIBBLE_ACT_BYTES,

@@ -2,7 +2,7 @@
 //! container, the copy in and out of GGUF's row layout, and the choice of
 //! a K-quant decoding kernel. The layouts and their kernels are per type:
 //! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8),
-//! [`super::b32_x8`] (Q8_0×8, Q4_0×8 and Q5_0×8, whose kernels take Q8_0
+//! [`super::b32_x8`] (Q8_0×8, Q4_0×8, Q5_0×8 and IQ4_NL×8, whose kernels take Q8_0
 //! activations: `b32_x8::decode_for`) and [`super::q4_1_x8`] (Q4_1×8, Q8_1
 //! activations, ggml's lanes).
 //!
@@ -34,7 +34,7 @@ use crate::tensor::DType;
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
-pub const LAYOUTS: [DType; 7] = [
+pub const LAYOUTS: [DType; 8] = [
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
@@ -42,6 +42,7 @@ pub const LAYOUTS: [DType; 7] = [
     DType::Q4_0,
     DType::Q5_0,
     DType::Q4_1,
+    DType::IQ4NL,
 ];
 
 /// Whether `dtype` has a repacked layout.
@@ -313,7 +314,7 @@ impl X8 {
         }
     }
 
-    /// Row block `blk` of a Q4_0, Q5_0 or (`signed` only) Q8_0 matrix as
+    /// Row block `blk` of a Q4_0, Q5_0 or (`signed` only) Q8_0 or IQ4_NL matrix as
     /// its 8 rows of Q8_0-shaped blocks (`signed`: the Q8_0 form, else the
     /// unsigned quants; `b32_x8::row_to_q8_0_at` / `row_to_unsigned_at` at
     /// `level`), row `8·blk + r` at `out[r · stride..]`: straight from the
