@@ -35,7 +35,7 @@ pub struct SynthArgs {
     #[arg(long)]
     pub shape: Option<String>,
     /// Retype to a llama.cpp quantization mix (Q4_K_M, Q5_K_M, Q6_K, Q8_0,
-    /// Q4_0, Q3_K_M, Q2_K, IQ4_XS): its per-tensor type choices.
+    /// Q4_0, Q3_K_M, Q2_K, IQ4_XS, IQ4_NL): its per-tensor type choices.
     #[arg(long = "type")]
     pub mix: Option<String>,
     /// Build this architecture's tensor table from scratch (llama, qwen2,

@@ -1983,7 +1983,10 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         ("false", "off"),
         ("Q6_K+q4_k+Q5_K", "Q4_K+Q5_K+Q6_K"),
         ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl", "on"),
-        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1", "Q4_K+Q5_K+Q6_K+Q8_0+Q4_0+Q5_0+Q4_1"),
+        (
+            "Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1",
+            "Q4_K+Q5_K+Q6_K+Q8_0+Q4_0+Q5_0+Q4_1",
+        ),
         ("q8_0+q4_1", "Q8_0+Q4_1"),
         ("Q6_K+q4_k", "Q4_K+Q6_K"),
         ("q6_k", "Q6_K"),

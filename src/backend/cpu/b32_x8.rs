@@ -538,7 +538,8 @@ const fn dtype_of(t: u8) -> DType {
 unsafe fn grid_table(unsigned: bool) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let v = crate::quant::IQ4_VALUES;
-    let t: [u8; 16] = std::array::from_fn(|i| (v[i] as u8).wrapping_add(if unsigned { 128 } else { 0 }));
+    let t: [u8; 16] =
+        std::array::from_fn(|i| (v[i] as u8).wrapping_add(if unsigned { 128 } else { 0 }));
     // SAFETY: AVX2 is available (the caller's contract); `t` is 16 bytes.
     unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr().cast())) }
 }

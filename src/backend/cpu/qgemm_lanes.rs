@@ -309,7 +309,7 @@ pub fn lanes_for<const N: usize>(dtype: DType, level: super::isa::Level) -> Opti
         DType::Q6K if N == 1 => return Some(rows::<N, Q6k>),
         DType::Q3K if N == 1 => return Some(rows::<N, Q3k>),
         DType::Q2K if N == 1 => return Some(rows::<N, Q2k>),
-        DType::IQ4XS if N == 1 => return Some(rows::<N, Iq4xs>),
+        DType::IQ4XS if N == 1 => return Some(rows_iq4xs::<N>),
         DType::Q4K => return Some(lanes::<N, Q4k, false>),
         DType::Q5K => return Some(lanes::<N, Q5k, false>),
         DType::Q6K => return Some(lanes::<N, Q6k, false>),
@@ -348,9 +348,11 @@ pub(super) trait Format {
     const MIN_LEN: usize = 32;
     /// Quants that reach past 127 (IQ4_XS: up to 241), on which two
     /// `maddubs` products could saturate their i16 pair: the `maddubs`
-    /// kernels split each quant into its nibbles, u = 16·hi + lo, and add
-    /// 16·scale·Σ hi·y + scale·Σ lo·y, the same integer ([`split_u`]); `G`
-    /// then counts groups of nibbles.
+    /// prefill kernels split each quant into its nibbles, u = 16·hi + lo,
+    /// and add 16·scale·Σ hi·y + scale·Σ lo·y, the same integer
+    /// ([`split_u`]; `G` then counts groups of nibbles). (Such a format
+    /// decodes at AVX2 by a kernel of its own, not [`rows`]:
+    /// [`rows_iq4xs`].)
     const SPLIT: bool = false;
 
     /// d and dmin of the 8 rows (dmin unused without mins).
@@ -1214,7 +1216,8 @@ impl Format for Iq4xs {
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics, loads): the trait's contract. Run s is the 16
-        // bytes at 8 + 16s: low nibbles, then high ones.
+        // bytes at 8 + 16s: low nibbles, then high ones. (Decoding at AVX2
+        // runs `rows_iq4xs`, which does not read this.)
         unsafe {
             let (table, nib) = (iq4_table(), _mm256_set1_epi8(0x0f));
             let q = std::array::from_fn(|s| {
@@ -1672,10 +1675,7 @@ unsafe fn madd_scale<F: Format>(p16: __m256i, p16h: __m256i, scale: __m256i) -> 
         let s = _mm256_madd_epi16(p16, scale);
         if F::SPLIT {
             // |16·scale| ≤ 512: still an i16
-            _mm256_add_epi32(
-                s,
-                _mm256_madd_epi16(p16h, _mm256_slli_epi16::<4>(scale)),
-            )
+            _mm256_add_epi32(s, _mm256_madd_epi16(p16h, _mm256_slli_epi16::<4>(scale)))
         } else {
             s
         }
@@ -2133,6 +2133,103 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
     unsafe { rows_body::<N, F>(nb, w, a) }
 }
 
+/// IQ4_XS's 8 six-bit scales `ls` (0..64) of one superblock, byte k =
+/// `ls[k]` (the values of [`crate::quant::iq4_xs_scales`]): the low
+/// nibbles of `scales_l` and the 2-bit fields of `scales_h` spread to one
+/// byte each by masked shifts.
+#[inline(always)]
+pub(super) fn iq4_scale_bytes(b: [u8; 8]) -> u64 {
+    let h = u16::from_le_bytes([b[2], b[3]]) as u64;
+    let l = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64;
+    // nibble k of `scales_l` to byte k: halves, bytes, nibbles apart
+    let mut lo = (l | (l << 16)) & 0x0000_ffff_0000_ffff;
+    lo = (lo | (lo << 8)) & 0x00ff_00ff_00ff_00ff;
+    lo = (lo | (lo << 4)) & 0x0f0f_0f0f_0f0f_0f0f;
+    // field k (bits 2k, 2k + 1) of `scales_h` to byte k: bytes, nibbles,
+    // fields apart
+    let mut hi = (h | (h << 24)) & 0x0000_00ff_0000_00ff;
+    hi = (hi | (hi << 12)) & 0x000f_000f_000f_000f;
+    hi = (hi | (hi << 6)) & 0x0303_0303_0303_0303;
+    lo | (hi << 4)
+}
+
+/// The IQ4_XS decoding kernel at AVX2 (one token per pass; 8 rows as GGUF
+/// stores them): the module's integers by ggml's sign trick with the
+/// roles swapped, so it stays exact: per run, the signed grid values `w`
+/// (|w| ≤ 127, one byte shuffle from the indices) against |y| (≤ 128,
+/// unsigned, shared by the 8 rows), `w`'s sign set by `y`'s, so each
+/// `maddubs` product is y·w and its pairs stay within 2·128·127 < 2¹⁵
+/// even at y = −128 (where ggml's AVX2 `vec_dot`, which negates y, is
+/// off); one `madd` by the run's scale `ls − 32`. That is Σ scale·Σ w·y,
+/// the lanes kernel's Σ scale·Σ (w + 128)·y − 128·Σ scale·bsum, exactly,
+/// and the same float step ends each superblock. The rows-in-lanes
+/// arithmetic of [`rows`] would need a quant's two nibbles apart
+/// (`Format::SPLIT`): it decoded a synthetic 1.5B IQ4_XS at 0.78–0.91×
+/// llama.cpp's AVX2 build, where this kernel keeps 16 registers' worth.
+#[cfg(target_arch = "x86_64")]
+fn rows_iq4xs<const N: usize>(nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) -> [[f32; N]; ROWS] {
+    check(DType::IQ4XS, nb, w, a);
+    // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
+    // F16C; every row holds nb superblocks and every token nb Q8_K blocks
+    // (checked just above), which bounds all loads.
+    unsafe { rows_iq4xs_avx2::<N>(nb, w, a) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_iq4xs_avx2<const N: usize>(
+    nb: usize,
+    w: &[&[u8]; ROWS],
+    a: &[&[u8]; N],
+) -> [[f32; N]; ROWS] {
+    use std::arch::x86_64::*;
+    // SAFETY (all pointer arithmetic and loads below): b < nb, and every
+    // weight / activation row holds nb blocks (the caller's contract);
+    // the intrinsics' features are this function's.
+    unsafe {
+        let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
+        let grid =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()));
+        let nib = _mm256_set1_epi8(0x0f);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| wp[r].add(b * IQ4_XS_BYTES));
+            prefetch_ahead::<Iq4xs>(&x, nb);
+            let ls: [u64; ROWS] =
+                std::array::from_fn(|r| iq4_scale_bytes(x[r].cast::<[u8; 8]>().read_unaligned()));
+            let (xd, _) = Iq4xs::heads(&x);
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let y = a[t].as_ptr().add(b * Q8_K_BYTES);
+                // per row, 8 lanes of its exact integer sum
+                let mut isum = [_mm256_setzero_si256(); ROWS];
+                for k in 0..8 {
+                    let y8 = _mm256_loadu_si256(y.add(4 + 32 * k).cast());
+                    let ya = _mm256_abs_epi8(y8);
+                    for (r, isum) in isum.iter_mut().enumerate() {
+                        // run k: weights 0..16 the low nibbles of its 16
+                        // bytes, 16..32 the high ones
+                        let q = _mm_loadu_si128(x[r].add(8 + 16 * k).cast());
+                        let v = _mm256_inserti128_si256::<1>(
+                            _mm256_castsi128_si256(q),
+                            _mm_srli_epi16::<4>(q),
+                        );
+                        let wv = _mm256_shuffle_epi8(grid, _mm256_and_si256(v, nib));
+                        let prod = _mm256_maddubs_epi16(ya, _mm256_sign_epi8(wv, y8));
+                        let sc = ((ls[r] >> (8 * k)) & 0xff) as i16 - 32;
+                        *isum =
+                            _mm256_add_epi32(*isum, _mm256_madd_epi16(prod, _mm256_set1_epi16(sc)));
+                    }
+                }
+                let h: [__m256i; 4] =
+                    std::array::from_fn(|p| _mm256_hadd_epi32(isum[2 * p], isum[2 * p + 1]));
+                let yd = y.cast::<f32>().read_unaligned();
+                *acc = float_step(yd, xd, sum_rows(h), *acc);
+            }
+        }
+        lanes_out(&acc, &[_mm256_setzero_ps(); N])
+    }
+}
+
 /// One float step of the module's arithmetic (see the module doc):
 /// `fma(s·x, f32(i), acc)` for 8 rows, with `s` the activation's scale (or
 /// its negation, for the mins), `x` the rows' d (or dmin) and `i` their
@@ -2235,12 +2332,9 @@ unsafe fn rows_body<const N: usize, F: Format>(
                         let mut s = _mm256_setzero_si256();
                         for k in 0..8 {
                             let y8 = _mm256_loadu_si256(y[t].add(4 + 32 * k).cast());
-                            // |2·63·128| < 2^15 (a SPLIT format's nibbles:
-                            // 2·15·128): maddubs cannot saturate
-                            let (mut prod, mut prod_h) =
-                                (_mm256_setzero_si256(), _mm256_setzero_si256());
-                            maddubs_step::<F>(q[k], y8, &mut prod, &mut prod_h);
-                            s = _mm256_add_epi32(s, madd_scale::<F>(prod, prod_h, scv[k]));
+                            // |2·63·128| < 2^15: maddubs cannot saturate
+                            let prod = _mm256_maddubs_epi16(q[k], y8);
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, scv[k]));
                         }
                         let o = _mm256_madd_epi16(bs[t], off);
                         if F::MINS {
