@@ -345,12 +345,10 @@ impl Nibbles {
     #[inline(always)]
     unsafe fn finish(self, u: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: AVX2 is available (the caller's contract); the grid
-        // table is 16 bytes.
+        // SAFETY: AVX2 is available (the caller's contract).
         unsafe {
             if self.grid {
-                let grid = _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast());
-                _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(grid), u)
+                _mm256_shuffle_epi8(super::qgemm_lanes::iq4_grid(false), u)
             } else {
                 _mm256_sub_epi8(u, _mm256_set1_epi8(self.off))
             }
@@ -528,22 +526,6 @@ const fn dtype_of(t: u8) -> DType {
     }
 }
 
-/// IQ4_NL's grid in both 128-bit halves: the signed values (`unsigned`
-/// false) or the values + 128, a nibble's byte shuffle away.
-///
-/// # Safety
-/// AVX2 must be available.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn grid_table(unsigned: bool) -> std::arch::x86_64::__m256i {
-    use std::arch::x86_64::*;
-    let v = crate::quant::IQ4_VALUES;
-    let t: [u8; 16] =
-        std::array::from_fn(|i| (v[i] as u8).wrapping_add(if unsigned { 128 } else { 0 }));
-    // SAFETY: AVX2 is available (the caller's contract); `t` is 16 bytes.
-    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr().cast())) }
-}
-
 /// `Σ w·y` in i32 pairs of 4 for AVX2 where `w` are signed bytes within
 /// ±127 and `y` activations that are never −128: `|w| · sign(y, w)` by
 /// `maddubs` (pairs within 2·127·127 < 2¹⁵), widened by `madd`.
@@ -676,7 +658,7 @@ unsafe fn decode_vnni<const T: u8>(
     );
     // IQ4_NL: the grid + 128 (u), taken back by −128·Σy
     // SAFETY: the function's features include AVX2.
-    let grid = unsafe { grid_table(true) };
+    let grid = unsafe { super::qgemm_lanes::iq4_grid(true) };
     let mut acc = _mm256_setzero_ps();
     // SAFETY (every load below): b < nb, so group b, block b of y and
     // ysum[b] are readable (the function's contract).
@@ -752,7 +734,7 @@ unsafe fn decode_avx2<const T: u8>(
         _mm256_set1_epi16(1),
     );
     // SAFETY: the function's features include AVX2.
-    let grid = unsafe { grid_table(false) };
+    let grid = unsafe { super::qgemm_lanes::iq4_grid(false) };
     let mut acc = _mm256_setzero_ps();
     // SAFETY (every load below): b < nb, so group b, block b of y and
     // ysum[b] are readable (the function's contract).
@@ -917,7 +899,7 @@ unsafe fn rows_body<const T: u8, const VNNI: bool>(
     // every load is inside nb blocks (b < nb and every row holds nb blocks).
     unsafe {
         let nib = _mm256_set1_epi8(0x0f);
-        let grid = grid_table(VNNI);
+        let grid = super::qgemm_lanes::iq4_grid(VNNI);
         let mut acc = _mm256_setzero_ps();
         for b in 0..nb {
             let off = b * bb;

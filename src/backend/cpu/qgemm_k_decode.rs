@@ -538,7 +538,7 @@ unsafe fn decode_iq4xs_vnni(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROW
     // SAFETY: the function's contract: every intrinsic has its features;
     // every load is inside nb blocks.
     unsafe {
-        let grid: [u8; 16] = crate::quant::IQ4_VALUES.map(|v| (v as i16 + 128) as u8);
+        let grid = super::qgemm_lanes::iq4_grid_bytes(true);
         let table = _mm512_broadcast_i32x4(_mm_loadu_si128(grid.as_ptr().cast()));
         let nib = _mm512_set1_epi8(0x0f);
         // dword lanes 0..8 take the scale of run 2p, 8..16 that of 2p + 1

@@ -1102,16 +1102,25 @@ unsafe fn q3_high(h: __m256i, s: usize) -> __m256i {
     }
 }
 
-/// IQ4_XS's grid ([`crate::quant::IQ4_VALUES`]) plus 128, the unsigned
-/// quant of each 4-bit index, in both 128-bit lanes (a `vpshufb` table).
+/// The IQ4 grid ([`crate::quant::IQ4_VALUES`], IQ4_XS's and IQ4_NL's) as
+/// the 16 bytes a `vpshufb` looks 4-bit indices up in: the signed values,
+/// or (`unsigned`) the values + 128 (1..241), the unsigned quants the
+/// `vpdpbusd` and nibble-split kernels take.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn iq4_grid_bytes(unsigned: bool) -> [u8; 16] {
+    let o = if unsigned { 128 } else { 0 };
+    crate::quant::IQ4_VALUES.map(|v| (v as u8).wrapping_add(o))
+}
+
+/// [`iq4_grid_bytes`] in both 128-bit lanes (a `vpshufb` table).
 ///
 /// # Safety
 /// AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn iq4_table() -> __m256i {
+pub(super) unsafe fn iq4_grid(unsigned: bool) -> __m256i {
     use std::arch::x86_64::*;
-    let t: [u8; 16] = crate::quant::IQ4_VALUES.map(|v| (v as i16 + 128) as u8);
+    let t = iq4_grid_bytes(unsigned);
     // SAFETY: AVX2 (the caller's contract); `t` holds 16 bytes.
     unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr().cast())) }
 }
@@ -1195,7 +1204,7 @@ impl Format for Iq4xs {
         // sub-block 2c's 16 bytes, 4..8 sub-block 2c + 1's; a sub-block's
         // weights 0..16 are its bytes' low nibbles, 16..32 the high ones.
         unsafe {
-            let (table, nib) = (iq4_table(), _mm256_set1_epi8(0x0f));
+            let (table, nib) = (iq4_grid(true), _mm256_set1_epi8(0x0f));
             let a = x.chunk(8 + 32 * c);
             let lo = |v: __m256i| _mm256_shuffle_epi8(table, _mm256_and_si256(v, nib));
             let hi = |v: __m256i| {
@@ -1219,7 +1228,7 @@ impl Format for Iq4xs {
         // bytes at 8 + 16s: low nibbles, then high ones. (Decoding at AVX2
         // runs `rows_iq4xs`, which does not read this.)
         unsafe {
-            let (table, nib) = (iq4_table(), _mm256_set1_epi8(0x0f));
+            let (table, nib) = (iq4_grid(true), _mm256_set1_epi8(0x0f));
             let q = std::array::from_fn(|s| {
                 let b = _mm_loadu_si128(x.add(8 + 16 * s).cast());
                 let v =
@@ -2155,12 +2164,12 @@ pub(super) fn iq4_scale_bytes(b: [u8; 8]) -> u64 {
 
 /// The IQ4_XS decoding kernel at AVX2 (one token per pass; 8 rows as GGUF
 /// stores them): the module's integers by ggml's sign trick with the
-/// roles swapped, so it stays exact: per run, the signed grid values `w`
-/// (|w| ≤ 127, one byte shuffle from the indices) against |y| (≤ 128,
-/// unsigned, shared by the 8 rows), `w`'s sign set by `y`'s, so each
-/// `maddubs` product is y·w and its pairs stay within 2·128·127 < 2¹⁵
-/// even at y = −128 (where ggml's AVX2 `vec_dot`, which negates y, is
-/// off); one `madd` by the run's scale `ls − 32`. That is Σ scale·Σ w·y,
+/// roles swapped: per run, the signed grid values `w` (|w| ≤ 127, one
+/// byte shuffle from the indices) against |y| (unsigned, computed once
+/// for the 8 rows), `w`'s sign set by `y`'s, so each `maddubs` product is
+/// y·w and its pairs stay within 2·128·127 < 2¹⁵ for any Q8_K byte, −128
+/// included (the quantizers write ±127 at most); one `madd` by the run's
+/// scale `ls − 32`. That is Σ scale·Σ w·y,
 /// the lanes kernel's Σ scale·Σ (w + 128)·y − 128·Σ scale·bsum, exactly,
 /// and the same float step ends each superblock. The rows-in-lanes
 /// arithmetic of [`rows`] would need a quant's two nibbles apart
@@ -2188,8 +2197,7 @@ unsafe fn rows_iq4xs_avx2<const N: usize>(
     // the intrinsics' features are this function's.
     unsafe {
         let wp: [*const u8; ROWS] = std::array::from_fn(|r| w[r].as_ptr());
-        let grid =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr().cast()));
+        let grid = iq4_grid(false);
         let nib = _mm256_set1_epi8(0x0f);
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..nb {
