@@ -302,6 +302,7 @@ unsafe fn block_q8_0_avx2(nb: usize, g: *const u8, out: *mut u8, stride: usize) 
 
 /// What the AVX2 expansions make of a nibble type's quants (Q4_0, Q5_0,
 /// IQ4_NL): the byte of each weight, in weight order.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, Debug)]
 struct Nibbles {
     /// Q5_0: 16 · the fifth bit (from `qh`) added to the nibble.
@@ -313,6 +314,7 @@ struct Nibbles {
     off: i8,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Nibbles {
     fn of(dtype: DType, signed: bool) -> Nibbles {
         let grid = dtype == DType::IQ4NL;

@@ -2146,6 +2146,7 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
 /// `ls[k]` (the values of [`crate::quant::iq4_xs_scales`]): the low
 /// nibbles of `scales_l` and the 2-bit fields of `scales_h` spread to one
 /// byte each by masked shifts.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn iq4_scale_bytes(b: [u8; 8]) -> u64 {
     let h = u16::from_le_bytes([b[2], b[3]]) as u64;
