@@ -519,32 +519,15 @@ pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<B32Fn> {
 
 /// The type of the kernels' const parameter.
 #[cfg(target_arch = "x86_64")]
+use super::qgemm_q8_0_tokens::signed_dot_avx2;
+
+#[cfg(target_arch = "x86_64")]
 const fn dtype_of(t: u8) -> DType {
     match t {
         Q8 => DType::Q8_0,
         Q4 => DType::Q4_0,
         Q5 => DType::Q5_0,
         _ => DType::IQ4NL,
-    }
-}
-
-/// `Σ w·y` in i32 pairs of 4 for AVX2 where `w` are signed bytes within
-/// ±127 and `y` activations that are never −128: `|w| · sign(y, w)` by
-/// `maddubs` (pairs within 2·127·127 < 2¹⁵), widened by `madd`.
-///
-/// # Safety
-/// AVX2 must be available.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn signed_dot_avx2(
-    w: std::arch::x86_64::__m256i,
-    y: std::arch::x86_64::__m256i,
-) -> std::arch::x86_64::__m256i {
-    use std::arch::x86_64::*;
-    // SAFETY: AVX2 is available (the caller's contract); registers only.
-    unsafe {
-        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(y, w));
-        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
     }
 }
 

@@ -561,7 +561,9 @@ unsafe fn decode_iq4xs_vnni(nb: usize, w: &[&[u8]; ROWS], y: &[u8]) -> [f32; ROW
             let bs = _mm256_loadu_si256(yb.add(260).cast());
             let mut v = [_mm256_setzero_si256(); ROWS];
             for r in 0..ROWS {
-                let ls = crate::quant::iq4_xs_scales(&x[r].cast::<[u8; 8]>().read_unaligned());
+                let ls =
+                    super::qgemm_lanes::iq4_scale_bytes(x[r].cast::<[u8; 8]>().read_unaligned())
+                        .to_le_bytes();
                 let sc: [i32; 8] = ls.map(|l| l as i32 - 32);
                 let sc16: [i16; 16] = std::array::from_fn(|j| sc[j / 2] as i16);
                 let sc512 = _mm512_castsi256_si512(_mm256_loadu_si256(sc.as_ptr().cast()));

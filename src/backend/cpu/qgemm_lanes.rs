@@ -1131,7 +1131,7 @@ pub(super) unsafe fn iq4_grid(unsigned: bool) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn iq4_scale_words(b: [u8; 8]) -> [[u64; 2]; 2] {
-    let ls = crate::quant::iq4_xs_scales(&b);
+    let ls = iq4_scale_bytes(b).to_le_bytes();
     let once = u64::from_le_bytes(ls);
     let twice = |h: usize| u64::from_le_bytes(std::array::from_fn(|i| ls[4 * h + i / 2]));
     [[once, 0], [twice(0), twice(1)]]
@@ -2143,9 +2143,10 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
 }
 
 /// IQ4_XS's 8 six-bit scales `ls` (0..64) of one superblock, byte k =
-/// `ls[k]` (the values of [`crate::quant::iq4_xs_scales`]): the low
-/// nibbles of `scales_l` and the 2-bit fields of `scales_h` spread to one
-/// byte each by masked shifts.
+/// `ls[k]` (the values of [`crate::quant::iq4_xs_scales`], which the
+/// scalar model reads): the low nibbles of `scales_l` and the 2-bit fields
+/// of `scales_h` spread to one byte each by masked shifts. Every IQ4_XS
+/// kernel takes its scales from here.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn iq4_scale_bytes(b: [u8; 8]) -> u64 {

@@ -679,11 +679,11 @@ unsafe fn decode_body<const VNNI: bool>(nb: usize, rows: &[&[u8]; ROWS], y: &[u8
             // per row: 8 partial sums of 4 products, |w| · (y signed like w)
             let part: [__m256i; ROWS] = std::array::from_fn(|r| {
                 let x = _mm256_loadu_si256(wp[r].add(off + 2).cast());
-                let (ax, sy) = (_mm256_abs_epi8(x), _mm256_sign_epi8(yq, x));
                 if VNNI {
+                    let (ax, sy) = (_mm256_abs_epi8(x), _mm256_sign_epi8(yq, x));
                     _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
                 } else {
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+                    signed_dot_avx2(x, yq)
                 }
             });
             let isum = rows_into_lanes(&part);
@@ -697,6 +697,28 @@ unsafe fn decode_body<const VNNI: bool>(nb: usize, rows: &[&[u8]; ROWS], y: &[u8
         let mut out = [0f32; ROWS];
         _mm256_storeu_ps(out.as_mut_ptr(), acc);
         out
+    }
+}
+
+/// `Σ w·y` in i32 lanes of 4 products at AVX2, for signed bytes `w`
+/// within ±127 and activations `y` that are never −128 (ggml's Q8_0
+/// quantizer writes ±127 at most): ggml's sign trick, `|w| · sign(y, w)`
+/// by `maddubs` (pairs within 2·127·127 < 2¹⁵), widened by `madd` (Q8_0's
+/// decoding here, and IQ4_NL's in `b32_x8`).
+///
+/// # Safety
+/// AVX2 must be available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn signed_dot_avx2(
+    w: std::arch::x86_64::__m256i,
+    y: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX2 is available (the caller's contract); registers only.
+    unsafe {
+        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(y, w));
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
     }
 }
 
