@@ -382,11 +382,15 @@ pub(super) trait Format {
     const RUNS: usize;
 
     /// What every unit of the superblock reads (Q5_K: its transposed fifth
-    /// bits).
+    /// bits; Q3_K: its high bits); nothing (zeros) by default.
     ///
     /// # Safety
     /// As [`Format::heads`].
-    unsafe fn begin<S: Src>(x: &S) -> [__m256i; 8];
+    #[inline(always)]
+    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
+        // SAFETY: AVX2 (the trait's contract).
+        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
+    }
 
     /// The quants of unit `u`: `q[k][g]` = group `g` (weights 4g..4g+3) of
     /// the 32-weight run `RUNS·u + k` (k < RUNS), unsigned, row r in 32-bit
@@ -746,12 +750,6 @@ impl Format for Q4k {
     const RUNS: usize = 2;
 
     #[inline(always)]
-    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
-        // SAFETY: AVX2 (the trait's contract).
-        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
-    }
-
-    #[inline(always)]
     unsafe fn unit<S: Src>(x: &S, c: usize, _: &[__m256i; 8]) -> Runs {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics): the trait's contract; the 128 quant bytes
@@ -917,12 +915,6 @@ impl Format for Q6k {
 
     const UNITS: usize = 2;
     const RUNS: usize = 4;
-
-    #[inline(always)]
-    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
-        // SAFETY: AVX2 (the trait's contract).
-        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
-    }
 
     #[inline(always)]
     unsafe fn unit<S: Src>(x: &S, n: usize, _: &[__m256i; 8]) -> Runs {
@@ -1192,12 +1184,6 @@ impl Format for Iq4xs {
     const RUNS: usize = 2;
 
     #[inline(always)]
-    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
-        // SAFETY: AVX2 (the trait's contract).
-        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
-    }
-
-    #[inline(always)]
     unsafe fn unit<S: Src>(x: &S, c: usize, _: &[__m256i; 8]) -> Runs {
         use std::arch::x86_64::*;
         // SAFETY (intrinsics): the trait's contract. Chunk groups 0..4 are
@@ -1290,12 +1276,6 @@ impl Format for Q2k {
 
     const UNITS: usize = 2;
     const RUNS: usize = 4;
-
-    #[inline(always)]
-    unsafe fn begin<S: Src>(_: &S) -> [__m256i; 8] {
-        // SAFETY: AVX2 (the trait's contract).
-        unsafe { [std::arch::x86_64::_mm256_setzero_si256(); 8] }
-    }
 
     #[inline(always)]
     unsafe fn unit<S: Src>(x: &S, n: usize, _: &[__m256i; 8]) -> Runs {
