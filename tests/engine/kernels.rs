@@ -492,8 +492,8 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                     (fns.pack)(nb, &rows, &mut p);
                     // packed straight from the repacked row block: the
                     // same bytes (the engine's prefill of a repacked matrix;
-                    // Q3_K, Q2_K and IQ4_XS have no repacked layout)
-                    if !matches!(dt, DType::Q3K | DType::Q2K | DType::IQ4XS) {
+                    // Q3_K and Q2_K have no repacked layout)
+                    if !matches!(dt, DType::Q3K | DType::Q2K) {
                         let x8 = X8::new(dt, &w, ROWS, nb);
                         let mut p8 = vec![0u8; nb * PACKED_BYTES];
                         (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
@@ -1046,6 +1046,9 @@ fn matmul_q_tiled_matches_row_by_row_on_ragged_shapes() {
         (DType::IQ4XS, 37, 768, 5),
         (DType::IQ4XS, 9, 512, 1),
         (DType::IQ4XS, 40, 3584, 9),
+        // IQ4_XS×8 (8k rows): decoding, and prefill packed from it
+        (DType::IQ4XS, 48, 768, 1),
+        (DType::IQ4XS, 16, 256, 2),
         // Q5_K×8, the same
         (DType::Q5K, 48, 1536, 1),
         (DType::Q5K, 16, 768, 9),
@@ -1670,7 +1673,7 @@ fn qgemm_speed() {
     }
 }
 
-/// Q4_K×8, Q5_K×8 and Q6_K×8: every row unpacks to its GGUF bytes (whole, and a
+/// Q4_K×8, Q5_K×8, Q6_K×8 and IQ4_XS×8: every row unpacks to its GGUF bytes (whole, and a
 /// slice of superblocks), the scalar model of a row block equals
 /// `dot_scalar` on the rows, and the repacked kernel at every level this
 /// CPU runs equals the model bit for bit (fresh random data).
@@ -1682,7 +1685,7 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     let mut checked = 0;
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K] {
+    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::IQ4XS] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         for n_in in [256usize, 768, 3584, 18944] {
             let nb = n_in / 256;
@@ -1758,6 +1761,14 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
             if dt == DType::Q6K {
                 b[192..208].fill(0x80); // scales of -128
                 b[208..].copy_from_slice(&d);
+            } else if dt == DType::IQ4XS {
+                // even superblocks: index 15 (grid 113, unsigned 241) and
+                // scales of 31 (ls 63); odd ones: index 0 (grid −127) and
+                // scales of −32 (ls 0)
+                b[..2].copy_from_slice(&d);
+                if i % 2 == 1 {
+                    b[2..].fill(0);
+                }
             } else {
                 b[..2].copy_from_slice(&d);
                 b[2..4].copy_from_slice(&f16::from_f32(0.02).to_bits().to_le_bytes());
@@ -1799,7 +1810,8 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
 /// One core, at every SIMD level this CPU runs: the row-major decoding
 /// kernels against the repacked ones (Q4_K×8, Q5_K×8, Q6_K×8), 8-row calls over
 /// a matrix in L2 and one streamed from memory (`KVRUN_SPEED_ROWS`, rows
-/// per size, comma-separated).
+/// per size, comma-separated; `KVRUN_SPEED_TYPES`, the layouts to time,
+/// comma-separated, default all).
 #[test]
 #[ignore]
 fn x8_speed() {
@@ -1813,7 +1825,12 @@ fn x8_speed() {
         .map(|s| s.split(',').map(|x| x.parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![64, 18944]);
     use kvrun::backend::cpu::b32_x8;
+    let types = std::env::var("KVRUN_SPEED_TYPES").unwrap_or_default();
     for dt in kvrun::backend::cpu::x8::LAYOUTS {
+        let named = |t: &str| t.trim().eq_ignore_ascii_case(&dt.to_string());
+        if !types.is_empty() && !types.split(',').any(named) {
+            continue;
+        }
         let rb = dt.row_bytes(n_in);
         let ab = ggml_sys::CpuTraits::of(dt.ggml_id())
             .unwrap()
@@ -1962,11 +1979,19 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
             ("q4_1", dt == DType::Q4_1),
             (
                 "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0",
-                !matches!(dt, DType::Q4_1 | DType::IQ4NL),
+                !matches!(dt, DType::Q4_1 | DType::IQ4NL | DType::IQ4XS),
             ),
-            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1", dt != DType::IQ4NL),
-            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl", true),
+            (
+                "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1",
+                !matches!(dt, DType::IQ4NL | DType::IQ4XS),
+            ),
+            (
+                "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl",
+                dt != DType::IQ4XS,
+            ),
+            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl+iq4_xs", true),
             ("IQ4_nl", dt == DType::IQ4NL),
+            ("iq4_XS+q4_k", matches!(dt, DType::IQ4XS | DType::Q4K)),
         ] {
             let repack = Repack::parse(setting).unwrap();
             let loader = kvrun::backend::cpu::Loader { repack, ..loader };
@@ -1982,7 +2007,12 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         ("1", "on"),
         ("false", "off"),
         ("Q6_K+q4_k+Q5_K", "Q4_K+Q5_K+Q6_K"),
-        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl", "on"),
+        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl+IQ4_xs", "on"),
+        (
+            "Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl",
+            "Q4_K+Q5_K+Q6_K+Q8_0+Q4_0+Q5_0+Q4_1+IQ4_NL",
+        ),
+        ("iq4_xs+q4_k", "Q4_K+IQ4_XS"),
         (
             "Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1",
             "Q4_K+Q5_K+Q6_K+Q8_0+Q4_0+Q5_0+Q4_1",
@@ -1997,7 +2027,7 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         let e = Repack::parse(bad).unwrap_err();
         assert!(
             e.contains(
-                "not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1, IQ4_NL)"
+                "not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1, IQ4_NL, IQ4_XS)"
             ),
             "{bad}: {e}"
         );

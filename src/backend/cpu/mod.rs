@@ -39,6 +39,7 @@ pub mod decode_avx2;
 pub mod decode_avx512;
 pub mod elementwise;
 pub mod gemv_f16;
+pub mod iq4xs_x8;
 pub mod isa;
 pub mod kv_store;
 pub mod matmul;

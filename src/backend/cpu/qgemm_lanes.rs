@@ -2130,8 +2130,18 @@ unsafe fn rows_avx2_impl<const N: usize, F: Format>(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn iq4_scale_bytes(b: [u8; 8]) -> u64 {
-    let h = u16::from_le_bytes([b[2], b[3]]) as u64;
-    let l = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64;
+    iq4_scale_fields(
+        u16::from_le_bytes([b[2], b[3]]),
+        u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+    )
+}
+
+/// [`iq4_scale_bytes`] of the two fields themselves, `scales_h` and
+/// `scales_l` (IQ4_XS×8 keeps them apart).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn iq4_scale_fields(h: u16, l: u32) -> u64 {
+    let (h, l) = (h as u64, l as u64);
     // nibble k of `scales_l` to byte k: halves, bytes, nibbles apart
     let mut lo = (l | (l << 16)) & 0x0000_ffff_0000_ffff;
     lo = (lo | (lo << 8)) & 0x00ff_00ff_00ff_00ff;

@@ -2,6 +2,7 @@
 //! container, the copy in and out of GGUF's row layout, and the choice of
 //! a K-quant decoding kernel. The layouts and their kernels are per type:
 //! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8),
+//! [`super::iq4xs_x8`] (IQ4_XS×8),
 //! [`super::b32_x8`] (Q8_0×8, Q4_0×8, Q5_0×8 and IQ4_NL×8, whose kernels take Q8_0
 //! activations: `b32_x8::decode_for`) and [`super::q4_1_x8`] (Q4_1×8, Q8_1
 //! activations, ggml's lanes).
@@ -26,7 +27,7 @@
 //! logits repacked or not, at every level.
 
 use super::qgemm_lanes::{GroupMap, Q8_K_BYTES, ROWS};
-use super::{b32_x8, q4_1_x8, q4k_x8, q6k_x8};
+use super::{b32_x8, iq4xs_x8, q4_1_x8, q4k_x8, q6k_x8};
 use crate::tensor::DType;
 
 /// A decoding kernel: `(nb, one row block's groups, one Q8_K activation
@@ -34,7 +35,7 @@ use crate::tensor::DType;
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
-pub const LAYOUTS: [DType; 8] = [
+pub const LAYOUTS: [DType; 9] = [
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
@@ -43,6 +44,7 @@ pub const LAYOUTS: [DType; 8] = [
     DType::Q5_0,
     DType::Q4_1,
     DType::IQ4NL,
+    DType::IQ4XS,
 ];
 
 /// Whether `dtype` has a repacked layout.
@@ -58,10 +60,11 @@ pub fn has_kernel(dtype: DType, level: super::isa::Level) -> bool {
         || (q4_1_x8::is_q4_1(dtype) && q4_1_x8::decode_for(level).is_some())
 }
 
-/// Whether `dtype` is one of the K-quants with a layout here (Q4_K, Q5_K,
-/// Q6_K: the ones with a [`group_map`]).
+/// Whether `dtype` is one of the 256-weight superblock types with a
+/// layout here (Q4_K, Q5_K, Q6_K, IQ4_XS: Q8_K activations, the ones with
+/// a [`group_map`]).
 pub fn is_k_quant(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K)
+    matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS)
 }
 
 /// Bytes of one group (8 rows × one block) of `dtype`.
@@ -96,6 +99,7 @@ impl Segments {
             DType::Q4K => q4k_x8::segments(false, r).for_each(&mut push),
             DType::Q5K => q4k_x8::segments(true, r).for_each(&mut push),
             DType::Q6K => q6k_x8::segments(r).for_each(&mut push),
+            DType::IQ4XS => iq4xs_x8::segments(r).for_each(&mut push),
             d if b32_x8::is_b32(d) => b32_x8::segments(d, r).for_each(&mut push),
             DType::Q4_1 => q4_1_x8::segments(r).for_each(&mut push),
             other => panic!("x8: no repacked layout for {other}"),
@@ -108,7 +112,7 @@ impl Segments {
     }
 }
 
-/// The decoding kernel of a K-quant `dtype`'s layout at kernel level
+/// The decoding kernel of a superblock `dtype`'s layout ([`is_k_quant`]) at kernel level
 /// `level`, where this CPU runs it: the 512-bit one from avx512vnni, AVX2's
 /// at avx2 and avx512; none below AVX2 or for another type.
 pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
@@ -119,6 +123,7 @@ pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
             DType::Q4K => pick(decode::<Q45k<false>, true>, decode::<Q45k<false>, false>),
             DType::Q5K => pick(decode::<Q45k<true>, true>, decode::<Q45k<true>, false>),
             DType::Q6K => pick(decode::<Q6k, true>, decode::<Q6k, false>),
+            DType::IQ4XS => pick(decode::<Iq4xs, true>, decode::<Iq4xs, false>),
             _ => None,
         }
     }
@@ -146,6 +151,8 @@ trait Kernels {
 struct Q45k<const Q5: bool>;
 #[cfg(target_arch = "x86_64")]
 struct Q6k;
+#[cfg(target_arch = "x86_64")]
+struct Iq4xs;
 
 #[cfg(target_arch = "x86_64")]
 impl<const Q5: bool> Kernels for Q45k<Q5> {
@@ -170,6 +177,19 @@ impl Kernels for Q6k {
     unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
         unsafe { q6k_x8::decode_avx2(nb, x, y) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernels for Iq4xs {
+    const GROUP_BYTES: usize = iq4xs_x8::GROUP_BYTES;
+    unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { iq4xs_x8::decode_vnni(nb, x, y) }
+    }
+    unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
+        // SAFETY: the trait's contract is the kernel's.
+        unsafe { iq4xs_x8::decode_avx2(nb, x, y) }
     }
 }
 
@@ -400,17 +420,18 @@ impl X8 {
     }
 }
 
-/// Where K-quant `dtype`'s layout (Q4_K, Q5_K, Q6_K) keeps every byte of
+/// Where superblock `dtype`'s layout (Q4_K, Q5_K, Q6_K, IQ4_XS) keeps every byte of
 /// the 8 rows' superblocks in a group, for the prefill's packing straight
 /// from a row block (`qgemm_lanes::PackX8Fn`): read from the same copy
 /// list as packing and unpacking, checked one to one by `GroupMap::new`,
 /// and built once per type (prefill asks for it on every product).
 pub fn group_map(dtype: DType) -> &'static GroupMap {
-    static MAPS: [std::sync::OnceLock<GroupMap>; 3] = [const { std::sync::OnceLock::new() }; 3];
+    static MAPS: [std::sync::OnceLock<GroupMap>; 4] = [const { std::sync::OnceLock::new() }; 4];
     let i = match dtype {
         DType::Q4K => 0,
         DType::Q5K => 1,
         DType::Q6K => 2,
+        DType::IQ4XS => 3,
         other => panic!("x8: no group map for {other}"),
     };
     MAPS[i].get_or_init(|| build_group_map(dtype))
