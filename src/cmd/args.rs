@@ -74,8 +74,9 @@ pub struct ModelArgs {
     pub mmap: String,
     /// Which weight matrices the CPU rearranges at load for its decoding
     /// kernels (as llama.cpp's --no-repack turns off): on (every type with
-    /// a repacked layout, 8 rows at a time: Q4_K, Q5_K, Q6_K, Q4_0, Q5_0,
-    /// Q4_1, IQ4_NL and IQ4_XS from AVX2 up, Q8_0 from AVX-512 VNNI up),
+    /// a repacked layout, 8 rows at a time: Q4_K, Q5_K, Q6_K, Q3_K, Q2_K,
+    /// Q4_0, Q5_0, Q4_1, IQ4_NL and IQ4_XS from AVX2 up, Q8_0 from
+    /// AVX-512 VNNI up),
     /// off (all read as the file stores them; quicker to load, slower to
     /// decode), or the types joined with + (Q4_K+Q6_K). Results are the
     /// same bit for bit. `kvrun bench` takes a list (--repack on,off).

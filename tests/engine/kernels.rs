@@ -491,17 +491,14 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
                     let mut p = vec![0u8; nb * PACKED_BYTES];
                     (fns.pack)(nb, &rows, &mut p);
                     // packed straight from the repacked row block: the
-                    // same bytes (the engine's prefill of a repacked matrix;
-                    // Q3_K and Q2_K have no repacked layout)
-                    if !matches!(dt, DType::Q3K | DType::Q2K) {
-                        let x8 = X8::new(dt, &w, ROWS, nb);
-                        let mut p8 = vec![0u8; nb * PACKED_BYTES];
-                        (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
-                        assert!(
-                            p8 == p,
-                            "{dt} {level} n_in {n_in}: packed from the row block"
-                        );
-                    }
+                    // same bytes (the engine's prefill of a repacked matrix)
+                    let x8 = X8::new(dt, &w, ROWS, nb);
+                    let mut p8 = vec![0u8; nb * PACKED_BYTES];
+                    (fns.pack_x8)(nb, x8.block(0), group_map(dt), &mut p8);
+                    assert!(
+                        p8 == p,
+                        "{dt} {level} n_in {n_in}: packed from the row block"
+                    );
                     let v = (fns.kernel)(nb, &p, &toks);
                     for i in 0..ROWS {
                         for t in 0..TOKS {
@@ -1673,7 +1670,7 @@ fn qgemm_speed() {
     }
 }
 
-/// Q4_K×8, Q5_K×8, Q6_K×8 and IQ4_XS×8: every row unpacks to its GGUF bytes (whole, and a
+/// Q4_K×8, Q5_K×8, Q6_K×8, Q3_K×8, Q2_K×8 and IQ4_XS×8: every row unpacks to its GGUF bytes (whole, and a
 /// slice of superblocks), the scalar model of a row block equals
 /// `dot_scalar` on the rows, and the repacked kernel at every level this
 /// CPU runs equals the model bit for bit (fresh random data).
@@ -1685,7 +1682,14 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     let mut checked = 0;
-    for dt in [DType::Q4K, DType::Q5K, DType::Q6K, DType::IQ4XS] {
+    for dt in [
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Q3K,
+        DType::Q2K,
+        DType::IQ4XS,
+    ] {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         for n_in in [256usize, 768, 3584, 18944] {
             let nb = n_in / 256;
@@ -1761,6 +1765,21 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
             if dt == DType::Q6K {
                 b[192..208].fill(0x80); // scales of -128
                 b[208..].copy_from_slice(&d);
+            } else if dt == DType::Q3K {
+                // even superblocks: quants 7, scales 31; odd ones: quants
+                // 0, scales −32
+                if i % 2 == 1 {
+                    b.fill(0);
+                }
+                b[108..].copy_from_slice(&d);
+            } else if dt == DType::Q2K {
+                // even superblocks: quants 3, scales and mins 15; odd
+                // ones: quants 0, scales and mins 0
+                if i % 2 == 1 {
+                    b.fill(0);
+                }
+                b[80..82].copy_from_slice(&d);
+                b[82..].copy_from_slice(&f16::from_f32(0.02).to_bits().to_le_bytes());
             } else if dt == DType::IQ4XS {
                 // even superblocks: index 15 (grid 113, unsigned 241) and
                 // scales of 31 (ls 63); odd ones: index 0 (grid −127) and
@@ -1979,17 +1998,24 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
             ("q4_1", dt == DType::Q4_1),
             (
                 "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0",
-                !matches!(dt, DType::Q4_1 | DType::IQ4NL | DType::IQ4XS),
-            ),
-            (
-                "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1",
-                !matches!(dt, DType::IQ4NL | DType::IQ4XS),
+                matches!(
+                    dt,
+                    DType::Q4K | DType::Q5K | DType::Q6K | DType::Q8_0 | DType::Q4_0 | DType::Q5_0
+                ),
             ),
             (
                 "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl",
-                dt != DType::IQ4XS,
+                !matches!(dt, DType::IQ4XS | DType::Q3K | DType::Q2K),
             ),
-            ("q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl+iq4_xs", true),
+            (
+                "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl+iq4_xs",
+                !matches!(dt, DType::Q3K | DType::Q2K),
+            ),
+            (
+                "q4_k+q5_k+q6_k+q8_0+q4_0+q5_0+q4_1+iq4_nl+iq4_xs+q3_k+q2_k",
+                true,
+            ),
+            ("Q3_k+q2_K", matches!(dt, DType::Q3K | DType::Q2K)),
             ("IQ4_nl", dt == DType::IQ4NL),
             ("iq4_XS+q4_k", matches!(dt, DType::IQ4XS | DType::Q4K)),
         ] {
@@ -2007,7 +2033,11 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         ("1", "on"),
         ("false", "off"),
         ("Q6_K+q4_k+Q5_K", "Q4_K+Q5_K+Q6_K"),
-        ("Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl+IQ4_xs", "on"),
+        (
+            "Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl+IQ4_xs+q2_k+q3_k",
+            "on",
+        ),
+        ("q2_k+Q4_K", "Q4_K+Q2_K"),
         (
             "Q6_K+q4_k+Q5_K+q8_0+q4_0+q5_0+Q4_1+iq4_nl",
             "Q4_K+Q5_K+Q6_K+Q8_0+Q4_0+Q5_0+Q4_1+IQ4_NL",
@@ -2027,7 +2057,7 @@ fn cpu_loader_repacks_where_the_level_has_the_kernel() {
         let e = Repack::parse(bad).unwrap_err();
         assert!(
             e.contains(
-                "not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1, IQ4_NL, IQ4_XS)"
+                "not on, off or a repacked type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, Q4_1, IQ4_NL, IQ4_XS, Q3_K, Q2_K)"
             ),
             "{bad}: {e}"
         );

@@ -1,6 +1,6 @@
 //! Quantized matrix products on the CPU: `QMat` (a weight matrix in its
 //! GGUF storage type, usually borrowed from the memory map; Q4_K, Q5_K,
-//! Q6_K, IQ4_XS, Q4_0, Q5_0, IQ4_NL and Q4_1 repacked 8 rows at a time from AVX2
+//! Q6_K, Q3_K, Q2_K, IQ4_XS, Q4_0, Q5_0, IQ4_NL and Q4_1 repacked 8 rows at a time from AVX2
 //! up, Q8_0 from AVX-512 VNNI up, [`X8`]) and the row-parallel products
 //! that run ggml's per-type `vec_dot` (SIMD) through `ggml-sys`, with cache
 //! blocking for batched prefill, and our own tile kernels where the CPU has
@@ -328,7 +328,7 @@ pub fn matmul_q_at(
             }
             return matmul_q_at(pool, &w.unpacked(), act, n_tok, out, level);
         }
-        // Q4_K×8, Q5_K×8, Q6_K×8, IQ4_XS×8: their own decoding kernels;
+        // Q4_K×8, Q5_K×8, Q6_K×8, Q3_K×8, Q2_K×8, IQ4_XS×8: their own decoding kernels;
         // prefill packs micro tiles from them
         if let (Some(one), Some(packed)) = (
             x8::decode_for(w.dtype, level),

@@ -6,13 +6,14 @@
 //! - `isa`: the SIMD level kernels run at (CPU detection, `KVRUN_CPU`);
 //! - `matmul`: `QMat` and the row-parallel quantized matrix products;
 //! - `qgemm_x86`: the Q4_1 × Q8_1 tile kernel (AVX-512 VNNI) for prefill;
-//! - `qgemm_lanes`: Q4_K, Q5_K and Q6_K × Q8_K with 8 weight rows in the
+//! - `qgemm_lanes`: Q4_K, Q5_K, Q6_K, Q3_K, Q2_K and IQ4_XS × Q8_K with 8 weight rows in the
 //!   SIMD lanes (AVX2; AVX-512 VNNI), prefill and decode;
 //! - `qgemm_k_decode`: their decoding kernels with 512-bit registers (the
 //!   AVX-512 levels), the same arithmetic bit for bit;
 //! - `x8`: matrices repacked 8 rows at a time at load: the container and
-//!   the choice of kernel; `q4k_x8` (Q4_K and Q5_K), `q6k_x8` (Q6_K) and
-//!   `b32_x8` (Q8_0, Q4_0, Q5_0, IQ4_NL): the layouts and their decoding kernels
+//!   the choice of kernel; `q4k_x8` (Q4_K and Q5_K), `q6k_x8` (Q6_K,
+//!   Q3_K and Q2_K), `iq4xs_x8` (IQ4_XS), `q4_1_x8` (Q4_1) and `b32_x8`
+//!   (Q8_0, Q4_0, Q5_0, IQ4_NL): the layouts and their decoding kernels
 //!   (AVX-512 VNNI, AVX2);
 //! - `qgemm_q8_0_tokens`: Q8_0 × Q8_0 with the tokens in the lanes
 //!   (prefill; VNNI, and AVX2 over nibble planes) and its decoding

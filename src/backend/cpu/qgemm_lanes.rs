@@ -1037,7 +1037,7 @@ pub(super) fn q3_scale_words(b: [u8; 12]) -> [u64; 2] {
 /// AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn two_bit_fields(a: __m256i) -> [__m256i; 4] {
+pub(super) unsafe fn two_bit_fields(a: __m256i) -> [__m256i; 4] {
     use std::arch::x86_64::*;
     // SAFETY (intrinsics): AVX2, the caller's contract; registers only.
     unsafe {
@@ -1080,7 +1080,7 @@ unsafe fn run_scales16(sc8: __m128i) -> [__m256i; 8] {
 /// AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn q3_high(h: __m256i, s: usize) -> __m256i {
+pub(super) unsafe fn q3_high(h: __m256i, s: usize) -> __m256i {
     use std::arch::x86_64::*;
     // SAFETY (intrinsics): AVX2, the caller's contract. 16-bit shifts: the
     // bits that cross into a neighbouring byte never land on bit 2.

@@ -1,8 +1,9 @@
 //! Quantized matrices repacked eight rows at a time at load ([`X8`]): the
 //! container, the copy in and out of GGUF's row layout, and the choice of
 //! a K-quant decoding kernel. The layouts and their kernels are per type:
-//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8),
-//! [`super::iq4xs_x8`] (IQ4_XS×8),
+//! [`super::q4k_x8`] (Q4_K×8 and Q5_K×8), [`super::q6k_x8`] (Q6_K×8,
+//! Q3_K×8 and Q2_K×8: a scale per 16 weights), [`super::iq4xs_x8`]
+//! (IQ4_XS×8),
 //! [`super::b32_x8`] (Q8_0×8, Q4_0×8, Q5_0×8 and IQ4_NL×8, whose kernels take Q8_0
 //! activations: `b32_x8::decode_for`) and [`super::q4_1_x8`] (Q4_1×8, Q8_1
 //! activations, ggml's lanes).
@@ -35,7 +36,7 @@ use crate::tensor::DType;
 pub type X8Fn = fn(usize, &[u8], &[u8]) -> [f32; ROWS];
 
 /// The types with a repacked layout.
-pub const LAYOUTS: [DType; 9] = [
+pub const LAYOUTS: [DType; 11] = [
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
@@ -45,6 +46,8 @@ pub const LAYOUTS: [DType; 9] = [
     DType::Q4_1,
     DType::IQ4NL,
     DType::IQ4XS,
+    DType::Q3K,
+    DType::Q2K,
 ];
 
 /// Whether `dtype` has a repacked layout.
@@ -61,10 +64,13 @@ pub fn has_kernel(dtype: DType, level: super::isa::Level) -> bool {
 }
 
 /// Whether `dtype` is one of the 256-weight superblock types with a
-/// layout here (Q4_K, Q5_K, Q6_K, IQ4_XS: Q8_K activations, the ones with
-/// a [`group_map`]).
+/// layout here (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS: Q8_K activations,
+/// the ones with a [`group_map`]).
 pub fn is_k_quant(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS)
+    matches!(
+        dtype,
+        DType::Q4K | DType::Q5K | DType::Q6K | DType::Q3K | DType::Q2K | DType::IQ4XS
+    )
 }
 
 /// Bytes of one group (8 rows × one block) of `dtype`.
@@ -100,6 +106,8 @@ impl Segments {
             DType::Q5K => q4k_x8::segments(true, r).for_each(&mut push),
             DType::Q6K => q6k_x8::segments(r).for_each(&mut push),
             DType::IQ4XS => iq4xs_x8::segments(r).for_each(&mut push),
+            DType::Q3K => q6k_x8::q3_segments(r).for_each(&mut push),
+            DType::Q2K => q6k_x8::q2_segments(r).for_each(&mut push),
             d if b32_x8::is_b32(d) => b32_x8::segments(d, r).for_each(&mut push),
             DType::Q4_1 => q4_1_x8::segments(r).for_each(&mut push),
             other => panic!("x8: no repacked layout for {other}"),
@@ -118,11 +126,14 @@ impl Segments {
 pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<X8Fn> {
     #[cfg(target_arch = "x86_64")]
     {
+        use q6k_x8::{Q2k, Q3k, Q6k};
         let pick = |vnni: X8Fn, avx2: X8Fn| super::isa::vnni_or_avx2(level, vnni, avx2);
         match dtype {
             DType::Q4K => pick(decode::<Q45k<false>, true>, decode::<Q45k<false>, false>),
             DType::Q5K => pick(decode::<Q45k<true>, true>, decode::<Q45k<true>, false>),
-            DType::Q6K => pick(decode::<Q6k, true>, decode::<Q6k, false>),
+            DType::Q6K => pick(decode::<Sub<Q6k>, true>, decode::<Sub<Q6k>, false>),
+            DType::Q3K => pick(decode::<Sub<Q3k>, true>, decode::<Sub<Q3k>, false>),
+            DType::Q2K => pick(decode::<Sub<Q2k>, true>, decode::<Sub<Q2k>, false>),
             DType::IQ4XS => pick(decode::<Iq4xs, true>, decode::<Iq4xs, false>),
             _ => None,
         }
@@ -149,8 +160,9 @@ trait Kernels {
 /// Q4_K×8 (`Q5` false) or Q5_K×8.
 #[cfg(target_arch = "x86_64")]
 struct Q45k<const Q5: bool>;
+/// Q6_K×8, Q3_K×8 or Q2_K×8 (`q6k_x8`'s shared kernels).
 #[cfg(target_arch = "x86_64")]
-struct Q6k;
+struct Sub<T>(std::marker::PhantomData<T>);
 #[cfg(target_arch = "x86_64")]
 struct Iq4xs;
 
@@ -168,15 +180,15 @@ impl<const Q5: bool> Kernels for Q45k<Q5> {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Kernels for Q6k {
-    const GROUP_BYTES: usize = q6k_x8::GROUP_BYTES;
+impl<T: q6k_x8::Sub16> Kernels for Sub<T> {
+    const GROUP_BYTES: usize = T::GROUP_BYTES;
     unsafe fn vnni(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
-        unsafe { q6k_x8::decode_vnni(nb, x, y) }
+        unsafe { q6k_x8::decode_vnni::<T>(nb, x, y) }
     }
     unsafe fn avx2(nb: usize, x: *const u8, y: *const u8) -> [f32; ROWS] {
         // SAFETY: the trait's contract is the kernel's.
-        unsafe { q6k_x8::decode_avx2(nb, x, y) }
+        unsafe { q6k_x8::decode_avx2::<T>(nb, x, y) }
     }
 }
 
@@ -420,18 +432,20 @@ impl X8 {
     }
 }
 
-/// Where superblock `dtype`'s layout (Q4_K, Q5_K, Q6_K, IQ4_XS) keeps every byte of
+/// Where superblock `dtype`'s layout (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS) keeps every byte of
 /// the 8 rows' superblocks in a group, for the prefill's packing straight
 /// from a row block (`qgemm_lanes::PackX8Fn`): read from the same copy
 /// list as packing and unpacking, checked one to one by `GroupMap::new`,
 /// and built once per type (prefill asks for it on every product).
 pub fn group_map(dtype: DType) -> &'static GroupMap {
-    static MAPS: [std::sync::OnceLock<GroupMap>; 4] = [const { std::sync::OnceLock::new() }; 4];
+    static MAPS: [std::sync::OnceLock<GroupMap>; 6] = [const { std::sync::OnceLock::new() }; 6];
     let i = match dtype {
         DType::Q4K => 0,
         DType::Q5K => 1,
         DType::Q6K => 2,
         DType::IQ4XS => 3,
+        DType::Q3K => 4,
+        DType::Q2K => 5,
         other => panic!("x8: no group map for {other}"),
     };
     MAPS[i].get_or_init(|| build_group_map(dtype))
