@@ -436,6 +436,17 @@ fn q8_0_tokens_kernels_match_their_scalar_model() {
     eprintln!("Q8_0: {} SIMD level(s) checked", levels.len());
 }
 
+/// The 256-weight superblock types with Q8_K activations: kvrun's
+/// rows-in-lanes kernels (`qgemm_lanes`) and their repacked layouts (`x8`).
+const SUPERBLOCK_TYPES: [DType; 6] = [
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+    DType::Q3K,
+    DType::Q2K,
+    DType::IQ4XS,
+];
+
 /// The rows-in-lanes K-quant kernels (Q4_K, Q5_K, Q6_K; AVX2, AVX-512
 /// without VNNI) equal their scalar model bit for bit, for 8 tokens and for
 /// 1, on fresh random data; the model is within float rounding (1e-4
@@ -451,14 +462,7 @@ fn k_quant_lanes_kernels_match_their_scalar_model() {
     let seed = 0x5eed_0413 ^ std::process::id() as u64;
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
-    for dt in [
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q3K,
-        DType::Q2K,
-        DType::IQ4XS,
-    ] {
+    for dt in SUPERBLOCK_TYPES {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         let (mut checked, mut packed_checked) = (0, 0);
         for n_in in [256usize, 768, 3584, 18944] {
@@ -1682,14 +1686,7 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
     eprintln!("seed {seed}");
     let mut r = Rng::new(seed);
     let mut checked = 0;
-    for dt in [
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-        DType::Q3K,
-        DType::Q2K,
-        DType::IQ4XS,
-    ] {
+    for dt in SUPERBLOCK_TYPES {
         let tr = ggml_sys::CpuTraits::of(dt.ggml_id()).unwrap();
         for n_in in [256usize, 768, 3584, 18944] {
             let nb = n_in / 256;
