@@ -447,7 +447,7 @@ const SUPERBLOCK_TYPES: [DType; 6] = [
     DType::IQ4XS,
 ];
 
-/// The rows-in-lanes K-quant kernels (Q4_K, Q5_K, Q6_K; AVX2, AVX-512
+/// The rows-in-lanes kernels of the superblock types (AVX2, AVX-512
 /// without VNNI) equal their scalar model bit for bit, for 8 tokens and for
 /// 1, on fresh random data; the model is within float rounding (1e-4
 /// relative) of an f64 dot product of the same quantized data and of
@@ -1824,7 +1824,7 @@ fn x8_repack_round_trips_and_its_kernels_match_the_scalar_model() {
 }
 
 /// One core, at every SIMD level this CPU runs: the row-major decoding
-/// kernels against the repacked ones (Q4_K×8, Q5_K×8, Q6_K×8), 8-row calls over
+/// kernels against the repacked ones (every layout of `x8::LAYOUTS`), 8-row calls over
 /// a matrix in L2 and one streamed from memory (`KVRUN_SPEED_ROWS`, rows
 /// per size, comma-separated; `KVRUN_SPEED_TYPES`, the layouts to time,
 /// comma-separated, default all).

@@ -517,10 +517,10 @@ pub fn decode_for(dtype: DType, level: super::isa::Level) -> Option<B32Fn> {
     }
 }
 
-/// The type of the kernels' const parameter.
 #[cfg(target_arch = "x86_64")]
 use super::qgemm_q8_0_tokens::signed_dot_avx2;
 
+/// The type of the kernels' const parameter.
 #[cfg(target_arch = "x86_64")]
 const fn dtype_of(t: u8) -> DType {
     match t {

@@ -54,8 +54,8 @@ pub(super) fn kernel<const N: usize>(dtype: DType, vnni: bool) -> Option<LanesFn
         (DType::Q3K, false) => decode::<N, Q3k, false>,
         (DType::Q2K, true) => decode::<N, Q2k, true>,
         (DType::Q2K, false) => decode::<N, Q2k, false>,
-        // IQ4_XS: VNNI only (without it, `qgemm_lanes`' 256-bit row
-        // kernel on the quants' nibbles, see `qgemm_lanes::Iq4xs`)
+        // IQ4_XS: VNNI only (without it, `qgemm_lanes::rows_iq4xs`, the
+        // signed grid value against |y|)
         (DType::IQ4XS, true) => decode_iq4xs::<N>,
         _ => return None,
     })

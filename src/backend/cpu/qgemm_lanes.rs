@@ -351,8 +351,7 @@ pub(super) trait Format {
     /// prefill kernels split each quant into its nibbles, u = 16·hi + lo,
     /// and add 16·scale·Σ hi·y + scale·Σ lo·y, the same integer
     /// ([`split_u`]; `G` then counts groups of nibbles). (Such a format
-    /// decodes at AVX2 by a kernel of its own, not [`rows`]:
-    /// [`rows_iq4xs`].)
+    /// has no [`Rows`]: IQ4_XS decodes at AVX2 by [`rows_iq4xs`].)
     const SPLIT: bool = false;
 
     /// d and dmin of the 8 rows (dmin unused without mins).
@@ -399,7 +398,13 @@ pub(super) trait Format {
     /// # Safety
     /// As [`Format::heads`].
     unsafe fn unit<S: Src>(x: &S, u: usize, state: &[__m256i; 8]) -> Runs;
+}
 
+/// What the row-major AVX2 decoding kernel ([`rows`]) needs of a format
+/// beyond [`Format`] (every K-quant; IQ4_XS decodes by its own kernel,
+/// [`rows_iq4xs`]).
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Rows: Format {
     /// One row's superblock, row-major (the decoding kernel, [`rows`]):
     /// its 8 runs of 32 unsigned quants in weight order; per run the i16
     /// multipliers of its 16 `maddubs` pairs (bytes 0..16 and 16..32: the
@@ -766,6 +771,10 @@ impl Format for Q4k {
             q
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Rows for Q4k {
     #[inline(always)]
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
@@ -847,6 +856,10 @@ impl Format for Q5k {
             q
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Rows for Q5k {
     #[inline(always)]
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
@@ -946,6 +959,10 @@ impl Format for Q6k {
             q
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Rows for Q6k {
     #[inline(always)]
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
@@ -1206,32 +1223,6 @@ impl Format for Iq4xs {
             q
         }
     }
-
-    #[inline(always)]
-    unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
-        use std::arch::x86_64::*;
-        // SAFETY (intrinsics, loads): the trait's contract. Run s is the 16
-        // bytes at 8 + 16s: low nibbles, then high ones. (Decoding at AVX2
-        // runs `rows_iq4xs`, which does not read this.)
-        unsafe {
-            let (table, nib) = (iq4_grid(true), _mm256_set1_epi8(0x0f));
-            let q = std::array::from_fn(|s| {
-                let b = _mm_loadu_si128(x.add(8 + 16 * s).cast());
-                let v =
-                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4));
-                _mm256_shuffle_epi8(table, _mm256_and_si256(v, nib))
-            });
-            let [[once, _], [t0, t1]] = iq4_scale_words(x.cast::<[u8; 8]>().read_unaligned());
-            let m32 = _mm_set1_epi8(32);
-            let sc8 = _mm_sub_epi8(_mm_set_epi64x(0, once as i64), m32);
-            let scv = std::array::from_fn(|s| {
-                let k = s as i8;
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set1_epi8(k)))
-            });
-            let sc16 = _mm_sub_epi8(_mm_set_epi64x(t1 as i64, t0 as i64), m32);
-            (q, scv, _mm256_cvtepi8_epi16(sc16))
-        }
-    }
 }
 
 /// Q2_K: quants 0..4, an unsigned 4-bit scale and min per 16 weights
@@ -1294,7 +1285,10 @@ impl Format for Q2k {
             q
         }
     }
+}
 
+#[cfg(target_arch = "x86_64")]
+impl Rows for Q2k {
     #[inline(always)]
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
@@ -1383,7 +1377,10 @@ impl Format for Q3k {
             q
         }
     }
+}
 
+#[cfg(target_arch = "x86_64")]
+impl Rows for Q3k {
     #[inline(always)]
     unsafe fn row(x: *const u8) -> ([__m256i; 8], [__m256i; 8], __m256i) {
         use std::arch::x86_64::*;
@@ -2099,11 +2096,7 @@ unsafe fn lanes_packed_avx2<F: Format>(
 /// The AVX2 decoding kernel (the AVX-512 levels have their own,
 /// [`super::qgemm_k_decode`]).
 #[cfg(target_arch = "x86_64")]
-fn rows<const N: usize, F: Format>(
-    nb: usize,
-    w: &[&[u8]; ROWS],
-    a: &[&[u8]; N],
-) -> [[f32; N]; ROWS] {
+fn rows<const N: usize, F: Rows>(nb: usize, w: &[&[u8]; ROWS], a: &[&[u8]; N]) -> [[f32; N]; ROWS] {
     check(F::DTYPE, nb, w, a);
     // SAFETY: handed out (lanes_for) only where the CPU has AVX2, FMA and
     // F16C; every row holds nb superblocks (checked just above), which
@@ -2113,7 +2106,7 @@ fn rows<const N: usize, F: Format>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2_impl<const N: usize, F: Format>(
+unsafe fn rows_avx2_impl<const N: usize, F: Rows>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],
@@ -2298,7 +2291,7 @@ pub(super) fn sum_rows(h: [__m256i; 4]) -> __m256i {
 /// As [`lanes_body`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows_body<const N: usize, F: Format>(
+unsafe fn rows_body<const N: usize, F: Rows>(
     nb: usize,
     w: &[&[u8]; ROWS],
     a: &[&[u8]; N],

@@ -63,14 +63,21 @@ pub fn has_kernel(dtype: DType, level: super::isa::Level) -> bool {
         || (q4_1_x8::is_q4_1(dtype) && q4_1_x8::decode_for(level).is_some())
 }
 
-/// Whether `dtype` is one of the 256-weight superblock types with a
-/// layout here (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS: Q8_K activations,
+/// The 256-weight superblock types with a layout here (Q8_K activations:
 /// the ones with a [`group_map`]).
+const SUPERBLOCK: [DType; 6] = [
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+    DType::Q3K,
+    DType::Q2K,
+    DType::IQ4XS,
+];
+
+/// Whether `dtype` is one of the 256-weight superblock types with a
+/// layout here (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS).
 pub fn is_k_quant(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q4K | DType::Q5K | DType::Q6K | DType::Q3K | DType::Q2K | DType::IQ4XS
-    )
+    SUPERBLOCK.contains(&dtype)
 }
 
 /// Bytes of one group (8 rows × one block) of `dtype`.
@@ -438,16 +445,12 @@ impl X8 {
 /// list as packing and unpacking, checked one to one by `GroupMap::new`,
 /// and built once per type (prefill asks for it on every product).
 pub fn group_map(dtype: DType) -> &'static GroupMap {
-    static MAPS: [std::sync::OnceLock<GroupMap>; 6] = [const { std::sync::OnceLock::new() }; 6];
-    let i = match dtype {
-        DType::Q4K => 0,
-        DType::Q5K => 1,
-        DType::Q6K => 2,
-        DType::IQ4XS => 3,
-        DType::Q3K => 4,
-        DType::Q2K => 5,
-        other => panic!("x8: no group map for {other}"),
-    };
+    static MAPS: [std::sync::OnceLock<GroupMap>; SUPERBLOCK.len()] =
+        [const { std::sync::OnceLock::new() }; SUPERBLOCK.len()];
+    let i = SUPERBLOCK
+        .iter()
+        .position(|&d| d == dtype)
+        .unwrap_or_else(|| panic!("x8: no group map for {dtype}"));
     MAPS[i].get_or_init(|| build_group_map(dtype))
 }
 
